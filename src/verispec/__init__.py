@@ -1,0 +1,46 @@
+"""verispec: exact speculative decoding (Leviathan et al. 2023, Chen et al. 2023).
+
+The public surface is re-exported here; nothing runs at import time.
+"""
+
+from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
+from .config import GenerationConfig, SamplingConfig
+from .engine import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
+from .errors import (
+    ConfigError,
+    ContextLengthExceeded,
+    DraftContractError,
+    EmptyPromptError,
+    IncompatibleModelsError,
+    InputError,
+    ModelLoadError,
+    NonFiniteError,
+    ShapeError,
+    TokenOutOfRangeError,
+    UnsupportedFeatureError,
+    VerispecError,
+)
+from .metrics import GenerationMetrics
+from .models import FixedDistributionLM, MarkovLM
+from .proposers import DraftModelProposer, Proposal
+from .sampling import make_generator, sample, to_probs
+from .verify import (
+    VerifyResult,
+    expected_tokens_per_step,
+    optimal_num_draft_tokens,
+    theoretical_speedup,
+    verify,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "ContextLengthExceeded", "DraftContractError", "EmptyPromptError",
+    "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
+    "TokenOutOfRangeError", "UnsupportedFeatureError", "VerispecError",
+    "GenerationConfig", "SamplingConfig", "ThresholdPolicyConfig", "GoodputPolicyConfig",
+    "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
+    "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "Proposal",
+    "make_generator", "sample", "to_probs", "verify", "VerifyResult",
+    "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
+]

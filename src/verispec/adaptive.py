@@ -1,0 +1,193 @@
+"""Adaptive speculation depth: small policy objects the engine asks for k between rounds.
+
+Two policies:
+  * threshold: grow k by one when the recent acceptance rate is above ``grow_above``, shrink it
+    when below ``shrink_below``, always within [min, max] (a common heuristic, e.g. the
+    "heuristic" schedule of Hugging Face assisted generation).
+  * goodput: estimate the per-position acceptance rate a_i and the cost ratio c, and pick the k
+    that maximises expected tokens per unit of cost, (1 + sum_{i<k} prod_{j<=i} a_j) / (k c + 1)
+    (Leviathan et al. 2023, section 3.4, with per-position rates instead of one i.i.d. a).
+
+Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
+one generation, so no state leaks between requests. Policies never change the output law: any k
+gives exact samples; they only change speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """What one round did, summed over the batch rows still generating.
+
+    num_draft_tokens: k used this round (0 for a plain target step).
+    num_reached[i] / num_accepted_at[i]: rows whose position i was tested / accepted (len k).
+    draft_time, target_time: seconds spent proposing and scoring this round.
+    """
+
+    num_draft_tokens: int
+    num_reached: tuple[int, ...]
+    num_accepted_at: tuple[int, ...]
+    draft_time: float
+    target_time: float
+
+
+class AdaptivePolicy:
+    """Interface: called once per round with that round's stats; returns the next round's k."""
+
+    def next_num_draft_tokens(self, stats: RoundStats) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AdaptivePolicyConfig:
+    """Base of the adaptive policy configs: the bounds k stays within."""
+
+    min_num_draft_tokens: int = 1
+    max_num_draft_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        lo, hi = self.min_num_draft_tokens, self.max_num_draft_tokens
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 32):
+            raise ConfigError(
+                f"min_num_draft_tokens={lo!r}, max_num_draft_tokens={hi!r} are invalid: expected "
+                "integers with 1 <= min <= max <= 32.")
+
+    def clamp(self, k: int) -> int:
+        return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))
+
+    def build(self, initial_num_draft_tokens: int) -> AdaptivePolicy:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ThresholdPolicyConfig(AdaptivePolicyConfig):
+    """Grow k when recent acceptance > grow_above, shrink when < shrink_below.
+
+    window: how many recent rounds the acceptance rate is pooled over.
+    """
+
+    grow_above: float = 0.8
+    shrink_below: float = 0.4
+    window: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.shrink_below < self.grow_above <= 1.0:
+            raise ConfigError(
+                f"shrink_below={self.shrink_below!r}, grow_above={self.grow_above!r} are invalid:"
+                " expected 0 <= shrink_below < grow_above <= 1.")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ConfigError(f"window={self.window!r} is invalid: expected an integer >= 1.")
+
+    def build(self, initial_num_draft_tokens: int) -> ThresholdPolicy:
+        return ThresholdPolicy(self, self.clamp(initial_num_draft_tokens))
+
+
+class ThresholdPolicy(AdaptivePolicy):
+    def __init__(self, config: ThresholdPolicyConfig, initial_num_draft_tokens: int) -> None:
+        self.config = config
+        self.num_draft_tokens = initial_num_draft_tokens
+        self._recent: list[tuple[int, int]] = []  # (drafted, accepted) of recent rounds
+
+    def next_num_draft_tokens(self, stats: RoundStats) -> int:
+        if stats.num_draft_tokens == 0:
+            return self.num_draft_tokens
+        drafted = sum(stats.num_reached)
+        accepted = sum(stats.num_accepted_at)
+        self._recent = (self._recent + [(drafted, accepted)])[-self.config.window:]
+        total_drafted = sum(d for d, _ in self._recent)
+        rate = sum(a for _, a in self._recent) / max(total_drafted, 1)
+        if rate > self.config.grow_above:
+            self.num_draft_tokens = self.config.clamp(self.num_draft_tokens + 1)
+        elif rate < self.config.shrink_below:
+            self.num_draft_tokens = self.config.clamp(self.num_draft_tokens - 1)
+        else:
+            return self.num_draft_tokens
+        self._recent = []  # judge the new k on its own rounds
+        return self.num_draft_tokens
+
+
+@dataclass(frozen=True)
+class GoodputPolicyConfig(AdaptivePolicyConfig):
+    """Pick k maximising expected tokens per unit cost from running estimates.
+
+    cost_ratio: c = draft step time / target step time; None measures it as rounds go.
+    decay: weight kept by old observations each round (exponential forgetting).
+    prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
+    """
+
+    cost_ratio: float | None = None
+    decay: float = 0.9
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cost_ratio is not None and not (0 < self.cost_ratio < math.inf):
+            raise ConfigError(f"cost_ratio={self.cost_ratio!r} is invalid: expected a finite "
+                              "number > 0, or None to measure it.")
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError(f"decay={self.decay!r} is invalid: expected 0 < decay <= 1.")
+        if not 0.0 <= self.prior_acceptance <= 1.0 or self.prior_weight < 0:
+            raise ConfigError(f"prior_acceptance={self.prior_acceptance!r} must be in [0, 1] and "
+                              f"prior_weight={self.prior_weight!r} >= 0.")
+
+    def build(self, initial_num_draft_tokens: int) -> GoodputPolicy:
+        return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
+
+
+class GoodputPolicy(AdaptivePolicy):
+    def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
+        self.config = config
+        self.num_draft_tokens = initial_num_draft_tokens
+        size = config.max_num_draft_tokens
+        self._reached = [0.0] * size
+        self._accepted = [0.0] * size
+        self._draft_step_time = 0.0  # decayed sums: seconds and step counts
+        self._draft_steps = 0.0
+        self._target_time = 0.0
+        self._target_calls = 0.0
+
+    def acceptance_estimates(self) -> list[float]:
+        """Per-position acceptance estimates, shrunk towards the pooled rate."""
+        cfg = self.config
+        pooled = (sum(self._accepted) + cfg.prior_acceptance * cfg.prior_weight) / (
+            sum(self._reached) + cfg.prior_weight)
+        return [(acc + pooled * cfg.prior_weight) / (reached + cfg.prior_weight)
+                for acc, reached in zip(self._accepted, self._reached)]
+
+    def cost_ratio(self) -> float:
+        if self.config.cost_ratio is not None:
+            return self.config.cost_ratio
+        if self._draft_steps == 0 or self._target_calls == 0 or self._target_time <= 0:
+            return 0.1  # a typical small-draft ratio until something is measured
+        return (self._draft_step_time / self._draft_steps) / (self._target_time / self._target_calls)
+
+    def next_num_draft_tokens(self, stats: RoundStats) -> int:
+        decay = self.config.decay
+        self._reached = [r * decay for r in self._reached]
+        self._accepted = [a * decay for a in self._accepted]
+        for i, (reached, accepted) in enumerate(zip(stats.num_reached, stats.num_accepted_at)):
+            if i < len(self._reached):
+                self._reached[i] += reached
+                self._accepted[i] += accepted
+        self._draft_step_time = self._draft_step_time * decay + stats.draft_time
+        self._draft_steps = self._draft_steps * decay + stats.num_draft_tokens
+        self._target_time = self._target_time * decay + stats.target_time
+        self._target_calls = self._target_calls * decay + 1
+        rates, c = self.acceptance_estimates(), self.cost_ratio()
+        best_k, best_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
+        for k in range(1, self.config.max_num_draft_tokens + 1):
+            prefix *= rates[k - 1]
+            expected += prefix
+            goodput = expected / (k * c + 1.0)
+            if k >= self.config.min_num_draft_tokens and goodput > best_goodput:
+                best_k, best_goodput = k, goodput
+        self.num_draft_tokens = best_k
+        return best_k

@@ -1,0 +1,232 @@
+"""The speculative decoding loop: propose -> verify -> commit/rewind, one round at a time.
+
+Legend: B batch, K draft tokens this round, V vocabulary.
+
+Each round (Leviathan et al. 2023, Algorithm 1, batched):
+  1. propose: the proposer drafts k tokens per row, with the distributions they were drawn from;
+  2. score:   the target runs ONE pass over [last committed token, d_1 .. d_k] -> k+1 logits,
+              processed by the same sampling.to_probs the draft used;
+  3. verify:  verify.verify accepts a prefix per row and draws the recovered or bonus token;
+  4. commit:  both sides rewind to the accepted prefix and append the new token;
+  5. emit:    each row's new tokens, cut at the first stop token and at max_new_tokens.
+Plain decoding is the same loop with k = 0 and no proposer: the "bonus" is an ordinary sample
+from the target, so both paths share every line that touches the target.
+
+The engine knows nothing about tokenisers, HTTP or printing; it sees token ids and the
+protocols in models/base.py and proposers/base.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from .adaptive import AdaptivePolicy, RoundStats
+from .config import GenerationConfig
+from .errors import EmptyPromptError, IncompatibleModelsError, InputError, TokenOutOfRangeError
+from .metrics import MAX_POSITIONS, GenerationMetrics
+from .models.base import LanguageModel, TargetScorer
+from .proposers.base import Proposer, ProposerSession
+from .proposers.draft_model import DraftModelProposer
+from .sampling import make_generator, to_probs
+from .verify import verify
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """token_ids: the new tokens of each row; finish_reasons: "stop" or "length" per row."""
+
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    metrics: GenerationMetrics
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one round emitted: new token ids per row (empty for rows already finished)."""
+
+    token_ids: list[list[int]]
+    finished: list[bool]
+
+
+class SpeculativeDecoder:
+    """Exact speculative decoding of ``target`` with tokens drafted by ``proposer``.
+
+    The draft's vocabulary is checked here, at construction, not on the first request.
+    """
+
+    def __init__(self, target: LanguageModel, proposer: Proposer | None = None) -> None:
+        if proposer is not None and proposer.vocab_size != target.vocab_size:
+            raise IncompatibleModelsError(
+                f"draft vocab_size={proposer.vocab_size} differs from target vocab_size="
+                f"{target.vocab_size}; the draft and the target must share one vocabulary "
+                "(the same tokenizer).")
+        self.target = target
+        self.proposer = proposer
+
+    @classmethod
+    def from_draft_model(cls, target: LanguageModel, draft: LanguageModel) -> SpeculativeDecoder:
+        return cls(target, DraftModelProposer(draft))
+
+    def stream(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+               speculative: bool = True) -> DecodingRun:
+        """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow."""
+        return DecodingRun(self, _check_prompts(prompts, self.target.vocab_size), config,
+                           speculative and self.proposer is not None)
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+                 speculative: bool = True) -> GenerationResult:
+        run = self.stream(prompts, config, speculative)
+        for _ in run:
+            pass
+        return run.result()
+
+
+class DecodingRun:
+    """One generation in progress. Iterate it for chunks; read ``result()`` at the end."""
+
+    def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]],
+                 config: GenerationConfig, speculative: bool) -> None:
+        self.config = config
+        self.generator = make_generator(config.seed, decoder.target.device)
+        self.target = TargetScorer(decoder.target.new_session(), prompts)
+        self.proposer: ProposerSession | None = None
+        self.policy: AdaptivePolicy | None = None
+        if speculative:
+            assert decoder.proposer is not None
+            self.proposer = decoder.proposer.start(prompts, config.sampling)
+            if config.adaptive is not None:
+                self.policy = config.adaptive.build(config.num_draft_tokens)
+        self.num_draft_tokens = config.num_draft_tokens if speculative else 0
+        batch_size = len(prompts)
+        self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.num_generated = torch.zeros(batch_size, dtype=torch.int64)
+        self.finished = torch.zeros(batch_size, dtype=torch.bool)
+        self.hit_stop = torch.zeros(batch_size, dtype=torch.bool)
+        self.stop_ids = torch.tensor(config.stop_token_ids, dtype=torch.int64)
+        self.metrics = GenerationMetrics(fixed_cost_ratio=config.cost_ratio)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        if bool(self.finished.all()):
+            raise StopIteration
+        return self._round()
+
+    def result(self) -> GenerationResult:
+        reasons = ["stop" if s else "length" for s in self.hit_stop.tolist()]
+        return GenerationResult(self.token_ids, reasons, self.metrics)
+
+    def _round(self) -> Chunk:
+        started = time.perf_counter()
+        active = ~self.finished
+        remaining = int((self.config.max_new_tokens - self.num_generated)[active].max())
+        k = min(self.num_draft_tokens, remaining - 1)  # never draft past max_new_tokens
+
+        # 1. propose
+        draft_started = time.perf_counter()
+        draft_tokens, draft_probs = self._propose(k)
+        draft_time = _synced_elapsed(draft_started, draft_tokens)
+        # 2. score: one target pass over the pending token and the k draft tokens
+        target_started = time.perf_counter()
+        target_logits = self.target.score(draft_tokens)  # [B, K+1, V]
+        target_probs = to_probs(target_logits, self.config.sampling)  # [B, K+1, V] fp32
+        target_time = _synced_elapsed(target_started, target_probs)
+        # 3. verify
+        verify_started = time.perf_counter()
+        result = verify(draft_tokens, draft_probs, target_probs, self.generator)
+        # 4. commit / rewind both sides to the accepted prefix + the new token
+        self.target.commit(result.num_accepted, result.next_tokens)
+        if self.proposer is not None:
+            self.proposer.commit(result.num_accepted, result.next_tokens)
+        # 5. emit
+        chunk = self._emit(result.output_tokens.cpu(), result.num_emitted.cpu(), active)
+        verify_time = time.perf_counter() - verify_started
+        stats = self._record(k, result.num_accepted.cpu()[active], draft_time, target_time,
+                             verify_time, time.perf_counter() - started, chunk)
+        if self.policy is not None and k > 0:
+            self.num_draft_tokens = self.policy.next_num_draft_tokens(stats)
+        return chunk
+
+    def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if k == 0 or self.proposer is None:
+            device = self.target.pending.device
+            return torch.empty((len(self.token_ids), 0), dtype=torch.int64, device=device), None
+        proposal = self.proposer.propose(k, self.generator)
+        return proposal.draft_tokens, proposal.draft_probs
+
+    def _emit(self, output_tokens: torch.Tensor, num_emitted: torch.Tensor,
+              active: torch.Tensor) -> Chunk:
+        """Cut each row's tokens at max_new_tokens and after its first stop token."""
+        positions = torch.arange(output_tokens.shape[1])[None, :]
+        budget = (self.config.max_new_tokens - self.num_generated)[:, None]
+        keep = (positions < num_emitted[:, None]) & (positions < budget) & active[:, None]
+        if self.stop_ids.numel():
+            is_stop = torch.isin(output_tokens, self.stop_ids) & keep
+            seen_stop_before = (torch.cumsum(is_stop.long(), dim=1) - is_stop.long()) > 0
+            keep &= ~seen_stop_before
+            self.hit_stop |= is_stop.any(dim=1)
+        counts = keep.sum(dim=1)
+        self.num_generated += counts
+        self.finished |= self.hit_stop | (self.num_generated >= self.config.max_new_tokens)
+        rows, row_counts = output_tokens.tolist(), counts.tolist()
+        new_ids = [row[:count] for row, count in zip(rows, row_counts)]
+        for tokens, new in zip(self.token_ids, new_ids):
+            tokens.extend(new)
+        return Chunk(new_ids, self.finished.tolist())
+
+    def _record(self, k: int, num_accepted: torch.Tensor, draft_time: float, target_time: float,
+                verify_time: float, wall_time: float, chunk: Chunk) -> RoundStats:
+        """Add this round to the metrics; num_accepted [B_active] of the rows that took part."""
+        num_rows = num_accepted.shape[0]
+        reached, accepted_at = [0] * k, [0] * k
+        if k > 0:
+            at_least = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)
+            at_least = at_least.tolist()  # at_least[j] = rows that accepted >= j tokens
+            reached, accepted_at = at_least[:k], at_least[1 : k + 1]
+        padding = [0] * (MAX_POSITIONS - k)
+        self.metrics = self.metrics + replace(
+            GenerationMetrics(),
+            num_rounds=1, num_row_rounds=num_rows, num_drafted=k * num_rows,
+            num_accepted=int(num_accepted.sum()), num_emitted=sum(map(len, chunk.token_ids)),
+            num_draft_steps=k, num_target_calls=1,
+            num_reached=tuple(reached + padding), num_accepted_at=tuple(accepted_at + padding),
+            draft_time=draft_time, target_time=target_time, verify_time=verify_time,
+            wall_time=wall_time, fixed_cost_ratio=self.config.cost_ratio)
+        return RoundStats(k, tuple(reached), tuple(accepted_at), draft_time, target_time)
+
+
+def _synced_elapsed(started: float, tensor: torch.Tensor) -> float:
+    """Seconds since ``started``, after the device that produced ``tensor`` has finished."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - started
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Validate a batch of token-id prompts; return them as lists of ints."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InputError(f"prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]]; "
+                         f"got {prompts!r:.80}.")
+    checked = []
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, int) or not isinstance(prompt, Sequence):
+            raise InputError(f"prompts[{row}]={prompt!r:.40} is not a list of token ids; pass a "
+                             "batch, e.g. [[1, 2, 3]] for one prompt.")
+        if len(prompt) == 0:
+            raise EmptyPromptError(f"prompts[{row}] is empty; a prompt needs at least one token "
+                                   "(for example the BOS token).")
+        ids = []
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InputError(f"prompts[{row}] holds {token!r}; token ids must be ints.")
+            if not 0 <= token < vocab_size:
+                raise TokenOutOfRangeError(f"prompts[{row}] holds token id {token}, outside the "
+                                           f"vocabulary [0, {vocab_size}).")
+            ids.append(token)
+        checked.append(ids)
+    return checked

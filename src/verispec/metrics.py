@@ -1,0 +1,111 @@
+"""Counters and timings of speculative decoding, per generation and cumulative.
+
+A :class:`GenerationMetrics` holds raw counters only; every rate is a derived property, so
+metrics of several generations add up exactly (``a + b``, or ``sum(..., GenerationMetrics())``).
+
+Definitions (a "row-round" is one batch row taking part in one round):
+  acceptance_rate          accepted / drafted.
+  per_position_acceptance  for position i: rows that accepted i / rows whose position i was tested
+                           (tested = all earlier positions accepted).
+  mean_accepted_length     tokens produced per target call per row = (accepted + row-rounds) /
+                           row-rounds; 1.0 for plain decoding.
+  cost_ratio               c = seconds per draft step / seconds per target call (measured).
+  modelled_speedup         mean_accepted_length / (mean k * c + 1): the speedup over plain
+                           decoding the measured rates predict, if a target call over k+1 tokens
+                           costs what one over 1 token does (Leviathan et al. 2023, eq. 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+MAX_POSITIONS = 32
+
+
+def _zeros() -> tuple[int, ...]:
+    return (0,) * MAX_POSITIONS
+
+
+@dataclass(frozen=True)
+class GenerationMetrics:
+    num_rounds: int = 0
+    num_row_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0  # tokens returned to the caller (after stop / max_new_tokens cuts)
+    num_draft_steps: int = 0  # draft forward calls (k per speculative round)
+    num_target_calls: int = 0
+    num_reached: tuple[int, ...] = field(default_factory=_zeros)
+    num_accepted_at: tuple[int, ...] = field(default_factory=_zeros)
+    draft_time: float = 0.0
+    target_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+    fixed_cost_ratio: float | None = None  # from the config, when the user gave one
+
+    def __add__(self, other: GenerationMetrics) -> GenerationMetrics:
+        summed = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "fixed_cost_ratio":
+                summed[f.name] = a if a == b else None
+            elif isinstance(a, tuple):
+                summed[f.name] = tuple(x + y for x, y in zip(a, b))
+            else:
+                summed[f.name] = a + b
+        return GenerationMetrics(**summed)
+
+    def __radd__(self, other: object) -> GenerationMetrics:
+        if other == 0:  # sum() starts from 0
+            return self
+        return NotImplemented
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> tuple[float, ...]:
+        return tuple(acc / reached for acc, reached in zip(self.num_accepted_at, self.num_reached)
+                     if reached > 0)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        if not self.num_row_rounds:
+            return 0.0
+        return (self.num_accepted + self.num_row_rounds) / self.num_row_rounds
+
+    @property
+    def mean_num_draft_tokens(self) -> float:
+        return self.num_drafted / self.num_row_rounds if self.num_row_rounds else 0.0
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Measured c; None when nothing was drafted."""
+        if not self.num_draft_steps or not self.num_target_calls or self.target_time <= 0:
+            return None
+        return (self.draft_time / self.num_draft_steps) / (self.target_time / self.num_target_calls)
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        c = self.fixed_cost_ratio if self.fixed_cost_ratio is not None else self.cost_ratio
+        if c is None:
+            return 1.0 if self.num_row_rounds else None
+        return self.mean_accepted_length / (self.mean_num_draft_tokens * c + 1.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_emitted / self.wall_time if self.wall_time > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """Counters and derived rates, JSON-ready (positions trimmed to those tested)."""
+        raw = asdict(self)
+        used = len(self.per_position_acceptance)
+        raw["num_reached"] = list(self.num_reached[:used])
+        raw["num_accepted_at"] = list(self.num_accepted_at[:used])
+        for name in ("acceptance_rate", "per_position_acceptance", "mean_accepted_length",
+                     "mean_num_draft_tokens", "cost_ratio", "modelled_speedup",
+                     "tokens_per_second"):
+            value = getattr(self, name)
+            raw[name] = list(value) if isinstance(value, tuple) else value
+        return raw

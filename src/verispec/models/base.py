@@ -1,0 +1,78 @@
+"""The protocol every model backend implements, and the target-side session built on it.
+
+Legend: B batch, n tokens fed in one call, K draft tokens, V vocabulary.
+
+A :class:`LanguageModel` opens :class:`LMSession` objects: stateful, batched views over growing
+token sequences whose (KV) cache holds exactly the tokens fed so far. The session has three
+verbs: ``start`` (prefill prompts), ``extend`` (feed tokens, get the logits after each) and
+``rewind`` (drop the last few tokens of each row, ragged). Rewind must leave the session exactly
+as if the dropped tokens had never been fed; the engine relies on it after every rejection.
+
+The engine knows nothing about tokenisation, devices or caches: it only calls these verbs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LMSession(Protocol):
+    """A batch of sequences with a cache; see the module docstring."""
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Reset and feed one prompt per row (rows may differ in length, and may be empty)."""
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [B, n] int64; return logits [B, n, V]: row b, position i holds the
+        next-token logits after tokens[b, :i+1] (on top of everything fed before)."""
+
+    def rewind(self, num_tokens: torch.Tensor) -> None:
+        """Drop the last num_tokens[b] fed tokens of each row b; num_tokens [B] int64 >= 0."""
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A causal LM that can open sessions. ``vocab_size`` is the width V of its logits;
+    ``device`` is where its logits live (the engine's generator is created there)."""
+
+    vocab_size: int
+    device: torch.device
+
+    def new_session(self) -> LMSession:
+        ...
+
+
+class TargetScorer:
+    """The target side of speculative decoding over an :class:`LMSession`.
+
+    Invariant between rounds: the cache holds every committed token but the last, which is
+    ``pending``. Scoring feeds [pending, d_1 .. d_k] in ONE call and returns k+1 next-token
+    logits (for d_1 .. d_k and the bonus). Committing n accepted tokens rewinds the k - n
+    rejected ones and makes the recovered/bonus token the new ``pending``.
+
+    Worked example (prompt "a b c", k = 3, draft "x y z", 1 accepted, recovered "w"):
+      start:  cache [a b]        pending c
+      score:  feed  [c x y z]    -> logits after c, x, y, z      cache [a b c x y z]
+      commit: rewind 2 (y z)     -> cache [a b c x]              pending w
+    """
+
+    def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]]) -> None:
+        self.session = session
+        session.start([list(p[:-1]) for p in prompts])
+        self.pending = torch.tensor([[p[-1]] for p in prompts], dtype=torch.int64)  # [B, 1]
+        self._num_scored = 0  # draft tokens fed by the last score() call
+
+    def score(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Draft tokens [B, K] (K may be 0) -> target logits [B, K+1, V]."""
+        self._num_scored = draft_tokens.shape[1]
+        pending = self.pending.to(draft_tokens.device)
+        return self.session.extend(torch.cat([pending, draft_tokens], dim=1))
+
+    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Keep the accepted prefix of the last scored draft; next_tokens [B] becomes pending."""
+        self.session.rewind(self._num_scored - num_accepted)
+        self.pending = next_tokens[:, None]

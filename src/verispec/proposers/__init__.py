@@ -1,0 +1,6 @@
+"""Proposers: what drafts the k tokens the target verifies."""
+
+from .base import Proposal, Proposer, ProposerSession
+from .draft_model import DraftModelProposer
+
+__all__ = ["Proposal", "Proposer", "ProposerSession", "DraftModelProposer"]

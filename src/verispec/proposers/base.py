@@ -1,0 +1,48 @@
+"""The proposer protocol: draft k tokens, then learn which were kept.
+
+Legend: B batch, K draft tokens, V vocabulary.
+
+Contract of a :class:`Proposal`: ``draft_probs`` are exactly the fp32 distributions the draft
+tokens were drawn from, after the same temperature / top-k / top-p processing the target gets
+(verispec.sampling.to_probs); ``None`` means the proposal is deterministic (greedy, n-gram) and
+is verified as a point mass. A proposer that reports any other distribution silently breaks the
+exactness of speculative sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """draft_tokens [B, K] int64; draft_probs [B, K, V] fp32 or None (deterministic)."""
+
+    draft_tokens: torch.Tensor
+    draft_probs: torch.Tensor | None
+
+
+class ProposerSession(Protocol):
+    """One generation's proposer state, synchronised with the committed sequence."""
+
+    def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
+        """Draft ``num_draft_tokens`` >= 1 tokens per row after the committed sequence."""
+
+    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended.
+        Called every round, also rounds where propose was not called (num_accepted is then 0)."""
+
+
+class Proposer(Protocol):
+    """Opens a :class:`ProposerSession` per generation. ``vocab_size`` must equal the target's."""
+
+    vocab_size: int
+
+    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> ProposerSession:
+        ...

@@ -1,0 +1,79 @@
+"""A draft language model as a proposer: k autoregressive steps over its own rewindable cache.
+
+Legend: B batch, K draft tokens, V vocabulary, u unfed committed tokens (1 to 3).
+
+Cache bookkeeping. The draft cache lags the committed sequence by ``u`` tokens (``unfed``). A
+proposal of k tokens feeds the unfed tokens plus d_1 .. d_{k-1} (d_k is sampled, never fed).
+After n are accepted, rewinding k - n tokens leaves the cache at committed[:-2] for every row,
+whatever n was, and the unfed tokens are the last two committed ones: uniform across a batch
+with ragged acceptance, so every row feeds the same number of tokens next round.
+
+Worked example (committed "a b c", unfed [c], k = 3):
+  propose: feed [c] -> d1=x, feed [x] -> d2=y, feed [y] -> d3=z     cache [a b c x y]
+  n = 1, recovered w: committed "a b c x w"; rewind 3 - 1 = 2      cache [a b c]   unfed [x w]
+  n = 3, bonus w:     committed "a b c x y z w"; rewind 0          cache [a b c x y] unfed [z w]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import SamplingConfig
+from ..models.base import LanguageModel, LMSession
+from ..sampling import sample, to_probs
+from .base import Proposal
+
+
+class DraftModelProposer:
+    """Proposes tokens sampled from a draft :class:`LanguageModel`."""
+
+    def __init__(self, model: LanguageModel) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+
+    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+              ) -> DraftModelSession:
+        return DraftModelSession(self.model.new_session(), prompts, sampling)
+
+
+class DraftModelSession:
+    def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingConfig) -> None:
+        self.session = session
+        self.sampling = sampling
+        session.start([list(p[:-1]) for p in prompts])
+        self.unfed = torch.tensor([[p[-1]] for p in prompts], dtype=torch.int64)  # [B, u]
+        self._proposal: torch.Tensor | None = None  # draft tokens [B, K] of this round
+
+    def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
+        """Sample k tokens per row; draft_probs are the exact distributions sampled from."""
+        assert num_draft_tokens >= 1
+        inputs = self.unfed
+        draft_tokens, draft_probs = [], []
+        for _ in range(num_draft_tokens):
+            logits = self.session.extend(inputs)[:, -1]  # [B, V]
+            probs = to_probs(logits, self.sampling)  # [B, V] fp32, what the token is drawn from
+            if self.sampling.is_greedy:
+                token = probs.argmax(dim=-1)  # deterministic: verified as a point mass
+            else:
+                token = sample(probs, generator)
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+            inputs = token[:, None]
+        self._proposal = torch.stack(draft_tokens, dim=1)  # [B, K]
+        stacked_probs = None if self.sampling.is_greedy else torch.stack(draft_probs, dim=1)
+        return Proposal(self._proposal, stacked_probs)
+
+    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        if self._proposal is None:  # a round without a proposal: the cache did not move
+            self.unfed = torch.cat([self.unfed.to(next_tokens.device), next_tokens[:, None]], 1)
+            return
+        proposal, self._proposal = self._proposal, None
+        num_draft_tokens = proposal.shape[1]
+        self.session.rewind(num_draft_tokens - num_accepted)
+        # the committed token before next_tokens: d_n if n > 0, else the last unfed token
+        before = torch.cat([self.unfed[:, -1:].to(proposal.device), proposal], dim=1)
+        last_kept = before.gather(1, num_accepted[:, None].to(proposal.device))  # [B, 1]
+        self.unfed = torch.cat([last_kept, next_tokens[:, None].to(proposal.device)], dim=1)

@@ -1,0 +1,115 @@
+"""Pure sampling math: logits -> the distribution actually sampled from, and draws from it.
+
+Legend: B batch, K draft tokens, V vocabulary; ``...`` is any leading shape.
+
+:func:`to_probs` is the single place where temperature, top-k and top-p are applied. The draft
+samples from its output and reports exactly that tensor as its probabilities, and the target's
+scores go through the same function, so the acceptance test compares the two distributions that
+were really in play (the exactness requirement of Leviathan et al. 2023, Chen et al. 2023).
+
+Draws use the exponential-race form of Gumbel-max: ``argmax(probs / E)`` with ``E ~ Exp(1)``
+i.i.d. picks index i with probability ``probs[i] / sum(probs)``. It is batched, needs no
+normalisation, never selects a zero-probability entry, and takes the noise from an explicit
+``torch.Generator`` (the global RNG is never touched).
+
+Not here: models, caches, acceptance tests (see verify.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingConfig
+from .errors import NonFiniteError, ShapeError
+
+# The smallest noise value used; keeps probs / noise finite so a zero-probability token scores 0.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+def _check_floating(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.dim() < 1:
+        got = f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(
+            tensor, torch.Tensor) else type(tensor).__name__
+        raise ShapeError(f"{name} must be a floating-point tensor [..., V]; got {got}.")
+
+
+def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Turn logits into the fp32 distribution a token is sampled from.
+
+    Shapes: logits [..., V] (any float dtype; -inf marks an impossible token) -> probs [..., V] fp32.
+    temperature 0 gives a point mass on the argmax (ties go to the lowest id).
+    Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
+    """
+    _check_floating("logits", logits)
+    logits = logits.float()
+    if sampling.is_greedy:
+        # amax propagates NaN and +inf, and is -inf only for a row with no finite logit.
+        if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+            raise NonFiniteError(_NON_FINITE_LOGITS)
+        greedy_tokens = logits.argmax(dim=-1, keepdim=True)  # first maximal index = lowest id
+        return torch.zeros_like(logits).scatter_(-1, greedy_tokens, 1.0)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        probs = _truncate_top_p(probs, sampling.top_p)
+    # softmax turns NaN, +inf and all -inf rows into NaN: one check covers all three.
+    if not bool(torch.isfinite(probs).all()):
+        raise NonFiniteError(_NON_FINITE_LOGITS)
+    return probs
+
+
+_NON_FINITE_LOGITS = (
+    "logits contain NaN or +inf, or a row where every logit is -inf; expected finite logits "
+    "(-inf only to mask tokens). Check the model's dtype (fp16 overflow) and its inputs."
+)
+
+
+def _truncate_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-likely set whose mass reaches top_p; renormalise. [..., V] -> same."""
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p  # the top token always has mass_before = 0 and is kept
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, sorted_ids, drop_sorted)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generator,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Exp(1) noise for :func:`sample_with_noise`, drawn from ``generator``. -> [shape] fp32."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    return noise.exponential_(1.0, generator=generator).clamp_min_(_MIN_NOISE)
+
+
+def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Deterministic draw given the noise: argmax(probs / noise).
+
+    Shapes: probs [..., V] (need not be normalised), noise [..., V] Exp(1) -> tokens [...] int64.
+    """
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of ``probs`` [..., V] using ``generator``. -> tokens [...] int64."""
+    _check_floating("probs", probs)
+    noise = sample_noise(probs.shape, generator, generator.device).to(probs.device)
+    return sample_with_noise(probs, noise)
+
+
+def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of log-probabilities [..., V] (-inf allowed). -> tokens [...] int64."""
+    _check_floating("logprobs", logprobs)
+    return sample(torch.exp(logprobs.float()), generator)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh torch.Generator; ``seed=None`` seeds it from the OS, never from the global RNG."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,257 @@
+"""Pure verification math for speculative sampling: acceptance, residual, bonus; batched.
+
+Reference: Leviathan, Kalman, Matias 2023 ("Fast Inference from Transformers via Speculative
+Decoding", Algorithm 1) and Chen et al. 2023 ("Accelerating LLM Decoding with Speculative
+Sampling", Algorithm 2). With p the target and q the draft distribution, draft token x_i is
+accepted with probability min(1, p(x_i) / q(x_i)); at the first rejection a token is drawn from
+the residual norm(max(0, p - q)); if all k are accepted an extra token is drawn from the target's
+(k+1)-th distribution. Every emitted token then has exactly the target's distribution.
+
+Vocabulary (used throughout verispec):
+  accepted   draft tokens kept by the acceptance test (a prefix of the proposal);
+  recovered  the token drawn from the residual at the first rejected position;
+  bonus      the token drawn from the target's distribution after all k draft tokens were accepted.
+Each row of a round emits num_accepted + 1 tokens: the accepted ones, then recovered or bonus.
+
+Legend: B batch, K draft tokens (max over rows), V vocabulary. Probabilities are fp32.
+
+A deterministic proposal (greedy draft, n-gram) has draft_probs None: it is verified as a point
+mass q = one_hot(x), so it is accepted with probability p(x) and the residual is p with x removed.
+
+Edge cases, made explicit:
+  * q(x) = 0 for a proposed token: the proposer broke its contract -> DraftContractError.
+  * a residual that sums to 0 (p == q numerically): rejection there has probability 0, so the row
+    is never resampled in exact arithmetic; if rounding rejects anyway we draw from p.
+  * NaN or inf in any probability -> NonFiniteError; never a silent sample.
+
+Not here: models, caches, sampling settings (see sampling.py), the decoding loop (engine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DraftContractError, NonFiniteError, ShapeError, TokenOutOfRangeError
+from .sampling import sample_noise, sample_with_noise
+
+PAD_TOKEN = -1  # fills output_tokens after each row's emitted tokens
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of one verification round for a batch.
+
+    Shapes:
+      num_accepted    [B] int64: accepted draft tokens per row (0..num_draft_tokens[b]).
+      output_tokens   [B, K+1] int64: accepted tokens, then the recovered or bonus token, then
+                      PAD_TOKEN. Row b holds num_accepted[b] + 1 real tokens.
+      num_emitted     [B] int64: num_accepted + 1.
+      first_rejection [B] int64: position of the first rejected draft token; num_draft_tokens[b]
+                      when every draft token was accepted (the next token is then a bonus).
+      all_accepted    [B] bool: whether the last token of the row is a bonus token.
+    """
+
+    num_accepted: torch.Tensor
+    output_tokens: torch.Tensor
+    num_emitted: torch.Tensor
+    first_rejection: torch.Tensor
+    all_accepted: torch.Tensor
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        """The recovered or bonus token of each row. -> [B] int64."""
+        return self.output_tokens.gather(1, self.num_accepted[:, None]).squeeze(1)
+
+
+def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """One-hot fp32 distributions for deterministic tokens. [...] int64 -> [..., V] fp32."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)
+
+
+def acceptance_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """min(1, p_target / p_draft) for every token: the chance it is accepted if proposed.
+
+    Shapes: draft_probs [B, K, V], target_probs [B, K, V] -> [B, K, V] fp32. Where p_draft = 0 the
+    token is never proposed; the entry is 1 by convention.
+    """
+    ratio = target_probs / draft_probs
+    return torch.where(draft_probs > 0, ratio.clamp(max=1.0), torch.ones_like(ratio))
+
+
+def residual_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p_target - p_draft)): where the recovered token is drawn from after a rejection.
+
+    Shapes: [..., V] each -> [..., V] fp32. A row whose residual sums to 0 (equal distributions)
+    returns the target row: rejection there has probability 0, see the module docstring.
+    """
+    residual = (target_probs - draft_probs).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(torch.float32).tiny),
+                       target_probs)
+
+
+def expected_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p_draft(x), p_target(x)) = 1 - TV: the chance a draft token is accepted.
+
+    Shapes: [..., V] each -> [...] fp32.
+    """
+    return torch.minimum(draft_probs, target_probs).sum(dim=-1)
+
+
+def expected_tokens_per_step(acceptance_rates: Sequence[float] | torch.Tensor) -> float:
+    """Expected tokens emitted per target call, given per-position acceptance rates.
+
+    acceptance_rates[i] is the chance position i is accepted given positions < i were. A round
+    emits 1 + sum_i prod_{j <= i} rates[j] tokens in expectation (the accepted prefix plus one).
+    Example: rates (0.8, 0.5) -> 1 + 0.8 + 0.8 * 0.5 = 2.2.
+    """
+    rates = torch.as_tensor(acceptance_rates, dtype=torch.float64).reshape(-1)
+    return float(1.0 + torch.cumprod(rates, dim=0).sum())
+
+
+def theoretical_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float) -> float:
+    """Leviathan et al. eq. for walltime improvement: (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+
+    acceptance_rate a (per-token, assumed i.i.d.), k = num_draft_tokens, c = draft step time /
+    target step time. At a = 1 the limit (k + 1) / (k c + 1) is used.
+    """
+    a, k, c = float(acceptance_rate), int(num_draft_tokens), float(cost_ratio)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"acceptance_rate={a} must be in [0, 1]")
+    if k < 0 or c < 0:
+        raise ValueError(f"num_draft_tokens={k} and cost_ratio={c} must be >= 0")
+    expected_tokens = k + 1.0 if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    return expected_tokens / (k * c + 1.0)
+
+
+def optimal_num_draft_tokens(acceptance_rate: float, cost_ratio: float,
+                             max_num_draft_tokens: int = 32) -> tuple[int, float]:
+    """The k in [1, max] maximising :func:`theoretical_speedup`, and that speedup."""
+    best = max(range(1, max_num_draft_tokens + 1),
+               key=lambda k: theoretical_speedup(acceptance_rate, k, cost_ratio))
+    return best, theoretical_speedup(acceptance_rate, best, cost_ratio)
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+           target_probs: torch.Tensor, generator: torch.Generator,
+           num_draft_tokens: torch.Tensor | None = None) -> VerifyResult:
+    """Batched modified rejection sampling: which draft tokens to keep, and the next token.
+
+    Shapes:
+      draft_tokens     [B, K] int64; entries at positions >= num_draft_tokens[b] are ignored.
+      draft_probs      [B, K, V] fp32, exactly the distributions the draft tokens were drawn
+                       from; None for a deterministic proposal (verified as a point mass).
+      target_probs     [B, K+1, V] fp32, processed with the same sampling settings; row b's
+                       bonus distribution is target_probs[b, num_draft_tokens[b]].
+      num_draft_tokens [B] int64 in [0, K] (ragged rows); None means K for every row.
+    Random numbers come from ``generator`` in a fixed order: uniforms [B, K], then Exp(1) noise
+    [B, V]; :func:`verify_with_randomness` takes them explicitly.
+    """
+    batch_size, max_k = _check_draft_tokens(draft_tokens)
+    # drawn where the generator lives, then moved (a no-op when both are on one device)
+    uniforms = torch.rand((batch_size, max_k), generator=generator, device=generator.device)
+    noise = sample_noise((batch_size, target_probs.shape[-1]), generator, generator.device)
+    uniforms, noise = uniforms.to(target_probs.device), noise.to(target_probs.device)
+    return verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms, noise,
+                                  num_draft_tokens)
+
+
+def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                           target_probs: torch.Tensor, uniforms: torch.Tensor,
+                           noise: torch.Tensor,
+                           num_draft_tokens: torch.Tensor | None = None) -> VerifyResult:
+    """:func:`verify` with its random numbers given: uniforms [B, K] in [0, 1), noise [B, V] Exp(1).
+
+    Draft token i of row b is accepted iff uniforms[b, i] < min(1, p_target / p_draft); the
+    recovered/bonus token is argmax(final_probs / noise) (an exact draw, see sampling.py).
+    """
+    batch_size, max_k = _check_draft_tokens(draft_tokens)
+    vocab_size = target_probs.shape[-1]
+    num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
+    rows = torch.arange(batch_size, device=target_probs.device)
+
+    # 1. Acceptance test at every proposed position (positions past a row's length count as rejected).
+    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]  # [B, K]
+    safe_tokens = torch.where(valid, draft_tokens, torch.zeros_like(draft_tokens))
+    target_at_draft = target_probs[:, :max_k].gather(-1, safe_tokens[..., None]).squeeze(-1)
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)  # point mass: q(x) = 1
+    else:
+        draft_at_draft = draft_probs.gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, K]
+        if bool((valid & (draft_at_draft <= 0)).any()):
+            raise DraftContractError(
+                "the draft proposed a token to which its own reported distribution gives "
+                "probability 0; draft_probs must be exactly the distributions the draft tokens "
+                "were sampled from (or None for a deterministic proposal).")
+    draft_at_draft = torch.where(valid, draft_at_draft, torch.ones_like(draft_at_draft))
+    accepted = valid & (uniforms < (target_at_draft / draft_at_draft).clamp(max=1.0))
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # length of the accepted prefix [B]
+    all_accepted = num_accepted == num_draft
+
+    # 2. The next token: residual at the first rejection, or the bonus distribution after position n.
+    next_target = target_probs[rows, num_accepted]  # [B, V]
+    first_rejected = num_accepted.clamp(max=max(max_k - 1, 0))
+    if max_k == 0:
+        next_probs = next_target
+    else:
+        if draft_probs is None:
+            next_draft = point_mass(draft_tokens[rows, first_rejected].clamp_min(0), vocab_size)
+        else:
+            next_draft = draft_probs[rows, first_rejected]  # [B, V]
+        residual = residual_probs(next_draft, next_target)
+        next_probs = torch.where(all_accepted[:, None], next_target, residual)
+    next_tokens = sample_with_noise(next_probs, noise)  # [B]
+
+    # 3. Assemble: accepted prefix, then the next token, then padding.
+    positions = torch.arange(max_k + 1, device=draft_tokens.device)[None, :]
+    padded_draft = torch.cat([draft_tokens, draft_tokens.new_full((batch_size, 1), PAD_TOKEN)], 1)
+    output_tokens = torch.where(positions < num_accepted[:, None], padded_draft,
+                                torch.full_like(padded_draft, PAD_TOKEN))
+    output_tokens.scatter_(1, num_accepted[:, None], next_tokens[:, None])
+    return VerifyResult(num_accepted=num_accepted, output_tokens=output_tokens,
+                        num_emitted=num_accepted + 1, first_rejection=num_accepted,
+                        all_accepted=all_accepted)
+
+
+def _check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2 or (
+            draft_tokens.dtype != torch.int64):
+        shape = tuple(draft_tokens.shape) if isinstance(draft_tokens, torch.Tensor) else None
+        raise ShapeError(f"draft_tokens must be an int64 tensor [B, K]; got shape {shape}.")
+    return draft_tokens.shape[0], draft_tokens.shape[1]
+
+
+def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                  target_probs: torch.Tensor, num_draft_tokens: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """Validate shapes, ranges and finiteness; return num_draft_tokens as [B] int64."""
+    batch_size, max_k = draft_tokens.shape
+    if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (batch_size, max_k + 1):
+        raise ShapeError(f"target_probs must be [B, K+1, V] = [{batch_size}, {max_k + 1}, V] "
+                         f"for draft_tokens {tuple(draft_tokens.shape)}; got "
+                         f"{tuple(target_probs.shape)}.")
+    vocab_size = target_probs.shape[-1]
+    if draft_probs is not None and tuple(draft_probs.shape) != (batch_size, max_k, vocab_size):
+        raise ShapeError(f"draft_probs must be [B, K, V] = [{batch_size}, {max_k}, {vocab_size}]"
+                         f"; got {tuple(draft_probs.shape)}. Draft and target must share a "
+                         "vocabulary.")
+    if num_draft_tokens is None:
+        num_draft = torch.full((batch_size,), max_k, dtype=torch.int64, device=draft_tokens.device)
+    else:
+        num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64, device=draft_tokens.device)
+        if num_draft.shape != (batch_size,) or bool(((num_draft < 0) | (num_draft > max_k)).any()):
+            raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
+                             f"[0, {max_k}]; got {num_draft.tolist()}.")
+    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    if bool((valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))).any()):
+        bad = draft_tokens[valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))]
+        raise TokenOutOfRangeError(f"draft token id {int(bad[0])} is outside the vocabulary "
+                                   f"[0, {vocab_size}); draft and target must share a tokenizer.")
+    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
+        if probs is not None and not bool(torch.isfinite(probs).all()):
+            raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
+                                 "from verispec.sampling.to_probs.")
+    return num_draft

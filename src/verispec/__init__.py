@@ -34,7 +34,22 @@ from .verify import (
 
 __version__ = "0.1.0"
 
+_LAZY = {  # these pull in transformers; imported on first use so `import verispec` stays light
+    "load": ("api", "load"), "Decoder": ("api", "Decoder"), "Completion": ("api", "Completion"),
+    "demo_pair": ("demo", "demo_pair"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attribute = _LAZY[name]
+        return getattr(importlib.import_module(f".{module_name}", __name__), attribute)
+    raise AttributeError(f"module 'verispec' has no attribute {name!r}")
+
 __all__ = [
+    "load", "Decoder", "Completion", "demo_pair",
     "ConfigError", "ContextLengthExceeded", "DraftContractError", "EmptyPromptError",
     "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
     "TokenOutOfRangeError", "UnsupportedFeatureError", "VerispecError",

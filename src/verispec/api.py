@@ -1,0 +1,245 @@
+"""The Python entry point: ``verispec.load()`` and the text-level :class:`Decoder`.
+
+    dec = verispec.load()                       # the shipped demo pair, on the CPU
+    out = dec.generate("def fibonacci(n):", max_new_tokens=64)
+    print(out.text, out.metrics.acceptance_rate)
+
+This layer owns tokenisation, stop strings, context-length checks and incremental
+detokenisation; the engine below it sees token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from .config import GenerationConfig, SamplingConfig
+from .engine import DecodingRun, SpeculativeDecoder
+from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
+from .metrics import GenerationMetrics
+from .models.loading import (
+    check_same_tokenizer,
+    common_vocab_size,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from .models.transformers import TransformersLM, output_width
+from .proposers.draft_model import DraftModelProposer
+
+ModelSource = str | Path | PreTrainedModel
+
+
+@dataclass(frozen=True)
+class Completion:
+    """text: the new text (cut before a stop string); token_ids: the new tokens only."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    metrics: GenerationMetrics
+    num_prompt_tokens: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+                "metrics": self.metrics.to_dict()}
+
+
+def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
+         device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+         num_draft_tokens: int = 4, tokenizer: str | Path | None = None) -> Decoder:
+    """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
+
+    ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
+    otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
+    """
+    if target is None and draft is None:
+        from .demo import demo_pair  # the shipped assets; imported only when used
+
+        pair = demo_pair()
+        target, draft = pair.target, pair.draft
+    elif target is None:
+        raise ConfigError("draft was given without target; pass target=... as well (or neither "
+                          "to use the shipped demo pair).")
+    GenerationConfig(num_draft_tokens=num_draft_tokens)  # validates the default k early
+    resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
+    target_tokenizer = _tokenizer_for(target, tokenizer, "target")
+    target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
+    draft_model = None
+    if draft is not None:
+        draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
+        check_same_tokenizer(target_tokenizer, draft_tokenizer)
+        draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
+    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens)
+
+
+def _tokenizer_for(source: ModelSource, tokenizer: str | Path | None, role: str):
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer, role)
+    if isinstance(source, PreTrainedModel):
+        raise ConfigError(f"{role} is a model object, so its tokenizer cannot be found; pass "
+                          "tokenizer='/path/to/tokenizer'.")
+    return load_tokenizer(source, role, model_dir=True)
+
+
+class Decoder:
+    """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
+
+    def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
+                 None = None, num_draft_tokens: int = 4) -> None:
+        widths = [output_width(target_model)]
+        if draft_model is not None:
+            widths.append(output_width(draft_model))
+        vocab_size = common_vocab_size(tokenizer, *widths)
+        self.tokenizer = tokenizer
+        self.target = TransformersLM(target_model, vocab_size)
+        self.draft = None if draft_model is None else TransformersLM(draft_model, vocab_size)
+        proposer = None if self.draft is None else DraftModelProposer(self.draft)
+        self.engine = SpeculativeDecoder(self.target, proposer)
+        self.num_draft_tokens = num_draft_tokens
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 num_draft_tokens: int | None = None, speculative: bool = True) -> Completion:
+        """Generate a completion of ``prompt`` (text, or token ids). See :meth:`stream`."""
+        run = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                          num_draft_tokens, speculative)
+        for _ in run:
+            pass
+        return run.completion
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, stop: str | Sequence[str] | None = None,
+               num_draft_tokens: int | None = None, speculative: bool = True) -> TextStream:
+        """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
+
+        Generation stops at the tokenizer's EOS token, at a stop string (excluded from the
+        text), or after max_new_tokens. ``speculative=False`` decodes with the target alone
+        through the same code path.
+        """
+        if speculative and self.draft is None:
+            raise ConfigError("speculative=True needs a draft model, and none is loaded; pass "
+                              "draft=... to verispec.load, or speculative=False.")
+        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        eos = self.tokenizer.eos_token_id
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, num_draft_tokens=k,
+            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+            stop_token_ids=() if eos is None else (eos,), seed=seed)
+        stop_strings = _check_stop(stop)
+        prompt_ids = self._encode(prompt)
+        self._check_context(len(prompt_ids), config, speculative)
+        run = self.engine.stream([prompt_ids], config, speculative)
+        return TextStream(run, self.tokenizer, stop_strings, len(prompt_ids))
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPromptError("prompt is empty; pass some text or token ids.")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InputError(f"prompt must be a string or a list of token ids; got "
+                             f"{type(prompt).__name__}.")
+        if not ids:
+            raise EmptyPromptError("prompt encodes to no tokens; pass some text or token ids.")
+        return ids
+
+    def _check_context(self, num_prompt_tokens: int, config: GenerationConfig,
+                       speculative: bool) -> None:
+        """prompt + max_new_tokens (+ k when drafting) must fit every model's window."""
+        k = config.num_draft_tokens if speculative else 0
+        needed = num_prompt_tokens + config.max_new_tokens + k
+        models = [("target", self.target)] + ([("draft", self.draft)] if speculative else [])
+        for role, lm in models:
+            if lm.max_positions is not None and needed > lm.max_positions:
+                raise ContextLengthExceeded(
+                    f"prompt ({num_prompt_tokens} tokens) + max_new_tokens "
+                    f"({config.max_new_tokens}) + draft depth ({k}) = {needed} exceeds the "
+                    f"{role}'s context window of {lm.max_positions} tokens; shorten the prompt or "
+                    "lower max_new_tokens.")
+
+
+def _check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
+                          "non-empty strings.")
+    return stops
+
+
+class TextStream:
+    """Text deltas of a :class:`DecodingRun`, never splitting a multi-byte character and never
+    showing text that may turn out to be the start of a stop string."""
+
+    def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
+                 num_prompt_tokens: int) -> None:
+        self.run = run
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.num_prompt_tokens = num_prompt_tokens
+        self.token_ids: list[int] = []
+        self.text = ""  # the final text so far (what was emitted, plus held-back text at the end)
+        self._emitted = 0  # characters of text already yielded
+        self._stopped_by_string = False
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        while self.completion is None:
+            chunk = next(self.run, None)
+            if chunk is None:
+                return self._finish()
+            self.token_ids.extend(chunk.token_ids[0])
+            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            cut = self._find_stop(text)
+            if cut is not None:
+                self.text, self._stopped_by_string = text[:cut], True
+                return self._finish()
+            self.text = text
+            safe_end = len(text) - self._held_back(text)
+            if safe_end > self._emitted:
+                delta, self._emitted = text[self._emitted : safe_end], safe_end
+                return delta
+        raise StopIteration
+
+    def _finish(self) -> str:
+        """Build the completion and yield whatever text is left (possibly nothing)."""
+        result = self.run.result()
+        reason = "stop" if self._stopped_by_string else result.finish_reasons[0]
+        self.completion = Completion(self.text, self.token_ids, reason, self.run.metrics,
+                                     self.num_prompt_tokens)
+        rest, self._emitted = self.text[self._emitted :], len(self.text)
+        if rest:
+            return rest
+        raise StopIteration
+
+    def _find_stop(self, text: str) -> int | None:
+        start = max(0, self._emitted - max((len(s) for s in self.stop), default=0))
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held_back(self, text: str) -> int:
+        """Trailing characters not safe to show yet: an incomplete UTF-8 sequence (decoded as
+        U+FFFD) or a suffix that starts a stop string."""
+        held = len(text) - len(text.rstrip("\ufffd"))
+        for s in self.stop:
+            for size in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:size]):
+                    held = max(held, size)
+                    break
+        return held

@@ -1,0 +1,149 @@
+"""The ``verispec`` command line: thin argument parsing over the Python API.
+
+    verispec generate "def fibonacci(n):" --max-new-tokens 64
+    verispec generate - --json < prompt.txt
+
+Bad options or inputs print ONE line to stderr and exit with status 2 (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .errors import VerispecError
+
+EXIT_USAGE = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports errors as a single line (and exits 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"verispec: error: {message} (see {self.prog} --help)\n")
+
+
+def _int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    return value
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", metavar="DIR", help="target model directory (default: the "
+                        "shipped demo target)")
+    models.add_argument("--draft", metavar="DIR", help="draft model directory (default: the "
+                        "shipped demo draft when --target is not given)")
+    models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: float32)")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    sampling = parser.add_argument_group("generation")
+    sampling.add_argument("--k", type=_int, default=4, metavar="N",
+                          help="draft tokens per round, 1 to 32 (default: 4)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0 = greedy (default: 0)")
+    sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
+    sampling.add_argument("--top-p", type=float, default=None, metavar="P")
+    sampling.add_argument("--max-new-tokens", type=_int, default=64, metavar="N",
+                          help="default: 64")
+    sampling.add_argument("--seed", type=_int, default=None, metavar="S")
+    sampling.add_argument("--stop", nargs="+", default=None, metavar="STR",
+                          help="stop strings (excluded from the output)")
+    sampling.add_argument("--no-draft", action="store_true",
+                          help="plain target decoding through the same code path")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="verispec", description="Exact speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    generate = commands.add_parser("generate", help="complete a prompt, streaming the text",
+                                   description="Complete PROMPT, streaming text to stdout and a "
+                                   "metrics summary to stderr.")
+    generate.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
+                          help="the prompt text; '-' reads it from stdin")
+    _add_model_options(generate)
+    _add_sampling_options(generate)
+    generate.add_argument("--json", action="store_true",
+                          help="print one JSON object (text, token_ids, metrics) instead")
+    generate.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
+    generate.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}".splitlines()[0], file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _check_model_choice(args: argparse.Namespace) -> None:
+    """Neither model: the demo pair. A target alone only with --no-draft. A draft needs a target."""
+    from .errors import ConfigError
+
+    if args.draft is not None and args.target is None:
+        raise ConfigError("--draft was given without --target; pass both, or neither for the "
+                          "shipped demo pair.")
+    if args.target is not None and args.draft is None and not args.no_draft:
+        raise ConfigError("--target was given without --draft; pass --draft DIR, or --no-draft "
+                          "for plain decoding.")
+
+
+def _read_prompt(prompt: str | None) -> str:
+    from .errors import EmptyPromptError
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise EmptyPromptError("no prompt given; pass PROMPT, or '-' to read it from stdin.")
+    return prompt
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .api import load
+
+    prompt = _read_prompt(args.prompt)
+    _check_model_choice(args)
+    decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
+                   num_draft_tokens=args.k)
+    stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
+                            speculative=not args.no_draft)
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    completion = stream.completion
+    if args.json:
+        print(json.dumps(completion.to_dict()))
+        return 0
+    sys.stdout.write("\n")
+    if not args.quiet:
+        print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
+    return 0
+
+
+def format_metrics(metrics, speculative: bool) -> str:
+    """A short human summary of a generation's metrics."""
+    rate = metrics.tokens_per_second
+    line = f"[{metrics.num_emitted} tokens in {metrics.wall_time:.2f}s, {rate:.1f} tok/s"
+    if not speculative:
+        return line + ", plain decoding]"
+    c = metrics.cost_ratio
+    return (f"{line}; acceptance rate {metrics.acceptance_rate:.2f}, mean accepted length "
+            f"{metrics.mean_accepted_length:.2f} tokens/target call, c = "
+            f"{'n/a' if c is None else f'{c:.3f}'}, modelled speedup "
+            f"{metrics.modelled_speedup:.2f}x]")

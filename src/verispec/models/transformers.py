@@ -1,14 +1,17 @@
-"""Hugging Face transformers causal LMs as verispec language models, with KV-cache rewind.
+"""Hugging Face transformers causal LMs as verispec language models, with a rewindable KV cache.
 
-Legend: B batch, n fed tokens, V vocabulary (the tokenizer's, see below).
+Legend: B batch, n fed tokens, T cache capacity, H kv heads, D head dim, V vocabulary.
 
-The only module (with loading.py) that imports transformers. A session keeps one
-``DynamicCache`` per row holding exactly the tokens fed so far: ``start`` prefills the prompt
-once, ``extend`` runs one forward pass over the new tokens on top of the cache, and ``rewind``
-crops the cache, so after any propose / verify / rewind sequence the next logits equal a fresh
-forward over the same tokens. Nothing re-runs the full context per round.
+The only module (with loading.py) that imports transformers. A session owns a preallocated
+:class:`RowCache`: per layer, keys and values [B, H, T, D] plus each row's length. Feeding n
+tokens writes their keys/values at positions length[b] .. length[b] + n - 1 of row b, with
+position ids and a 4D attention mask built from those lengths, so rows of a batch may hold
+different lengths (ragged acceptance). Rewind only lowers the lengths: the stale entries are
+masked out and overwritten by the next write. The prompt is prefilled once; each ``extend`` is
+one forward pass over the new tokens; nothing re-runs the full context.
 
-Rows of a batch are run one after another (each with its own cache); batch 1 is the fast path.
+After any propose / verify / rewind sequence the next logits equal a fresh forward over the same
+tokens (tests/test_transformers_adapter.py checks it).
 
 Vocabulary: models over one tokenizer may pad their output layers to different widths (e.g.
 50257 vs 50304). ``vocab_size`` restricts the logits to the tokenizer's ids, so draft and target
@@ -20,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, ShapeError
 
@@ -64,44 +68,112 @@ class TransformersLM:
         return TransformersSession(self)
 
 
+class RowCache(Cache):
+    """Preallocated keys/values with a length per row; written at explicit positions.
+
+    ``positions`` [B, n] must be set before each forward; ``update`` (called by every attention
+    layer) scatters the new keys/values there and returns the used prefix [B, H, T_used, D].
+    """
+
+    is_compileable = False
+
+    def __init__(self, batch_size: int, capacity: int) -> None:  # noqa: D107 - no super init:
+        # transformers' Cache.__init__ wants layer objects; this cache manages raw tensors.
+        self.layers = []
+        self.layer_class_to_replicate = None
+        self.offloading = False
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.num_rows = batch_size
+        self.capacity = capacity
+        self.positions = torch.zeros((batch_size, 0), dtype=torch.int64)  # [B, n]
+        self.used = 0  # T_used: keys attended over in the current forward
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states [B, H, n, D] -> all keys, values [B, H, T_used, D]."""
+        if layer_idx == len(self.keys):
+            shape = (self.num_rows, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros(shape[:3] + (value_states.shape[3],)))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        rows = torch.arange(self.num_rows, device=keys.device)[:, None]  # [B, 1]
+        # advanced indices around a slice: the indexed view is [B, n, H, D]
+        keys[rows, :, self.positions] = key_states.transpose(1, 2)
+        values[rows, :, self.positions] = value_states.transpose(1, 2)
+        return keys[:, :, : self.used], values[:, :, : self.used]
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to ``capacity`` positions, keeping the contents."""
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = old.new_zeros(old.shape[:2] + (capacity,) + old.shape[3:])
+                new[:, :, : old.shape[2]] = old
+                store[i] = new
+        self.capacity = capacity
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.used
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.used, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+
 class TransformersSession:
-    """One generation's caches; see the module docstring."""
+    """One generation's cache and row lengths; see the module docstring."""
 
     def __init__(self, lm: TransformersLM) -> None:
         self.lm = lm
-        self.caches: list[DynamicCache] = []
-        self.lengths: list[int] = []
+        self.cache = RowCache(0, 0)
+        self.lengths = torch.zeros(0, dtype=torch.int64)  # [B] tokens held per row
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
-        self.caches = [DynamicCache(config=self.lm.model.config) for _ in prompts]
-        self.lengths = [0] * len(prompts)
+        longest = max((len(p) for p in prompts), default=0)
+        self.cache = RowCache(len(prompts), max(64, 2 * longest))
+        self.lengths = torch.zeros(len(prompts), dtype=torch.int64, device=self.lm.device)
+        if longest == 0:
+            return
+        # Right-pad ragged prompts: the padding's keys land past each row's length, where they
+        # are masked out and later overwritten.
+        padded = torch.zeros((len(prompts), longest), dtype=torch.int64)
         for row, prompt in enumerate(prompts):
-            if len(prompt):
-                tokens = torch.tensor([list(prompt)], dtype=torch.int64, device=self.lm.device)
-                self._forward(row, tokens, logits_to_keep=1)  # prefill: only the cache matters
+            padded[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
+        self._forward(padded.to(self.lm.device), logits_to_keep=1)  # only the cache matters
+        self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64,
+                                    device=self.lm.device)
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V] (model dtype, restricted to the vocabulary)."""
-        if tokens.dim() != 2 or tokens.shape[0] != len(self.caches):
-            raise ShapeError(f"extend expects tokens [B={len(self.caches)}, n]; got "
+        if tokens.dim() != 2 or tokens.shape[0] != self.cache.num_rows:
+            raise ShapeError(f"extend expects tokens [B={self.cache.num_rows}, n]; got "
                              f"{tuple(tokens.shape)}.")
-        tokens = tokens.to(self.lm.device)
-        rows = [self._forward(row, tokens[row : row + 1]) for row in range(len(self.caches))]
-        return torch.cat(rows, dim=0)[..., : self.lm.vocab_size]
+        logits = self._forward(tokens.to(self.lm.device))
+        self.lengths = self.lengths + tokens.shape[1]
+        return logits[..., : self.lm.vocab_size]
 
     def rewind(self, num_tokens: torch.Tensor) -> None:
-        for row, count in enumerate(torch.as_tensor(num_tokens).tolist()):
-            if not 0 <= count <= self.lengths[row]:
-                raise ShapeError(f"cannot rewind {count} tokens from row {row} of length "
-                                 f"{self.lengths[row]}.")
-            if count:
-                self.caches[row].crop(-count)
-                self.lengths[row] -= count
+        """Forget the last num_tokens[b] tokens of each row: only the lengths move."""
+        num_tokens = torch.as_tensor(num_tokens, dtype=torch.int64, device=self.lengths.device)
+        self.lengths = self.lengths - num_tokens
 
-    def _forward(self, row: int, tokens: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """One forward pass of row ``row`` over tokens [1, n] on top of its cache."""
+    def _forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """One forward pass over tokens [B, n] placed after each row's current length."""
+        num_new = tokens.shape[1]
+        positions = self.lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
+        used = int(positions.max()) + 1
+        if used > self.cache.capacity:
+            self.cache.grow(max(used, 2 * self.cache.capacity))
+        self.cache.positions, self.cache.used = positions, used
+        # row b, query i sees keys at positions <= positions[b, i]: its own prefix, nothing stale
+        visible = torch.arange(used, device=tokens.device)[None, None, :] <= positions[:, :, None]
+        dtype = self.lm.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)  # additive: eager and sdpa alike
         with torch.inference_mode():
-            out = self.lm.model(input_ids=tokens, past_key_values=self.caches[row],
+            out = self.lm.model(input_ids=tokens, position_ids=positions,
+                                attention_mask=mask[:, None], past_key_values=self.cache,
                                 use_cache=True, logits_to_keep=logits_to_keep)
-        self.lengths[row] += tokens.shape[1]
         return out.logits

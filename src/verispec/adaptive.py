@@ -157,9 +157,11 @@ class GoodputPolicy(AdaptivePolicy):
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
         cfg = self.config
-        pooled = (sum(self._accepted) + cfg.prior_acceptance * cfg.prior_weight) / (
-            sum(self._reached) + cfg.prior_weight)
-        return [(acc + pooled * cfg.prior_weight) / (reached + cfg.prior_weight)
+        total_reached = sum(self._reached) + cfg.prior_weight
+        pooled = cfg.prior_acceptance if total_reached <= 0 else (
+            sum(self._accepted) + cfg.prior_acceptance * cfg.prior_weight) / total_reached
+        return [pooled if reached + cfg.prior_weight <= 0 else
+                (acc + pooled * cfg.prior_weight) / (reached + cfg.prior_weight)
                 for acc, reached in zip(self._accepted, self._reached)]
 
     def cost_ratio(self) -> float:

@@ -75,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print one JSON object (text, token_ids, metrics) instead")
     generate.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
     generate.set_defaults(handler=_generate)
+    from .bench_report import add_bench_parser  # the bench command's own module
+
+    add_bench_parser(commands, _add_model_options)
+    from .server.settings import add_settings_arguments  # dataclasses only; no FastAPI import
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                description="Serve the model pair over an OpenAI-compatible "
+                                "HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                                "/health, /metrics). Needs the serve extra: pip install "
+                                "'verispec[serve]'.")
+    add_settings_arguments(serve)
+    serve.set_defaults(handler=_serve)
     return parser
 
 
@@ -134,6 +146,13 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server.run import serve
+    from .server.settings import ServerSettings
+
+    return serve(ServerSettings.from_args(args))
 
 
 def format_metrics(metrics, speculative: bool) -> str:

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from .adaptive import AdaptivePolicy, RoundStats
 from .config import GenerationConfig
 from .errors import EmptyPromptError, IncompatibleModelsError, InputError, TokenOutOfRangeError
-from .metrics import MAX_POSITIONS, GenerationMetrics
+from .metrics import GenerationMetrics, MetricsRecorder
 from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
 from .proposers.draft_model import DraftModelProposer
@@ -107,7 +107,7 @@ class DecodingRun:
         self.finished = torch.zeros(batch_size, dtype=torch.bool)
         self.hit_stop = torch.zeros(batch_size, dtype=torch.bool)
         self.stop_ids = torch.tensor(config.stop_token_ids, dtype=torch.int64)
-        self.metrics = GenerationMetrics(fixed_cost_ratio=config.cost_ratio)
+        self.recorder = MetricsRecorder(config.cost_ratio)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
@@ -116,6 +116,11 @@ class DecodingRun:
         if bool(self.finished.all()):
             raise StopIteration
         return self._round()
+
+    @property
+    def metrics(self) -> GenerationMetrics:
+        """The metrics so far (a frozen snapshot)."""
+        return self.recorder.snapshot()
 
     def result(self) -> GenerationResult:
         reasons = ["stop" if s else "length" for s in self.hit_stop.tolist()]
@@ -188,15 +193,10 @@ class DecodingRun:
             at_least = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)
             at_least = at_least.tolist()  # at_least[j] = rows that accepted >= j tokens
             reached, accepted_at = at_least[:k], at_least[1 : k + 1]
-        padding = [0] * (MAX_POSITIONS - k)
-        self.metrics = self.metrics + replace(
-            GenerationMetrics(),
-            num_rounds=1, num_row_rounds=num_rows, num_drafted=k * num_rows,
-            num_accepted=int(num_accepted.sum()), num_emitted=sum(map(len, chunk.token_ids)),
-            num_draft_steps=k, num_target_calls=1,
-            num_reached=tuple(reached + padding), num_accepted_at=tuple(accepted_at + padding),
-            draft_time=draft_time, target_time=target_time, verify_time=verify_time,
-            wall_time=wall_time, fixed_cost_ratio=self.config.cost_ratio)
+        times = {"draft_time": draft_time, "target_time": target_time,
+                 "verify_time": verify_time, "wall_time": wall_time}
+        self.recorder.record_round(k, num_rows, int(num_accepted.sum()),
+                                   sum(map(len, chunk.token_ids)), reached, accepted_at, times)
         return RoundStats(k, tuple(reached), tuple(accepted_at), draft_time, target_time)
 
 

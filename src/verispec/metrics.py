@@ -47,8 +47,8 @@ class GenerationMetrics:
         summed = {}
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "fixed_cost_ratio":
-                summed[f.name] = a if a == b else None
+            if f.name == "fixed_cost_ratio":  # kept when only one side has it or both agree
+                summed[f.name] = b if a is None else a if (b is None or a == b) else None
             elif isinstance(a, tuple):
                 summed[f.name] = tuple(x + y for x, y in zip(a, b))
             else:
@@ -109,3 +109,40 @@ class GenerationMetrics:
             value = getattr(self, name)
             raw[name] = list(value) if isinstance(value, tuple) else value
         return raw
+
+
+class MetricsRecorder:
+    """Mutable per-generation counters, cheap to update every round; ``snapshot()`` freezes them."""
+
+    def __init__(self, fixed_cost_ratio: float | None = None) -> None:
+        self.fixed_cost_ratio = fixed_cost_ratio
+        self.counts = {"num_rounds": 0, "num_row_rounds": 0, "num_drafted": 0, "num_accepted": 0,
+                       "num_emitted": 0, "num_draft_steps": 0, "num_target_calls": 0}
+        self.times = {"draft_time": 0.0, "target_time": 0.0, "verify_time": 0.0,
+                      "wall_time": 0.0}
+        self.num_reached = [0] * MAX_POSITIONS
+        self.num_accepted_at = [0] * MAX_POSITIONS
+
+    def record_round(self, num_draft_tokens: int, num_rows: int, num_accepted: int,
+                     num_emitted: int, reached: list[int], accepted_at: list[int],
+                     times: dict[str, float]) -> None:
+        """One round: reached[i] / accepted_at[i] count rows tested / accepted at position i."""
+        counts = self.counts
+        counts["num_rounds"] += 1
+        counts["num_row_rounds"] += num_rows
+        counts["num_drafted"] += num_draft_tokens * num_rows
+        counts["num_accepted"] += num_accepted
+        counts["num_emitted"] += num_emitted
+        counts["num_draft_steps"] += num_draft_tokens
+        counts["num_target_calls"] += 1
+        for i, (r, a) in enumerate(zip(reached, accepted_at)):
+            self.num_reached[i] += r
+            self.num_accepted_at[i] += a
+        for name, seconds in times.items():
+            self.times[name] += seconds
+
+    def snapshot(self) -> GenerationMetrics:
+        return GenerationMetrics(**self.counts, **self.times,
+                                 num_reached=tuple(self.num_reached),
+                                 num_accepted_at=tuple(self.num_accepted_at),
+                                 fixed_cost_ratio=self.fixed_cost_ratio)

@@ -171,6 +171,12 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     vocab_size = target_probs.shape[-1]
     num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
+    if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
+        next_tokens = sample_with_noise(target_probs[:, 0], noise)  # [B]
+        zeros = torch.zeros_like(num_draft)
+        return VerifyResult(num_accepted=zeros, output_tokens=next_tokens[:, None],
+                            num_emitted=zeros + 1, first_rejection=zeros,
+                            all_accepted=torch.ones_like(num_draft, dtype=torch.bool))
     rows = torch.arange(batch_size, device=target_probs.device)
 
     # 1. Acceptance test at every proposed position (positions past a row's length count as rejected).
@@ -193,16 +199,13 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
 
     # 2. The next token: residual at the first rejection, or the bonus distribution after position n.
     next_target = target_probs[rows, num_accepted]  # [B, V]
-    first_rejected = num_accepted.clamp(max=max(max_k - 1, 0))
-    if max_k == 0:
-        next_probs = next_target
+    first_rejected = num_accepted.clamp(max=max_k - 1)
+    if draft_probs is None:
+        next_draft = point_mass(safe_tokens[rows, first_rejected], vocab_size)
     else:
-        if draft_probs is None:
-            next_draft = point_mass(draft_tokens[rows, first_rejected].clamp_min(0), vocab_size)
-        else:
-            next_draft = draft_probs[rows, first_rejected]  # [B, V]
-        residual = residual_probs(next_draft, next_target)
-        next_probs = torch.where(all_accepted[:, None], next_target, residual)
+        next_draft = draft_probs[rows, first_rejected]  # [B, V]
+    residual = residual_probs(next_draft, next_target)
+    next_probs = torch.where(all_accepted[:, None], next_target, residual)
     next_tokens = sample_with_noise(next_probs, noise)  # [B]
 
     # 3. Assemble: accepted prefix, then the next token, then padding.

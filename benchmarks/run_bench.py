@@ -1,0 +1,18 @@
+"""Reproduce the README benchmark table: `verispec bench` on the shipped demo pair.
+
+    .venv/bin/python benchmarks/run_bench.py            # writes benchmarks/results/bench_cpu.{json,png}
+
+Extra arguments are passed to `verispec bench` (e.g. --device cuda --dtype bfloat16).
+"""
+
+import sys
+from pathlib import Path
+
+from verispec.cli import main
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    tag = "bench_" + ("gpu" if "cuda" in " ".join(sys.argv[1:]) else "cpu")
+    sys.exit(main(["bench", "--json", str(out / f"{tag}.json"), "--plot", str(out / f"{tag}.png"),
+                   *sys.argv[1:]]))

@@ -1,0 +1,230 @@
+"""``verispec bench``: verispec against plain decoding and Hugging Face assisted generation.
+
+Every method generates exactly ``max_new_tokens`` tokens for the same prompts with the same
+models in one process (no EOS stop, so token counts match). Runs are interleaved (A B C A B C)
+after a warm-up, and each method's figure is the median over repeats, so drift in machine load
+hits all methods alike. Ratios are taken within one run of this command, never across runs.
+
+Methods: verispec plain decoding (the baseline every speedup divides by); transformers
+``generate()`` with the target alone; transformers assisted generation with the same draft at its
+defaults and matched to our k (constant schedule, confidence threshold off); verispec
+speculative at fixed k; verispec with each adaptive policy. Greedy runs also check that every
+method produced the baseline's tokens.
+
+The theoretical speedup uses Leviathan et al.'s (1 - a^(k+1)) / ((1 - a)(k c + 1)) with the
+acceptance rate a and cost ratio c measured in this run (c = one draft step / one plain target
+step, both timed here).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
+from .api import Decoder
+from .config import GenerationConfig, SamplingConfig
+from .metrics import GenerationMetrics
+from .verify import theoretical_speedup
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    max_new_tokens: int = 64
+    repeats: int = 5
+    ks: tuple[int, ...] = (1, 2, 4, 6, 8)
+    hf_ks: tuple[int, ...] = (1, 2, 4, 6, 8)  # assisted generation matched to these k
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    seed: int = 0
+    include_hf: bool = True
+    include_adaptive: bool = True
+
+
+@dataclass
+class MethodResult:
+    """One method at one temperature, aggregated over repeats (medians of per-repeat totals)."""
+
+    name: str
+    kind: str  # "baseline", "hf", "verispec", "adaptive"
+    num_draft_tokens: int | None
+    tokens_per_second: float = 0.0
+    ms_per_token: float = 0.0
+    speedup: float | None = None
+    acceptance_rate: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    mean_accepted_length: float | None = None
+    cost_ratio: float | None = None
+    theoretical_speedup: float | None = None
+    achieved_over_theoretical: float | None = None
+    peak_rss_mb: float | None = None
+    matches_baseline: bool | None = None
+    seconds: list[float] = field(default_factory=list)
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class _Method:
+    """A named generation function over one prompt's ids -> (new token ids, metrics or None)."""
+
+    def __init__(self, name: str, kind: str, k: int | None,
+                 run: Callable[[list[int], int], tuple[list[int], GenerationMetrics | None]]):
+        self.name, self.kind, self.k, self.run = name, kind, k, run
+
+
+def _verispec_method(decoder: Decoder, name: str, kind: str, k: int, speculative: bool,
+                     settings: BenchSettings, temperature: float,
+                     adaptive=None) -> _Method:
+    def run(prompt_ids: list[int], seed: int) -> tuple[list[int], GenerationMetrics]:
+        config = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens, num_draft_tokens=k,
+            sampling=SamplingConfig(temperature=temperature), seed=seed, adaptive=adaptive)
+        result = decoder.engine.generate([prompt_ids], config, speculative=speculative)
+        return result.token_ids[0], result.metrics
+
+    return _Method(name, kind, k if speculative else None, run)
+
+
+def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, matched: bool,
+               settings: BenchSettings, temperature: float) -> _Method:
+    target = decoder.target.model
+    draft = decoder.draft.model if decoder.draft is not None else None
+    sampling = ({"do_sample": False} if temperature == 0 else
+                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0})
+
+    def run(prompt_ids: list[int], seed: int) -> tuple[list[int], None]:
+        kwargs = dict(max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.max_new_tokens,
+                      pad_token_id=decoder.tokenizer.pad_token_id or 0, **sampling)
+        if assisted:
+            kwargs["assistant_model"] = draft
+            config = draft.generation_config
+            saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule,
+                     config.assistant_confidence_threshold)
+            if matched:
+                config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
+                config.assistant_confidence_threshold = 0.0
+        if temperature > 0:
+            torch.manual_seed(seed)  # transformers samples from the global RNG; verispec does not
+        try:
+            with torch.inference_mode():
+                out = target.generate(torch.tensor([prompt_ids], device=target.device), **kwargs)
+        finally:
+            if assisted:
+                (config.num_assistant_tokens, config.num_assistant_tokens_schedule,
+                 config.assistant_confidence_threshold) = saved
+        return out[0, len(prompt_ids):].tolist(), None
+
+    return _Method(name, "hf", k, run)
+
+
+def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float) -> list[_Method]:
+    methods = [_verispec_method(decoder, "verispec plain", "baseline", 1, False, settings,
+                                temperature)]
+    if settings.include_hf:
+        methods.append(_hf_method(decoder, "hf generate (target)", None, False, False, settings,
+                                  temperature))
+        methods.append(_hf_method(decoder, "hf assisted (defaults)", None, True, False, settings,
+                                  temperature))
+        for k in settings.hf_ks:
+            methods.append(_hf_method(decoder, f"hf assisted k={k}", k, True, True, settings,
+                                      temperature))
+    for k in settings.ks:
+        methods.append(_verispec_method(decoder, f"verispec k={k}", "verispec", k, True,
+                                        settings, temperature))
+    if settings.include_adaptive:
+        methods.append(_verispec_method(decoder, "verispec threshold", "adaptive", 4, True,
+                                        settings, temperature, ThresholdPolicyConfig()))
+        methods.append(_verispec_method(decoder, "verispec goodput", "adaptive", 4, True,
+                                        settings, temperature, GoodputPolicyConfig()))
+    return methods
+
+
+def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSettings,
+              temperature: float, progress: Callable[[str], None] | None = None
+              ) -> list[MethodResult]:
+    """Time every method on every prompt, interleaved over repeats; return per-method results."""
+    methods = build_methods(decoder, settings, temperature)
+    results = {m.name: MethodResult(m.name, m.kind, m.k) for m in methods}
+    metrics = {m.name: GenerationMetrics() for m in methods}
+    outputs: dict[str, list[list[int]]] = {}
+    for method in methods:  # warm-up: one prompt each
+        method.run(prompts[0], settings.seed)
+    for repeat in range(settings.repeats):
+        for method in methods:
+            if progress:
+                progress(f"T={temperature} repeat {repeat + 1}/{settings.repeats}: {method.name}")
+            started = time.perf_counter()
+            produced = []
+            for i, prompt in enumerate(prompts):
+                tokens, generation_metrics = method.run(prompt, settings.seed + i)
+                produced.append(tokens)
+                if generation_metrics is not None:
+                    metrics[method.name] = metrics[method.name] + generation_metrics
+            results[method.name].seconds.append(time.perf_counter() - started)
+            results[method.name].peak_rss_mb = _peak_rss_mb()
+            outputs.setdefault(method.name, produced)
+    num_tokens = settings.max_new_tokens * len(prompts)
+    baseline = results[methods[0].name]
+    plain_step = statistics.median(baseline.seconds) / num_tokens
+    for method in methods:
+        _summarise(results[method.name], metrics[method.name], num_tokens, plain_step,
+                   statistics.median(baseline.seconds))
+        if temperature == 0:
+            results[method.name].matches_baseline = outputs[method.name] == outputs[methods[0].name]
+    return [results[m.name] for m in methods]
+
+
+def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int,
+               plain_step: float, baseline_seconds: float) -> None:
+    seconds = statistics.median(result.seconds)
+    result.tokens_per_second = num_tokens / seconds
+    result.ms_per_token = 1000 * seconds / num_tokens
+    result.speedup = baseline_seconds / seconds
+    if metrics.num_drafted:
+        result.acceptance_rate = metrics.acceptance_rate
+        result.per_position_acceptance = [round(x, 4) for x in metrics.per_position_acceptance]
+        result.mean_accepted_length = metrics.mean_accepted_length
+        # c: one draft step over one plain target step (the formula's unit), both measured here
+        result.cost_ratio = (metrics.draft_time / metrics.num_draft_steps) / plain_step
+        k = result.num_draft_tokens if result.kind == "verispec" else round(
+            metrics.mean_num_draft_tokens)
+        result.theoretical_speedup = theoretical_speedup(
+            min(metrics.acceptance_rate, 1.0), max(k, 1), result.cost_ratio)
+        result.achieved_over_theoretical = result.speedup / result.theoretical_speedup
+
+
+def environment() -> dict[str, object]:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "processor": _cpu_name(),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def to_json(results: dict[float, list[MethodResult]], settings: BenchSettings,
+            extra: dict[str, object]) -> str:
+    return json.dumps({"settings": asdict(settings), "environment": environment(), **extra,
+                       "results": {str(t): [asdict(r) for r in rs] for t, rs in results.items()}},
+                      indent=2)

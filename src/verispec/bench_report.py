@@ -1,0 +1,162 @@
+"""``verispec bench`` on the command line: arguments, progress, the table, JSON and the plot.
+
+The measuring lives in bench.py; this module only presents it (rich, matplotlib are the
+``[bench]`` extra and are imported when the command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .bench import BenchSettings, MethodResult, environment, run_bench, to_json
+from .errors import ConfigError
+from .verify import theoretical_speedup
+
+
+def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) -> None:
+    bench = commands.add_parser(
+        "bench", help="time verispec against plain decoding and HF assisted generation",
+        description="Benchmark on held-out prompts: verispec plain (baseline), transformers "
+        "generate, transformers assisted generation (defaults and matched k), verispec at "
+        "fixed k and with adaptive policies; greedy and temperature 1.")
+    add_model_options(bench)
+    bench.add_argument("--prompts", metavar="FILE", help="a JSON list of prompt strings, or a "
+                       "text file with one prompt per line (default: the shipped held-out set)")
+    bench.add_argument("--num-prompts", type=int, default=20, metavar="N", help="default: 20")
+    bench.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
+    bench.add_argument("--repeats", type=int, default=5, metavar="N",
+                       help="timed runs per method (median reported; default: 5)")
+    bench.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8], metavar="K")
+    bench.add_argument("--hf-ks", type=int, nargs="*", default=None, metavar="K",
+                       help="k values for matched HF assisted generation (default: --ks)")
+    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], metavar="T")
+    bench.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch intra-op threads (default: torch's choice)")
+    bench.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
+    bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive policies")
+    bench.add_argument("--seed", type=int, default=0, metavar="S")
+    bench.add_argument("--json", metavar="FILE", help="write all results as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="speedup versus k, with the theory")
+    bench.set_defaults(handler=run_bench_command)
+
+
+def _load_prompts(path: str | None, num_prompts: int) -> list[str]:
+    if path is None:
+        from .demo import heldout_prompts
+
+        prompts = heldout_prompts()
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError:
+            prompts = [line for line in text.splitlines() if line.strip()]
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ConfigError(f"--prompts {path!r}: expected a JSON list of strings or one "
+                              "prompt per line.")
+    if not prompts:
+        raise ConfigError("no prompts to benchmark; --prompts FILE is empty.")
+    return prompts[:num_prompts]
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from .api import load
+
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--repeats, --num-prompts and --max-new-tokens must be >= 1.")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype)
+    prompts = [decoder.tokenizer.encode(p) for p in _load_prompts(args.prompts, args.num_prompts)]
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                             ks=tuple(args.ks),
+                             hf_ks=tuple(args.ks if args.hf_ks is None else args.hf_ks),
+                             temperatures=tuple(args.temperatures),
+                             seed=args.seed, include_hf=not args.no_hf,
+                             include_adaptive=not args.no_adaptive)
+    console = Console(stderr=True)
+    env = environment()
+    console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
+                  f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
+                  f"{env['processor']}, torch {env['torch']}, {args.device} {args.dtype}")
+    all_results: dict[float, list[MethodResult]] = {}
+    with Progress(console=console, transient=True) as progress, torch.inference_mode():
+        task = progress.add_task("bench", total=len(settings.temperatures))
+        for temperature in settings.temperatures:
+            all_results[temperature] = run_bench(
+                decoder, prompts, settings, temperature,
+                progress=lambda text: progress.update(task, description=text))
+            progress.advance(task)
+    out = Console(width=200)  # the table is wide; do not wrap it in pipes and logs
+    for temperature, results in all_results.items():
+        out.print(results_table(results, temperature))
+    extra = {"device": args.device, "dtype": args.dtype, "num_prompts": len(prompts)}
+    if args.json:
+        Path(args.json).write_text(to_json(all_results, settings, extra))
+    if args.plot:
+        plot_speedups(all_results, Path(args.plot))
+    return 0
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def results_table(results: list[MethodResult], temperature: float):
+    from rich.table import Table
+
+    table = Table(title=f"temperature {temperature:g} (speedup over verispec plain)")
+    for column in ("method", "tok/s", "ms/tok", "speedup", "accept", "per-position",
+                   "tok/call", "c", "theory", "ach/theory", "peak MB", "= base"):
+        table.add_column(column, justify="left" if column in ("method", "per-position")
+                         else "right")
+    for r in results:
+        per_position = "/".join(f"{x:.2f}"[1:] if x < 1 else "1" for x in
+                                r.per_position_acceptance[:8])
+        same = "-" if r.matches_baseline is None else ("yes" if r.matches_baseline else "NO")
+        table.add_row(r.name, _fmt(r.tokens_per_second, ".1f"), _fmt(r.ms_per_token),
+                      _fmt(r.speedup), _fmt(r.acceptance_rate), per_position or "-",
+                      _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
+                      _fmt(r.theoretical_speedup), _fmt(r.achieved_over_theoretical),
+                      _fmt(r.peak_rss_mb, ".0f"), same)
+    return table
+
+
+def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(all_results), figsize=(6 * len(all_results), 4.5),
+                             squeeze=False)
+    for ax, (temperature, results) in zip(axes[0], all_results.items()):
+        fixed = [r for r in results if r.kind == "verispec"]
+        ks = [r.num_draft_tokens for r in fixed]
+        ax.plot(ks, [r.speedup for r in fixed], "o-", label="verispec (measured)")
+        drafted = [r for r in fixed if r.acceptance_rate is not None]
+        if drafted:
+            a = sum(r.acceptance_rate for r in drafted) / len(drafted)
+            c = sum(r.cost_ratio for r in drafted) / len(drafted)
+            grid = list(range(1, max(ks) + 1))
+            ax.plot(grid, [theoretical_speedup(a, k, c) for k in grid], "--",
+                    label=f"theory (a={a:.2f}, c={c:.3f})")
+        for r in results:
+            if r.kind == "hf" and r.num_draft_tokens is not None:
+                ax.plot([r.num_draft_tokens], [r.speedup], "s", label=f"{r.name}")
+            elif r.name == "hf assisted (defaults)":
+                ax.axhline(r.speedup, color="gray", linestyle=":", label=r.name)
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_xlabel("k (draft tokens per round)")
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(f"temperature {temperature:g}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -29,10 +29,19 @@ from .models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from .models import fast_llama
 from .models.transformers import TransformersLM, output_width
 from .proposers.draft_model import DraftModelProposer
 
 ModelSource = str | Path | PreTrainedModel
+BACKENDS = ("auto", "fast", "transformers")
+
+
+def wrap_model(model: PreTrainedModel, vocab_size: int, backend: str):
+    """The LanguageModel adapter for ``model`` under ``backend`` (see :func:`load`)."""
+    if backend == "fast" or (backend == "auto" and fast_llama.supports(model)):
+        return fast_llama.FastLlamaLM(model, vocab_size)
+    return TransformersLM(model, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -53,11 +62,14 @@ class Completion:
 
 def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-         num_draft_tokens: int = 4, tokenizer: str | Path | None = None) -> Decoder:
+         num_draft_tokens: int = 4, tokenizer: str | Path | None = None,
+         backend: str = "auto") -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
+    ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
+    (models/fast_llama.py, Llama-architecture only); "auto" picks "fast" where supported.
     """
     if target is None and draft is None:
         from .demo import demo_pair  # the shipped assets; imported only when used
@@ -68,6 +80,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
         raise ConfigError("draft was given without target; pass target=... as well (or neither "
                           "to use the shipped demo pair).")
     GenerationConfig(num_draft_tokens=num_draft_tokens)  # validates the default k early
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
     target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
@@ -76,7 +90,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
         draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
-    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens)
+    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend)
 
 
 def _tokenizer_for(source: ModelSource, tokenizer: str | Path | None, role: str):
@@ -92,14 +106,14 @@ class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
     def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
-                 None = None, num_draft_tokens: int = 4) -> None:
+                 None = None, num_draft_tokens: int = 4, backend: str = "auto") -> None:
         widths = [output_width(target_model)]
         if draft_model is not None:
             widths.append(output_width(draft_model))
         vocab_size = common_vocab_size(tokenizer, *widths)
         self.tokenizer = tokenizer
-        self.target = TransformersLM(target_model, vocab_size)
-        self.draft = None if draft_model is None else TransformersLM(draft_model, vocab_size)
+        self.target = wrap_model(target_model, vocab_size, backend)
+        self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend)
         proposer = None if self.draft is None else DraftModelProposer(self.draft)
         self.engine = SpeculativeDecoder(self.target, proposer)
         self.num_draft_tokens = num_draft_tokens

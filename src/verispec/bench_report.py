@@ -73,7 +73,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ConfigError("--repeats, --num-prompts and --max-new-tokens must be >= 1.")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype)
+    decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
+                   backend=args.backend)
     prompts = [decoder.tokenizer.encode(p) for p in _load_prompts(args.prompts, args.num_prompts)]
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              ks=tuple(args.ks),
@@ -97,7 +98,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     out = Console(width=200)  # the table is wide; do not wrap it in pipes and logs
     for temperature, results in all_results.items():
         out.print(results_table(results, temperature))
-    extra = {"device": args.device, "dtype": args.dtype, "num_prompts": len(prompts)}
+    extra = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
+             "num_prompts": len(prompts)}
     if args.json:
         Path(args.json).write_text(to_json(all_results, settings, extra))
     if args.plot:

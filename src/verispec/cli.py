@@ -42,6 +42,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: float32)")
+    models.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
+                        help="forward implementation: 'fast' is a flat Llama forward, "
+                        "'transformers' the model's own; auto = fast where supported")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args.prompt)
     _check_model_choice(args)
     decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
-                   num_draft_tokens=args.k)
+                   num_draft_tokens=args.k, backend=args.backend)
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, stop=args.stop, num_draft_tokens=args.k,

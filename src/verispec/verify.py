@@ -254,7 +254,7 @@ def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         raise TokenOutOfRangeError(f"draft token id {int(bad[0])} is outside the vocabulary "
                                    f"[0, {vocab_size}); draft and target must share a tokenizer.")
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
-        if probs is not None and not bool(torch.isfinite(probs).all()):
+        if probs is not None and not bool(torch.isfinite(probs.sum())):  # NaN/inf -> sum not finite
             raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
                                  "from verispec.sampling.to_probs.")
     return num_draft

@@ -53,7 +53,8 @@ class AdaptivePolicyConfig:
 
     def __post_init__(self) -> None:
         lo, hi = self.min_num_draft_tokens, self.max_num_draft_tokens
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 32):
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
+        if not (ints and 1 <= lo <= hi <= 32):
             raise ConfigError(
                 f"min_num_draft_tokens={lo!r}, max_num_draft_tokens={hi!r} are invalid: expected "
                 "integers with 1 <= min <= max <= 32.")
@@ -134,7 +135,7 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
                               "number > 0, or None to measure it.")
         if not 0.0 < self.decay <= 1.0:
             raise ConfigError(f"decay={self.decay!r} is invalid: expected 0 < decay <= 1.")
-        if not 0.0 <= self.prior_acceptance <= 1.0 or self.prior_weight < 0:
+        if not (0.0 <= self.prior_acceptance <= 1.0 and 0.0 <= self.prior_weight < math.inf):
             raise ConfigError(f"prior_acceptance={self.prior_acceptance!r} must be in [0, 1] and "
                               f"prior_weight={self.prior_weight!r} >= 0.")
 

@@ -7,10 +7,13 @@ samples from its output and reports exactly that tensor as its probabilities, an
 scores go through the same function, so the acceptance test compares the two distributions that
 were really in play (the exactness requirement of Leviathan et al. 2023, Chen et al. 2023).
 
-Draws use the exponential-race form of Gumbel-max: ``argmax(probs / E)`` with ``E ~ Exp(1)``
-i.i.d. picks index i with probability ``probs[i] / sum(probs)``. It is batched, needs no
-normalisation, never selects a zero-probability entry, and takes the noise from an explicit
-``torch.Generator`` (the global RNG is never touched).
+Two exact draws, both batched, both free of normalisation, both never selecting a
+zero-probability entry, both fed by an explicit ``torch.Generator`` (the global RNG is never
+touched):
+  * :func:`sample` (the draft's per-step draw): inverse CDF, one uniform per row, float64 sums;
+  * :func:`sample_with_noise` (verification's recovered/bonus draw): the exponential race
+    ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d., which picks index i with probability
+    ``probs[i] / sum(probs)`` and lets tests replay the exact noise.
 
 Not here: models, caches, acceptance tests (see verify.py).
 """
@@ -115,6 +118,9 @@ def sample_with_uniform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     """
     cdf = probs.double().cumsum(dim=-1)  # [..., V]
     total = cdf[..., -1:]
+    if not bool(((total > 0) & (total < float("inf"))).all()):  # NaN fails both comparisons
+        raise NonFiniteError("probs has a row with zero, NaN or infinite total mass; expected "
+                             "non-negative finite probabilities with a positive sum per row.")
     threshold = torch.minimum(uniforms.double()[..., None] * total,
                               torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)

@@ -1,0 +1,426 @@
+"""engine.py: the decoding loop's contract (lengths, stops, streaming, seeds, metrics, adaptive k).
+
+The output law itself is tested in test_losslessness.py; here the fixtures are small Markov chains
+and the checks are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from verispec import (
+    GenerationConfig,
+    GenerationMetrics,
+    GoodputPolicyConfig,
+    MarkovLM,
+    SamplingConfig,
+    SpeculativeDecoder,
+    ThresholdPolicyConfig,
+    make_generator,
+    optimal_num_draft_tokens,
+)
+from verispec.adaptive import RoundStats
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+VOCAB_SIZE = 10
+PROMPTS = [[3, 5], [1], [7, 7, 2, 0]]
+GREEDY = SamplingConfig(temperature=0)
+
+
+def _target(order: int = 1, seed: int = 0) -> MarkovLM:
+    return MarkovLM.random(VOCAB_SIZE, make_generator(seed), order=order, zero_fraction=0.2)
+
+
+def _noisy_draft(target: MarkovLM, seed: int = 1, scale: float = 1.0) -> MarkovLM:
+    """A draft that often, not always, agrees with the target."""
+    noise = torch.randn(target.table.shape, generator=make_generator(seed))
+    return MarkovLM(target.table + scale * noise, order=target.order)
+
+
+def _decoder(order: int = 1) -> tuple[SpeculativeDecoder, MarkovLM]:
+    target = _target(order)
+    return SpeculativeDecoder.from_draft_model(target, _noisy_draft(target)), target
+
+
+def _plain_greedy(model: MarkovLM, prompt: list[int], num_new: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(num_new):
+        context.append(int(model.next_logits(context).argmax()))
+    return context[len(prompt):]
+
+
+# --- max_new_tokens --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stops_exactly_at_max_new_tokens(k, max_new_tokens, temperature):
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=k, seed=3,
+                              sampling=SamplingConfig(temperature=temperature))
+    result = decoder.generate(PROMPTS, config)
+    assert [len(row) for row in result.token_ids] == [max_new_tokens] * len(PROMPTS)
+    assert result.finish_reasons == ["length"] * len(PROMPTS)
+    assert result.metrics.num_emitted == max_new_tokens * len(PROMPTS)
+    assert result.metrics.num_target_calls <= max_new_tokens
+    # never drafts past the budget: a round drafts at most (remaining - 1) tokens
+    assert result.metrics.num_drafted <= result.metrics.num_row_rounds * min(k, max_new_tokens - 1)
+    if max_new_tokens == 1:
+        assert result.metrics.num_drafted == 0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 9, 10])
+def test_max_new_tokens_below_k_still_gives_the_greedy_prefix(max_new_tokens):
+    decoder, target = _decoder(order=2)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=8,
+                              sampling=GREEDY, seed=0)
+    result = decoder.generate(PROMPTS, config)
+    assert result.token_ids == [_plain_greedy(target, p, max_new_tokens) for p in PROMPTS]
+
+
+# --- stop tokens -----------------------------------------------------------------------------
+
+
+def _mid_chunk_stop(sequence: list[int], chunk: int) -> tuple[int, int]:
+    """A token whose first occurrence is inside a chunk of ``chunk`` tokens, not at its end."""
+    for position, token in enumerate(sequence):
+        if sequence.index(token) == position and position % chunk not in (0, chunk - 1):
+            return token, position
+    raise AssertionError(f"no mid-chunk first occurrence in {sequence}")
+
+
+def test_stop_token_in_the_middle_of_an_accepted_chunk():
+    # draft == target at temperature 0: every round accepts all k = 8 and emits 9 tokens, so the
+    # stop token sits inside a round's accepted chunk, and the tokens after it were accepted too.
+    target = _target(order=2, seed=5)
+    decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(target.table.clone(), 2))
+    prompt = [4, 2]
+    plain = _plain_greedy(target, prompt, 60)
+    stop_token, position = _mid_chunk_stop(plain, 9)
+    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=8, sampling=GREEDY, seed=0,
+                              stop_token_ids=(stop_token,))
+    run = decoder.stream([prompt], config)
+    chunks = [chunk.token_ids[0] for chunk in run]
+    result = run.result()
+    assert result.token_ids == [plain[: position + 1]]
+    assert result.finish_reasons == ["stop"]
+    assert chunks[-1][-1] == stop_token and stop_token not in chunks[-1][:-1]
+    # the last round produced more tokens than were emitted: they were cut after the stop
+    metrics = result.metrics
+    assert metrics.num_accepted + metrics.num_row_rounds > metrics.num_emitted
+    assert metrics.num_emitted == position + 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stop_cuts_the_sampled_output_at_the_first_stop(seed):
+    # Batch 1: until the stop, the rounds (and so the random draws) are the same as without a
+    # stop token, so the output is the stop-free output cut after its first stop token.
+    decoder, _ = _decoder(order=2)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, seed=seed)
+    free = decoder.generate([[3, 5]], config).token_ids[0]
+    stop_token = free[len(free) // 3]
+    stopped = decoder.generate([[3, 5]], replace(config, stop_token_ids=(stop_token,)))
+    first = free.index(stop_token)
+    assert stopped.token_ids == [free[: first + 1]]
+    assert stopped.finish_reasons == ["stop"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_stop_tokens_in_a_sampled_batch(k):
+    decoder, _ = _decoder(order=1)
+    stops = (2, 6)
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, seed=11,
+                              stop_token_ids=stops)
+    result = decoder.generate(PROMPTS * 4, config)
+    reasons = set()
+    for tokens, reason in zip(result.token_ids, result.finish_reasons):
+        reasons.add(reason)
+        hits = [i for i, t in enumerate(tokens) if t in stops]
+        if reason == "stop":
+            assert hits == [len(tokens) - 1]  # exactly one stop token, and it is the last
+        else:
+            assert reason == "length" and hits == [] and len(tokens) == 30
+    assert reasons == {"stop", "length"} or reasons == {"stop"}
+    assert result.metrics.num_emitted == sum(map(len, result.token_ids))
+
+
+def test_stop_token_as_the_first_generated_token():
+    target = _target(seed=2)
+    decoder = SpeculativeDecoder.from_draft_model(target, _noisy_draft(target))
+    first = _plain_greedy(target, [3, 5], 1)[0]
+    config = GenerationConfig(max_new_tokens=10, num_draft_tokens=4, sampling=GREEDY, seed=0,
+                              stop_token_ids=(first,))
+    result = decoder.generate([[3, 5]], config)
+    assert result.token_ids == [[first]] and result.finish_reasons == ["stop"]
+
+
+# --- streaming and seeds ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stops", [(), (4,)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stream_chunks_concatenate_to_generate(stops, temperature):
+    decoder, _ = _decoder(order=2)
+    config = GenerationConfig(max_new_tokens=25, num_draft_tokens=3, seed=21,
+                              stop_token_ids=stops,
+                              sampling=SamplingConfig(temperature=temperature))
+    generated = decoder.generate(PROMPTS, config)
+    run = decoder.stream(PROMPTS, config)
+    joined: list[list[int]] = [[] for _ in PROMPTS]
+    previous_finished = [False] * len(PROMPTS)
+    num_chunks = 0
+    for chunk in run:
+        num_chunks += 1
+        assert len(chunk.token_ids) == len(PROMPTS)
+        for row, (tokens, was_done) in enumerate(zip(chunk.token_ids, previous_finished)):
+            assert not (was_done and tokens), "a finished row emitted tokens"
+            joined[row].extend(tokens)
+        assert all(now or not before for now, before in zip(chunk.finished, previous_finished))
+        previous_finished = chunk.finished
+    assert all(previous_finished)
+    assert joined == generated.token_ids
+    assert run.result().token_ids == generated.token_ids
+    assert run.result().finish_reasons == generated.finish_reasons
+    assert run.metrics.num_rounds == num_chunks == generated.metrics.num_rounds
+
+
+def test_same_seed_same_output_different_seed_different_output():
+    decoder, _ = _decoder(order=2)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, seed=7)
+    a = decoder.generate(PROMPTS, config)
+    b = decoder.generate(PROMPTS, config)
+    c = decoder.generate(PROMPTS, replace(config, seed=8))
+    assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
+    assert a.metrics.num_accepted == b.metrics.num_accepted
+    assert a.token_ids != c.token_ids
+
+
+@pytest.mark.parametrize("seed", [0, None])
+def test_generate_leaves_the_global_rng_untouched(seed):
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    decoder, _ = _decoder()
+    decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=20, num_draft_tokens=3, seed=seed))
+    decoder.generate(PROMPTS, GenerationConfig(max_new_tokens=5, seed=seed, sampling=GREEDY),
+                     speculative=False)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_metrics_are_consistent(k, temperature):
+    decoder, _ = _decoder(order=2)
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, seed=5,
+                              sampling=SamplingConfig(temperature=temperature),
+                              stop_token_ids=(9,))
+    result = decoder.generate(PROMPTS, config)
+    m = result.metrics
+    assert m.num_emitted == sum(map(len, result.token_ids))
+    assert m.num_drafted > 0
+    assert m.acceptance_rate == pytest.approx(m.num_accepted / m.num_drafted)
+    assert 0.0 <= m.acceptance_rate <= 1.0
+    rates = m.per_position_acceptance
+    assert 1 <= len(rates) <= k
+    assert all(0.0 <= rate <= 1.0 for rate in rates)
+    assert m.num_reached[0] <= m.num_row_rounds  # rows tested at position 0 in some round
+    # tested positions: each row-round tests its accepted prefix plus at most one rejection
+    assert sum(m.num_reached) <= m.num_drafted
+    assert 0 <= sum(m.num_reached) - sum(m.num_accepted_at) <= m.num_reached[0]
+    assert sum(m.num_accepted_at) == m.num_accepted
+    assert m.mean_accepted_length >= 1.0
+    assert m.mean_accepted_length == pytest.approx((m.num_accepted + m.num_row_rounds)
+                                                   / m.num_row_rounds)
+    assert m.num_target_calls == m.num_rounds
+    assert m.num_row_rounds >= m.num_rounds
+    assert m.wall_time > 0 and m.draft_time >= 0 and m.target_time > 0
+    as_dict = m.to_dict()
+    assert as_dict["acceptance_rate"] == m.acceptance_rate
+    assert len(as_dict["num_reached"]) == len(rates)
+
+
+def test_plain_decoding_metrics():
+    decoder, _ = _decoder()
+    result = decoder.generate([[3, 5]], GenerationConfig(max_new_tokens=12, seed=0),
+                              speculative=False)
+    m = result.metrics
+    assert m.num_drafted == 0 and m.num_accepted == 0
+    assert m.mean_accepted_length == 1.0
+    assert m.acceptance_rate == 0.0
+    assert m.per_position_acceptance == ()
+    assert m.num_target_calls == 12 and m.num_emitted == 12
+
+
+def test_decoder_without_proposer_decodes_plainly():
+    target = _target(order=2)
+    result = SpeculativeDecoder(target).generate(
+        PROMPTS, GenerationConfig(max_new_tokens=15, sampling=GREEDY, seed=0))
+    assert result.token_ids == [_plain_greedy(target, p, 15) for p in PROMPTS]
+    assert result.metrics.num_drafted == 0 and result.metrics.mean_accepted_length == 1.0
+
+
+def test_metrics_addition_sums_counters():
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=4, seed=1, cost_ratio=0.1)
+    a = decoder.generate(PROMPTS, config).metrics
+    b = decoder.generate(PROMPTS[:1], replace(config, num_draft_tokens=2)).metrics
+    total = a + b
+    for name in ("num_rounds", "num_row_rounds", "num_drafted", "num_accepted", "num_emitted",
+                 "num_draft_steps", "num_target_calls"):
+        assert getattr(total, name) == getattr(a, name) + getattr(b, name), name
+    for name in ("draft_time", "target_time", "verify_time", "wall_time"):
+        assert getattr(total, name) == pytest.approx(getattr(a, name) + getattr(b, name))
+    assert total.num_reached == tuple(x + y for x, y in zip(a.num_reached, b.num_reached))
+    assert total.num_accepted_at == tuple(x + y for x, y in zip(a.num_accepted_at,
+                                                               b.num_accepted_at))
+    assert total.acceptance_rate == pytest.approx(
+        (a.num_accepted + b.num_accepted) / (a.num_drafted + b.num_drafted))
+    assert total.fixed_cost_ratio == 0.1
+    assert sum([a, b]) == total  # sum() starts from 0
+    assert sum([a, b], GenerationMetrics()) == total
+    assert (a + replace(b, fixed_cost_ratio=0.2)).fixed_cost_ratio is None  # they differ
+
+
+def test_empty_metrics_is_the_identity_of_addition():
+    # metrics.py documents `sum(..., GenerationMetrics())` as a way to add metrics up exactly;
+    # that needs GenerationMetrics() to be neutral, fixed_cost_ratio included. Regression: the
+    # sum once dropped m's fixed_cost_ratio (None != 0.1 -> None), silently switching
+    # modelled_speedup from the configured ratio to the measured one.
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=10, num_draft_tokens=3, seed=1, cost_ratio=0.1)
+    m = decoder.generate(PROMPTS, config).metrics
+    assert GenerationMetrics() + m == m, "GenerationMetrics() + m lost m.fixed_cost_ratio"
+    assert m + GenerationMetrics() == m
+    assert m.modelled_speedup == (GenerationMetrics() + m).modelled_speedup
+
+
+# --- adaptive speculation depth --------------------------------------------------------------
+
+
+def _stats(k: int, num_rows: int, rate: float) -> RoundStats:
+    """Stats of a round where each tested position is accepted at ``rate``."""
+    reached, accepted, rows = [], [], float(num_rows)
+    for _ in range(k):
+        reached.append(round(rows))
+        rows *= rate
+        accepted.append(round(rows))
+    return RoundStats(k, tuple(reached), tuple(accepted), draft_time=0.01, target_time=0.1)
+
+
+def test_threshold_policy_grows_and_shrinks_within_bounds():
+    config = ThresholdPolicyConfig(min_num_draft_tokens=2, max_num_draft_tokens=6, window=1)
+    policy = config.build(4)
+    assert [policy.next_num_draft_tokens(_stats(4, 10, 1.0)) for _ in range(4)] == [5, 6, 6, 6]
+    policy = config.build(4)
+    assert [policy.next_num_draft_tokens(_stats(4, 10, 0.0)) for _ in range(4)] == [3, 2, 2, 2]
+    policy = config.build(4)
+    assert policy.next_num_draft_tokens(_stats(4, 100, 0.6)) == 4  # between the thresholds
+    assert config.build(9).num_draft_tokens == 6  # the initial k is clamped
+
+
+def test_threshold_policy_pools_over_its_window():
+    # a large round at rate 0.5, then a tiny round at rate 0: pooled over a window of 3 the rate
+    # is 93 / 189 = 0.49 (keep k); judged on the last round alone it is 0 (shrink)
+    pooled = ThresholdPolicyConfig(window=3).build(4)
+    last_only = ThresholdPolicyConfig(window=1).build(4)
+    for policy in (pooled, last_only):
+        assert policy.next_num_draft_tokens(_stats(4, 100, 0.5)) == 4
+    assert pooled.next_num_draft_tokens(_stats(4, 2, 0.0)) == 4
+    assert last_only.next_num_draft_tokens(_stats(4, 2, 0.0)) == 3
+
+
+def _greedy_engine_run(draft_table: torch.Tensor, target: MarkovLM, adaptive):
+    decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(draft_table, target.order))
+    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=4, sampling=GREEDY, seed=0,
+                              adaptive=adaptive)
+    run = decoder.stream(PROMPTS, config)
+    for _ in run:
+        pass
+    return run
+
+
+def test_threshold_policy_through_the_engine():
+    target = _target(order=2, seed=8)
+    plain = [_plain_greedy(target, p, 60) for p in PROMPTS]
+    adaptive = ThresholdPolicyConfig(min_num_draft_tokens=1, max_num_draft_tokens=12, window=1)
+    # draft == target: acceptance 1 -> k grows
+    run = _greedy_engine_run(target.table.clone(), target, adaptive)
+    assert run.result().token_ids == plain
+    assert run.num_draft_tokens > 4 and run.metrics.acceptance_rate == 1.0
+    assert run.metrics.mean_num_draft_tokens > 4
+    # draft's argmax is the target's argmin: every draft token rejected -> k shrinks to 1
+    run = _greedy_engine_run(-target.table.nan_to_num(neginf=-1e4), target, adaptive)
+    assert run.result().token_ids == plain
+    assert run.metrics.acceptance_rate == 0.0 and run.num_draft_tokens == 1
+
+
+def test_goodput_policy_picks_large_k_for_good_cheap_drafts_and_min_for_bad_costly_ones():
+    good = GoodputPolicyConfig(cost_ratio=0.02, max_num_draft_tokens=16).build(4)
+    for _ in range(10):
+        k_good = good.next_num_draft_tokens(_stats(4, 200, 0.95))
+    assert k_good >= 8
+    bad = GoodputPolicyConfig(cost_ratio=1.0, max_num_draft_tokens=16).build(4)
+    for _ in range(10):
+        k_bad = bad.next_num_draft_tokens(_stats(4, 200, 0.1))
+    assert k_bad == 1
+    bad_with_floor = GoodputPolicyConfig(cost_ratio=1.0, min_num_draft_tokens=3).build(4)
+    assert bad_with_floor.next_num_draft_tokens(_stats(4, 200, 0.1)) == 3
+
+
+@pytest.mark.parametrize("rate, cost_ratio", [(0.75, 0.05), (0.9, 0.1), (0.5, 0.02),
+                                              (0.6, 0.5)])
+def test_goodput_policy_with_exact_estimates_matches_optimal_num_draft_tokens(rate, cost_ratio):
+    # prior_acceptance = rate and observed rate = rate exactly: every estimate equals rate, so
+    # the policy's argmax is the closed-form one
+    policy = GoodputPolicyConfig(cost_ratio=cost_ratio, max_num_draft_tokens=16,
+                                 prior_acceptance=rate).build(4)
+    stats = RoundStats(16, (1000,) * 16, (round(1000 * rate),) * 16, 0.01, 0.1)
+    assert policy.acceptance_estimates() == pytest.approx([rate] * 16)
+    k = policy.next_num_draft_tokens(stats)
+    assert policy.acceptance_estimates() == pytest.approx([rate] * 16)
+    assert k == optimal_num_draft_tokens(rate, cost_ratio, 16)[0]
+
+
+def test_goodput_policy_with_zero_prior_weight_handles_unreached_positions():
+    # GoodputPolicyConfig accepts prior_weight=0 (its check is prior_weight >= 0), so the policy
+    # must cope with positions no round has reached yet (reached = 0, nothing to shrink towards).
+    # Regression: acceptance_estimates once divided 0 by 0 there (ZeroDivisionError).
+    policy = GoodputPolicyConfig(cost_ratio=0.1, max_num_draft_tokens=8, prior_weight=0.0
+                                 ).build(4)
+    k = policy.next_num_draft_tokens(_stats(4, 10, 0.8))
+    assert 1 <= k <= 8
+    assert all(0.0 <= rate <= 1.0 for rate in policy.acceptance_estimates())
+    # all-rejected round: every position past 0 unreached
+    assert 1 <= policy.next_num_draft_tokens(_stats(4, 10, 0.0)) <= 8
+
+
+def test_goodput_policy_through_the_engine_keeps_the_greedy_output():
+    target = _target(order=2, seed=9)
+    plain = [_plain_greedy(target, p, 60) for p in PROMPTS]
+    adaptive = GoodputPolicyConfig(cost_ratio=0.05, max_num_draft_tokens=12)
+    run = _greedy_engine_run(target.table.clone(), target, adaptive)
+    assert run.result().token_ids == plain
+    assert run.num_draft_tokens == 12  # perfect, cheap draft: the maximum
+    run = _greedy_engine_run(_noisy_draft(target, scale=2.0).table, target,
+                             GoodputPolicyConfig(cost_ratio=0.5, max_num_draft_tokens=12))
+    assert run.result().token_ids == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_adaptive_runs_respect_max_new_tokens_and_metrics(temperature):
+    decoder, _ = _decoder(order=2)
+    for adaptive in (ThresholdPolicyConfig(max_num_draft_tokens=8), GoodputPolicyConfig()):
+        config = GenerationConfig(max_new_tokens=33, num_draft_tokens=2, seed=4,
+                                  adaptive=adaptive,
+                                  sampling=SamplingConfig(temperature=temperature))
+        result = decoder.generate(PROMPTS, config)
+        assert [len(row) for row in result.token_ids] == [33] * len(PROMPTS)
+        assert len(result.metrics.per_position_acceptance) <= adaptive.max_num_draft_tokens
+        assert result.metrics.num_emitted == 33 * len(PROMPTS)

@@ -1,0 +1,117 @@
+"""OpenAI response bodies and stream chunks for the two endpoints.
+
+Every body and the last chunk of every stream carry ``usage`` and an extra top-level
+``speculation`` summary (clients built on the openai package keep unknown fields:
+``response.model_extra["speculation"]``):
+
+    "speculation": {"num_draft_tokens": 4, "drafted": 60, "accepted": 41,
+                    "acceptance_rate": 0.683, "mean_accepted_length": 3.73,
+                    "per_position_acceptance": [0.8, 0.7, 0.6, 0.6]}
+
+num_draft_tokens is the k the request ran with (0 for plain decoding); mean_accepted_length is
+the tokens produced per target call (see verispec.metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from ..api import Completion
+
+DONE_LINE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, object]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def usage(completion: Completion) -> dict[str, int]:
+    num_completion = len(completion.token_ids)
+    return {"prompt_tokens": completion.num_prompt_tokens, "completion_tokens": num_completion,
+            "total_tokens": completion.num_prompt_tokens + num_completion}
+
+
+def speculation(completion: Completion, num_draft_tokens: int) -> dict[str, object]:
+    metrics = completion.metrics
+    return {"num_draft_tokens": num_draft_tokens, "drafted": metrics.num_drafted,
+            "accepted": metrics.num_accepted, "acceptance_rate": metrics.acceptance_rate,
+            "mean_accepted_length": metrics.mean_accepted_length,
+            "per_position_acceptance": list(metrics.per_position_acceptance)}
+
+
+class _Format:
+    """What the two endpoints share: id, creation time, model name, the summary fields."""
+
+    id_prefix = ""
+
+    def __init__(self, model: str, num_draft_tokens: int) -> None:
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+
+    def _envelope(self, object_name: str, choice: dict[str, object],
+                  completion: Completion | None = None) -> dict[str, object]:
+        body: dict[str, object] = {"id": self.id, "object": object_name, "created": self.created,
+                                   "model": self.model, "choices": [choice]}
+        if completion is not None:
+            body["usage"] = usage(completion)
+            body["speculation"] = speculation(completion, self.num_draft_tokens)
+        return body
+
+
+class CompletionFormat(_Format):
+    """/v1/completions: object "text_completion" for the body and for each chunk."""
+
+    id_prefix = "cmpl-"
+
+    def body(self, completion: Completion) -> dict[str, object]:
+        return self._envelope("text_completion", self._choice(completion.text,
+                                                              completion.finish_reason),
+                              completion)
+
+    def opening_chunks(self) -> list[dict[str, object]]:
+        return []
+
+    def delta_chunk(self, text: str) -> dict[str, object]:
+        return self._envelope("text_completion", self._choice(text, None))
+
+    def final_chunk(self, completion: Completion) -> dict[str, object]:
+        return self._envelope("text_completion", self._choice("", completion.finish_reason),
+                              completion)
+
+    @staticmethod
+    def _choice(text: str, finish_reason: str | None) -> dict[str, object]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+class ChatFormat(_Format):
+    """/v1/chat/completions: "chat.completion", or "chat.completion.chunk" when streaming (a
+    first chunk carries the assistant role, as OpenAI's does)."""
+
+    id_prefix = "chatcmpl-"
+
+    def body(self, completion: Completion) -> dict[str, object]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                  "logprobs": None, "finish_reason": completion.finish_reason}
+        return self._envelope("chat.completion", choice, completion)
+
+    def opening_chunks(self) -> list[dict[str, object]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def delta_chunk(self, text: str) -> dict[str, object]:
+        return self._chunk({"content": text}, None)
+
+    def final_chunk(self, completion: Completion) -> dict[str, object]:
+        return self._chunk({}, completion.finish_reason, completion)
+
+    def _chunk(self, delta: dict[str, str], finish_reason: str | None,
+               completion: Completion | None = None) -> dict[str, object]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", choice, completion)
+
+
+ResponseFormat = CompletionFormat | ChatFormat

@@ -1,0 +1,114 @@
+"""Server settings: one frozen dataclass that is also the source of the ``verispec serve`` flags.
+
+Each field's metadata holds its help text (and, where the flag name differs from the field name,
+the flag), so the CLI and the Python API cannot drift apart (the llama-cpp-python server does the
+same with pydantic-settings). This module imports neither FastAPI nor torch: ``verispec --help``
+stays fast and works without the ``serve`` extra.
+
+    settings = ServerSettings(port=8080, api_key="secret")
+    app = create_app(verispec.load(), settings)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+from ..config import MAX_NUM_DRAFT_TOKENS
+from ..errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _setting(default: object, help: str, *, flag: str | None = None, metavar: str | None = None,
+             choices: tuple[str, ...] | None = None, value_type: type | None = None):
+    """A field whose metadata describes its flag; value_type only where the default cannot
+    tell it (a None default)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar,
+                                            "choices": choices, "value_type": value_type})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How ``verispec serve`` loads its models and which requests it accepts."""
+
+    target: str | None = _setting(None, "target model directory (default: the shipped demo "
+                                  "target)", metavar="DIR")
+    draft: str | None = _setting(None, "draft model directory (default: the shipped demo draft "
+                                 "when --target is not given)", metavar="DIR")
+    no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
+                              "code path")
+    device: str = _setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = _setting("float32", "model dtype", choices=DTYPES)
+    num_draft_tokens: int = _setting(4, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a "
+                                     "request may override it with num_draft_tokens",
+                                     flag="--k", metavar="N")
+    threads: int | None = _setting(None, "torch intra-op threads of the server process "
+                                   "(default: torch's choice; 1 is fastest for small models on "
+                                   "a busy machine)", metavar="N", value_type=int)
+    host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the "
+                         "network", metavar="ADDR")
+    port: int = _setting(8000, "TCP port", metavar="PORT")
+    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' on /v1 routes",
+                                   metavar="KEY")
+    model_name: str = _setting("verispec", "the model id served; requests naming another model "
+                               "get 404", metavar="NAME")
+    max_tokens_limit: int = _setting(1024, "largest max_tokens a request may ask for (also the "
+                                     "cap when a request omits max_tokens)", metavar="N")
+    max_prompt_tokens: int = _setting(2048, "longest prompt in tokens; longer prompts get 413",
+                                      metavar="N")
+    max_queue: int = _setting(64, "requests that may wait behind the running one; more get 503",
+                              metavar="N")
+    max_body_bytes: int = _setting(1 << 20, "largest request body in bytes; larger bodies get 413",
+                                   metavar="N")
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.target is None:
+            raise ConfigError("--draft was given without --target; pass both, or neither for "
+                              "the shipped demo pair.")
+        if self.target is not None and self.draft is None and not self.no_draft:
+            raise ConfigError("--target was given without --draft; pass --draft DIR, or "
+                              "--no-draft to serve plain decoding.")
+        _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "k", self.num_draft_tokens,
+               f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")
+        _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
+        _check(self.threads is None or self.threads >= 1, "threads", self.threads,
+               "an integer >= 1, or no --threads for torch's default")
+        _check(self.api_key is None or bool(self.api_key), "api_key", self.api_key,
+               "a non-empty key, or no --api-key for an open server")
+        _check(bool(self.model_name), "model_name", self.model_name, "a non-empty name")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        for name in ("max_tokens_limit", "max_prompt_tokens", "max_queue", "max_body_bytes"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        """Settings from the namespace of a parser set up by :func:`add_settings_arguments`."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per :class:`ServerSettings` field (``--max-queue`` for ``max_queue``)."""
+    groups = {"models": parser.add_argument_group("models"),
+              "server": parser.add_argument_group("server")}
+    for f in fields(ServerSettings):
+        meta = f.metadata
+        group = groups["models" if f.name in _MODEL_FIELDS else "server"]
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+            continue
+        value_type = meta["value_type"] or (str if f.default is None else type(f.default))
+        shown = "" if f.default is None else f" (default: {f.default})"
+        group.add_argument(flag, dest=f.name, type=value_type, default=f.default,
+                           metavar=meta["metavar"], choices=meta["choices"],
+                           help=meta["help"] + shown)
+
+
+_MODEL_FIELDS = frozenset({"target", "draft", "no_draft", "device", "dtype", "num_draft_tokens",
+                           "threads"})
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}.")

@@ -19,3 +19,17 @@ def single_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_for_the_suite():
+    """The whole suite runs torch on one intra-op thread.
+
+    Every model in the suite is tiny (or the small demo pair at batch 1), where a thread pool
+    costs more in hand-offs than it gains, and on a 2-core CI machine pytest itself competes for
+    the second core. Results never depend on it: every draw comes from a seeded Generator.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

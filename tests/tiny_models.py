@@ -7,6 +7,7 @@ path (config.json, safetensors, tokenizer files) is exercised.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -67,3 +68,64 @@ def save_model(model, tokenizer, directory: Path) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for the adapter / API / CLI tests: models whose outputs are informative.
+#
+# tiny_llama / tiny_gpt2 tie the output layer to the embeddings, so a random-init model mostly
+# repeats its last token (greedy equality would then compare constant sequences). The untied
+# variants below continue prompts with varied tokens, and layer_dropped_draft gives a smaller
+# draft correlated with its target (greedy acceptance around 0.4), so both the accept and the
+# reject paths of verification run.
+
+
+def untied_llama(vocab_size: int, seed: int, hidden: int = 32, layers: int = 2,
+                 max_positions: int = 256) -> LlamaForCausalLM:
+    torch.manual_seed(seed)  # model init only; never used by verispec itself
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def untied_gpt2(vocab_size: int, seed: int, hidden: int = 32, layers: int = 2,
+                max_positions: int = 256) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4,
+                        n_positions=max_positions, tie_word_embeddings=False, bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def layer_dropped_draft(target, num_layers: int = 1):
+    """A smaller draft: the target's embeddings, first ``num_layers`` blocks and output head."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers  # n_layer for GPT-2, through its attribute map
+    draft = type(target)(config).eval()
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    assert not missing, missing
+    return draft
+
+
+def scripted_llama(vocab_size: int, successors: dict[int, int], hidden: int = 16,
+                   seed: int = 0) -> LlamaForCausalLM:
+    """A real Llama whose next token after token a is successors[a], with probability ~1.
+
+    The attention and MLP output projections are zeroed, so the last hidden state is the
+    current token's embedding; token a (the i-th key) embeds as the basis vector e_i and the
+    output row of successors[a] gets 10 * e_i, a logit gap of ~40 after the final RMSNorm.
+    Needs len(successors) <= hidden.
+    """
+    assert len(successors) <= hidden
+    model = untied_llama(vocab_size, seed, hidden=hidden, layers=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for i, (token, successor) in enumerate(successors.items()):
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(
+                torch.tensor(i), hidden).float()
+            model.lm_head.weight[successor] += 10.0 * model.model.embed_tokens.weight[token]
+    return model

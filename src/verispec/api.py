@@ -250,10 +250,11 @@ class TextStream:
     def _held_back(self, text: str) -> int:
         """Trailing characters not safe to show yet: an incomplete UTF-8 sequence (decoded as
         U+FFFD) or a suffix that starts a stop string."""
-        held = len(text) - len(text.rstrip("\ufffd"))
+        complete = text.rstrip("\ufffd")  # an incomplete character is never a stop prefix
+        prefix = 0
         for s in self.stop:
-            for size in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:size]):
-                    held = max(held, size)
+            for size in range(min(len(s) - 1, len(complete)), 0, -1):
+                if complete.endswith(s[:size]):
+                    prefix = max(prefix, size)
                     break
-        return held
+        return len(text) - len(complete) + prefix

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .bench import BenchSettings, MethodResult, environment, run_bench, to_json
 from .errors import ConfigError
-from .verify import theoretical_speedup
+
+if TYPE_CHECKING:  # the measuring side pulls in torch and transformers: imported when run
+    from .bench import MethodResult
 
 
 def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) -> None:
@@ -64,10 +64,12 @@ def _load_prompts(path: str | None, num_prompts: int) -> list[str]:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
     from rich.progress import Progress
 
     from .api import load
+    from .bench import BenchSettings, environment, run_bench, to_json
 
     if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ConfigError("--repeats, --num-prompts and --max-new-tokens must be >= 1.")
@@ -133,6 +135,8 @@ def results_table(results: list[MethodResult], temperature: float):
 
 def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> None:
     import matplotlib
+
+    from .verify import theoretical_speedup
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

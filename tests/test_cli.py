@@ -1,0 +1,268 @@
+"""The ``verispec`` command line: output streams, --json, stdin, and one-line errors (exit 2).
+
+Most cases call ``verispec.cli.main(argv)`` in-process (capsys), on tiny saved models. A few
+run the installed console script as a real subprocess, because only there is stderr complete
+(library warnings, tracebacks) and the entry point itself exercised; those are started together
+by one module fixture since each pays 5+ s of interpreter and torch start-up. OMP_NUM_THREADS=1
+keeps them from fighting over the shared cores (the output does not depend on it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
+
+import verispec
+from verispec import cli
+from verispec.demo import DemoAssetsMissingError, demo_pair
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("verispec")
+PROMPT = "def add(a, b):"
+SUBPROCESS_TIMEOUT_S = 400  # all of them together; each takes ~5 s on an idle machine
+METRIC_KEYS = ("acceptance_rate", "mean_accepted_length", "draft_time", "target_time")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[str, str]:
+    tokenizer = build_tokenizer()
+    root = tmp_path_factory.mktemp("cli_models")
+    target = untied_llama(len(tokenizer), seed=1, max_positions=128)
+    draft = layer_dropped_draft(target, num_layers=1)
+    return (str(save_model(target, tokenizer, root / "target")),
+            str(save_model(draft, tokenizer, root / "draft")))
+
+
+@pytest.fixture(scope="module")
+def expected_completion(model_dirs):
+    """What the library itself returns for PROMPT (greedy, 12 tokens, k = 4)."""
+    return verispec.load(*model_dirs).generate(PROMPT, max_new_tokens=12)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """cli.main in-process -> (exit status, stdout, stderr); argparse errors exit via SystemExit."""
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def models(model_dirs) -> list[str]:
+    return ["--target", model_dirs[0], "--draft", model_dirs[1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# successful runs, in-process
+
+
+def test_generate_prints_text_to_stdout_and_metrics_to_stderr(model_dirs, expected_completion,
+                                                              capsys):
+    status, out, err = run_main(["generate", PROMPT, *models(model_dirs),
+                                 "--max-new-tokens", "12"], capsys)
+    assert status == 0
+    assert out == expected_completion.text + "\n"
+    assert len(err.splitlines()) == 1
+    assert "acceptance rate" in err and "12 tokens" in err
+
+
+def test_json_output(model_dirs, expected_completion, capsys):
+    status, out, err = run_main(["generate", PROMPT, *models(model_dirs),
+                                 "--max-new-tokens", "12", "--json"], capsys)
+    assert status == 0 and err == ""
+    assert len(out.splitlines()) == 1
+    payload = json.loads(out)
+    assert payload["text"] == expected_completion.text
+    assert payload["token_ids"] == expected_completion.token_ids
+    for key in METRIC_KEYS:
+        assert key in payload["metrics"], key
+    assert payload["metrics"]["draft_time"] > 0
+
+
+def test_no_draft_plain_decoding(model_dirs, expected_completion, capsys):
+    status, out, err = run_main(["generate", PROMPT, "--target", model_dirs[0], "--no-draft",
+                                 "--max-new-tokens", "12"], capsys)
+    assert status == 0
+    assert out == expected_completion.text + "\n"  # greedy: the same tokens without a draft
+    assert len(err.splitlines()) == 1 and "plain decoding" in err
+
+
+def test_prompt_dash_reads_stdin(model_dirs, expected_completion, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    status, out, err = run_main(["generate", "-", *models(model_dirs), "--max-new-tokens", "12",
+                                 "--quiet"], capsys)
+    assert status == 0 and err == ""
+    assert out == expected_completion.text + "\n"
+
+
+def test_sampling_options_reach_the_decoder(model_dirs, capsys):
+    argv = ["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12", "--json",
+            "--temperature", "1.0", "--top-k", "20", "--top-p", "0.9", "--seed", "7", "--k", "2"]
+    first = json.loads(run_main(argv, capsys)[1])
+    again = json.loads(run_main(argv, capsys)[1])
+    assert first["token_ids"] == again["token_ids"]  # seeded
+    expected = verispec.load(*model_dirs).generate(
+        PROMPT, max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=7,
+        num_draft_tokens=2)
+    assert first["token_ids"] == expected.token_ids
+    assert len(first["metrics"]["per_position_acceptance"]) <= 2  # k = 2 was used
+
+
+# ---------------------------------------------------------------------------------------------
+# bad inputs, in-process: exit 2, one line on stderr, nothing on stdout
+
+NO_GPU = not torch.cuda.is_available()
+BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dirs, expected text)
+    "unknown-option": (["x", "--bogus"], "unrecognized arguments: --bogus"),
+    "k-0": (["x", "{models}", "--k", "0"], "num_draft_tokens=0"),
+    "k-33": (["x", "{models}", "--k", "33"], "num_draft_tokens=33"),
+    "k-not-int": (["x", "{models}", "--k", "abc"], "'abc'"),
+    "temperature-neg": (["x", "{models}", "--temperature", "-1"], "temperature=-1"),
+    "top-p-0": (["x", "{models}", "--top-p", "0"], "top_p=0"),
+    "top-p-1.5": (["x", "{models}", "--top-p", "1.5"], "top_p=1.5"),
+    "top-k-0": (["x", "{models}", "--top-k", "0"], "top_k=0"),
+    "max-new-tokens-0": (["x", "{models}", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    "target-missing-path": (["x", "--target", "/nonexistent/verispec-model", "--draft",
+                             "{draft}"], "does not exist"),
+    "hub-id-not-cached": (["x", "--target", "verispec-tests/not-cached", "--draft",
+                           "verispec-tests/not-cached-draft"], "offline"),
+    "draft-without-target": (["x", "--draft", "{draft}"], "--draft was given without --target"),
+    "target-without-draft": (["x", "--target", "{target}"], "--no-draft"),
+    "empty-prompt": (["", "{models}"], "prompt"),
+    "no-prompt": (["{models}"], "prompt"),
+    "dtype-bogus": (["x", "{models}", "--dtype", "bogus"], "invalid choice: 'bogus'"),
+    "device-bogus": (["x", "{models}", "--device", "tpu"], "device='tpu'"),
+    "context-overflow": (["x", "{models}", "--max-new-tokens", "100000"], "context window"),
+    "stop-empty": (["x", "{models}", "--stop", ""], "stop="),
+}
+
+
+def expand(argv: list[str], model_dirs) -> list[str]:
+    expanded = []
+    for arg in argv:
+        if arg == "{models}":
+            expanded += models(model_dirs)
+        else:
+            expanded.append(arg.replace("{target}", model_dirs[0])
+                            .replace("{draft}", model_dirs[1]))
+    return expanded
+
+
+def assert_one_line_error(status, out: str, err: str, expected: str) -> None:
+    assert status == 2, (status, err)
+    assert out == ""
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), repr(err)
+    assert err.startswith("verispec: error: "), err
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(case, model_dirs, capsys):
+    argv, expected = BAD_INPUTS[case]
+    status, out, err = run_main(["generate", *expand(argv, model_dirs)], capsys)
+    assert_one_line_error(status, out, err, expected)
+
+
+def test_empty_stdin_prompt(model_dirs, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    status, out, err = run_main(["generate", "-", *models(model_dirs)], capsys)
+    assert_one_line_error(status, out, err, "prompt")
+
+
+def test_no_command(capsys):
+    status, out, err = run_main([], capsys)
+    assert_one_line_error(status, out, err, "required")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has CUDA")
+def test_cuda_without_gpu(model_dirs, capsys):
+    status, out, err = run_main(["generate", "x", *models(model_dirs), "--device", "cuda"],
+                                capsys)
+    assert_one_line_error(status, out, err, "CUDA is not available")
+
+
+# ---------------------------------------------------------------------------------------------
+# the real console script, as subprocesses started together
+
+
+def demo_available() -> str | None:
+    """None when the demo assets are in place, else why not."""
+    try:
+        demo_pair()
+    except DemoAssetsMissingError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def console_runs(model_dirs) -> dict[str, subprocess.CompletedProcess]:
+    assert CONSOLE_SCRIPT.is_file(), f"the console script is not installed at {CONSOLE_SCRIPT}"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    tiny = models(model_dirs)
+    commands = {  # name -> (argv, stdin)
+        "stdin-json": (["generate", "-", *tiny, "--max-new-tokens", "12", "--json"], PROMPT),
+        "context-overflow": (["generate", "x", *tiny, "--max-new-tokens", "100000"], ""),
+    }
+    if demo_available() is None:
+        commands["demo"] = (["generate", "def fibonacci(n):", "--max-new-tokens", "16"], "")
+    processes = {name: (subprocess.Popen([str(CONSOLE_SCRIPT), *argv], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env=env), stdin)
+                 for name, (argv, stdin) in commands.items()}
+    runs = {}
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+    try:
+        for name, (process, stdin) in processes.items():
+            out, err = process.communicate(stdin, timeout=max(1.0, deadline - time.monotonic()))
+            runs[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    finally:
+        for process, _ in processes.values():
+            if process.poll() is None:  # timed out: end only the processes started here
+                process.kill()
+                process.wait()
+    return runs
+
+
+def test_console_script_stdin_and_json(console_runs, expected_completion):
+    run = console_runs["stdin-json"]
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    payload = json.loads(run.stdout)
+    assert set(payload) >= {"text", "token_ids", "metrics"}
+    for key in METRIC_KEYS:
+        assert key in payload["metrics"], key
+    assert payload["text"] == expected_completion.text
+    assert payload["token_ids"] == expected_completion.token_ids
+
+
+def test_console_script_error_after_loading_is_one_line(console_runs):
+    """The models load (any library warning would show here), then the request is refused."""
+    run = console_runs["context-overflow"]
+    assert_one_line_error(run.returncode, run.stdout, run.stderr, "100000")
+
+
+def test_console_script_on_demo_pair(console_runs):
+    """Needs the shipped demo assets (src/verispec/assets/demo)."""
+    missing = demo_available()
+    if missing is not None:
+        pytest.fail(f"the demo pair assets are missing, so the CLI demo run cannot be tested: "
+                    f"{missing}")
+    run = console_runs["demo"]
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
+    assert "Traceback" not in run.stderr
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert "16 tokens" in run.stderr or "tokens in" in run.stderr
+    assert "acceptance rate" in run.stderr

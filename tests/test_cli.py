@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
+from tiny_models import save_untied_pair
 
 import verispec
 from verispec import cli
@@ -35,12 +35,7 @@ METRIC_KEYS = ("acceptance_rate", "mean_accepted_length", "draft_time", "target_
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> tuple[str, str]:
-    tokenizer = build_tokenizer()
-    root = tmp_path_factory.mktemp("cli_models")
-    target = untied_llama(len(tokenizer), seed=1, max_positions=128)
-    draft = layer_dropped_draft(target, num_layers=1)
-    return (str(save_model(target, tokenizer, root / "target")),
-            str(save_model(draft, tokenizer, root / "draft")))
+    return save_untied_pair(tmp_path_factory.mktemp("cli_models"))
 
 
 @pytest.fixture(scope="module")

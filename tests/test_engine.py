@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from verispec import (
+    FixedDistributionLM,
     GenerationConfig,
     GenerationMetrics,
     GoodputPolicyConfig,
@@ -244,6 +245,25 @@ def test_metrics_are_consistent(k, temperature):
     as_dict = m.to_dict()
     assert as_dict["acceptance_rate"] == m.acceptance_rate
     assert len(as_dict["num_reached"]) == len(rates)
+
+
+def test_token_acceptance_estimates_the_per_token_acceptance_probability():
+    # Context-free draft and target: every tested draft token is accepted with probability
+    # a = sum(min(p, q)) independently, the i.i.d. model of Leviathan et al. token_acceptance
+    # must recover a at k = 8; acceptance_rate (accepted / drafted) must fall well below it,
+    # since tokens after a rejection are drafted but never tested (the control).
+    target_probs = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    draft_probs = torch.tensor([0.3, 0.3, 0.3, 0.1])
+    a = float(torch.minimum(target_probs, draft_probs).sum())  # 0.8
+    decoder = SpeculativeDecoder.from_draft_model(FixedDistributionLM.from_probs(target_probs),
+                                                  FixedDistributionLM.from_probs(draft_probs))
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=8, seed=3,
+                              sampling=SamplingConfig(temperature=1.0))
+    m = decoder.generate([[0]] * 400, config).metrics
+    tested = sum(m.num_reached)
+    assert m.token_acceptance == pytest.approx(a, abs=4 * (a * (1 - a) / tested) ** 0.5)
+    assert m.acceptance_rate < a - 0.15
+    assert m.to_dict()["token_acceptance"] == m.token_acceptance
 
 
 def test_plain_decoding_metrics():

@@ -24,8 +24,12 @@ from verispec import (
     make_generator,
     optimal_num_draft_tokens,
     theoretical_speedup,
+    greedy_tokens,
+    to_probs,
     verify,
+    verify_greedy,
 )
+from verispec.config import SamplingConfig
 from verispec.sampling import sample_noise
 from verispec.verify import (
     PAD_TOKEN,
@@ -209,6 +213,51 @@ def test_point_mass_ragged_row_ignores_out_of_vocab_padding():
     point = verify_with_randomness(draft_tokens, None, target_probs, uniforms, noise,
                                    num_draft_tokens)
     assert point.output_tokens[1].tolist() == [3, 0, PAD_TOKEN]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_verify_greedy_equals_verify_on_point_masses(seed):
+    # Temperature 0: target rows are point masses (to_probs of random logits), the draft is a
+    # point mass; verify with any random numbers and verify_greedy (none drawn) must agree, on a
+    # ragged batch where some draft tokens match the target's argmax and some do not.
+    gen = torch.Generator().manual_seed(seed)
+    batch_size, max_k, vocab_size = 6, 4, 5
+    target_probs = to_probs(torch.randn(batch_size, max_k + 1, vocab_size, generator=gen),
+                            SamplingConfig(temperature=0.0))
+    argmax = target_probs.argmax(-1)[:, :max_k]
+    agree = torch.rand(batch_size, max_k, generator=gen) < 0.7
+    draft_tokens = torch.where(agree, argmax, (argmax + 1) % vocab_size)
+    num_draft = torch.randint(0, max_k + 1, (batch_size,), generator=gen)
+    expected = verify(draft_tokens, None, target_probs, make_generator(seed + 100), num_draft)
+    result = verify_greedy(draft_tokens, target_probs, num_draft)
+    assert result.output_tokens.tolist() == expected.output_tokens.tolist()
+    assert result.num_accepted.tolist() == expected.num_accepted.tolist()
+    # and the outcome is the argmax rule: accept while the draft equals the target's argmax
+    for row in range(batch_size):
+        n = int(result.num_accepted[row])
+        assert draft_tokens[row, :n].tolist() == argmax[row, :n].tolist()
+        assert int(result.output_tokens[row, n]) == int(target_probs[row, n].argmax())
+
+
+def test_verify_greedy_rejects_a_wrong_draft_token_of_a_sampled_target():
+    # Negative control for the shortcut: on a target that is NOT a point mass, verify_greedy is
+    # not a valid verifier; its contract is temperature 0 only. Here the draft token has p = 0.5,
+    # which verify accepts about half the time, and verify_greedy (uniform 0) always accepts:
+    # the two differ, so the engine must only call it at temperature 0.
+    draft_tokens = torch.tensor([[1]])
+    target_probs = _tensor([[[0.5, 0.5], [1.0, 0.0]]])
+    outcomes = {int(verify(draft_tokens, None, target_probs, make_generator(s)).num_accepted[0])
+                for s in range(40)}
+    assert outcomes == {0, 1}
+    assert int(verify_greedy(draft_tokens, target_probs).num_accepted[0]) == 1
+
+
+def test_greedy_tokens_ties_go_to_the_lowest_id_and_non_finite_raises():
+    assert greedy_tokens(torch.tensor([[0.0, 2.0, 2.0], [5.0, 5.0, 1.0]])).tolist() == [1, 0]
+    with pytest.raises(NonFiniteError):
+        greedy_tokens(torch.tensor([[0.0, float("nan")]]))
+    with pytest.raises(NonFiniteError):
+        greedy_tokens(torch.tensor([[-float("inf"), -float("inf")]]))
 
 
 def test_zero_draft_tokens_is_a_plain_target_sample():

@@ -129,3 +129,15 @@ def scripted_llama(vocab_size: int, successors: dict[int, int], hidden: int = 16
                 torch.tensor(i), hidden).float()
             model.lm_head.weight[successor] += 10.0 * model.model.embed_tokens.weight[token]
     return model
+
+
+def save_untied_pair(root: Path) -> tuple[str, str]:
+    """An untied tiny Llama target and its layer-dropped draft, saved under root -> their dirs.
+
+    The pair the CLI and bench tests drive through the command line (128 positions).
+    """
+    tokenizer = build_tokenizer()
+    target = untied_llama(len(tokenizer), seed=1, max_positions=128)
+    draft = layer_dropped_draft(target, num_layers=1)
+    return (str(save_model(target, tokenizer, root / "target")),
+            str(save_model(draft, tokenizer, root / "draft")))

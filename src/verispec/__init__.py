@@ -23,13 +23,14 @@ from .errors import (
 from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
 from .proposers import DraftModelProposer, Proposal
-from .sampling import make_generator, sample, to_probs
+from .sampling import greedy_tokens, make_generator, sample, to_probs
 from .verify import (
     VerifyResult,
     expected_tokens_per_step,
     optimal_num_draft_tokens,
     theoretical_speedup,
     verify,
+    verify_greedy,
 )
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "GenerationConfig", "SamplingConfig", "ThresholdPolicyConfig", "GoodputPolicyConfig",
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "Proposal",
-    "make_generator", "sample", "to_probs", "verify", "VerifyResult",
+    "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_greedy",
+    "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

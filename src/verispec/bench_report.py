@@ -117,7 +117,7 @@ def results_table(results: list[MethodResult], temperature: float):
     from rich.table import Table
 
     table = Table(title=f"temperature {temperature:g} (speedup over verispec plain)")
-    for column in ("method", "tok/s", "ms/tok", "speedup", "accept", "per-position",
+    for column in ("method", "tok/s", "ms/tok", "speedup", "accept", "a", "per-position",
                    "tok/call", "c", "theory", "ach/theory", "peak MB", "= base"):
         table.add_column(column, justify="left" if column in ("method", "per-position")
                          else "right")
@@ -126,7 +126,8 @@ def results_table(results: list[MethodResult], temperature: float):
                                 r.per_position_acceptance[:8])
         same = "-" if r.matches_baseline is None else ("yes" if r.matches_baseline else "NO")
         table.add_row(r.name, _fmt(r.tokens_per_second, ".1f"), _fmt(r.ms_per_token),
-                      _fmt(r.speedup), _fmt(r.acceptance_rate), per_position or "-",
+                      _fmt(r.speedup), _fmt(r.acceptance_rate), _fmt(r.token_acceptance),
+                      per_position or "-",
                       _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
                       _fmt(r.theoretical_speedup), _fmt(r.achieved_over_theoretical),
                       _fmt(r.peak_rss_mb, ".0f"), same)
@@ -147,9 +148,9 @@ def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> N
         fixed = [r for r in results if r.kind == "verispec"]
         ks = [r.num_draft_tokens for r in fixed]
         ax.plot(ks, [r.speedup for r in fixed], "o-", label="verispec (measured)")
-        drafted = [r for r in fixed if r.acceptance_rate is not None]
+        drafted = [r for r in fixed if r.token_acceptance is not None]
         if drafted:
-            a = sum(r.acceptance_rate for r in drafted) / len(drafted)
+            a = sum(r.token_acceptance for r in drafted) / len(drafted)
             c = sum(r.cost_ratio for r in drafted) / len(drafted)
             grid = list(range(1, max(ks) + 1))
             ax.plot(grid, [theoretical_speedup(a, k, c) for k in grid], "--",

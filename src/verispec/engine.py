@@ -32,7 +32,7 @@ from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
 from .proposers.draft_model import DraftModelProposer
 from .sampling import make_generator, to_probs
-from .verify import verify
+from .verify import verify, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,10 @@ class DecodingRun:
         target_time = _synced_elapsed(target_started, target_probs)
         # 3. verify
         verify_started = time.perf_counter()
-        result = verify(draft_tokens, draft_probs, target_probs, self.generator)
+        if self.config.sampling.is_greedy:  # point masses throughout: no random numbers
+            result = verify_greedy(draft_tokens, target_probs)
+        else:
+            result = verify(draft_tokens, draft_probs, target_probs, self.generator)
         # 4. commit / rewind both sides to the accepted prefix + the new token
         self.target.commit(result.num_accepted, result.next_tokens)
         if self.proposer is not None:

@@ -65,6 +65,18 @@ class GenerationMetrics:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
     @property
+    def token_acceptance(self) -> float:
+        """The per-token acceptance probability a of Leviathan et al.'s formulas, estimated.
+
+        accepted / tested: a draft token is tested only if every token before it in its round
+        was accepted, so the tokens after a rejection do not count (acceptance_rate counts
+        them, which makes it fall with k even when a does not). Under the i.i.d. model this is
+        the maximum-likelihood estimate of a. Example: k = 4, one round accepting 2 -> 2 / 3.
+        """
+        tested = sum(self.num_reached)
+        return sum(self.num_accepted_at) / tested if tested else 0.0
+
+    @property
     def per_position_acceptance(self) -> tuple[float, ...]:
         return tuple(acc / reached for acc, reached in zip(self.num_accepted_at, self.num_reached)
                      if reached > 0)
@@ -103,7 +115,7 @@ class GenerationMetrics:
         used = len(self.per_position_acceptance)
         raw["num_reached"] = list(self.num_reached[:used])
         raw["num_accepted_at"] = list(self.num_accepted_at[:used])
-        for name in ("acceptance_rate", "per_position_acceptance", "mean_accepted_length",
+        for name in ("acceptance_rate", "token_acceptance", "per_position_acceptance", "mean_accepted_length",
                      "mean_num_draft_tokens", "cost_ratio", "modelled_speedup",
                      "tokens_per_second"):
             value = getattr(self, name)

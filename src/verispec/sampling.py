@@ -46,11 +46,8 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     _check_floating("logits", logits)
     logits = logits.float()
     if sampling.is_greedy:
-        # amax propagates NaN and +inf, and is -inf only for a row with no finite logit.
-        if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
-            raise NonFiniteError(_NON_FINITE_LOGITS)
-        greedy_tokens = logits.argmax(dim=-1, keepdim=True)  # first maximal index = lowest id
-        return torch.zeros_like(logits).scatter_(-1, greedy_tokens, 1.0)
+        tokens = greedy_tokens(logits)[..., None]
+        return torch.zeros_like(logits).scatter_(-1, tokens, 1.0)
     logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -63,6 +60,20 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     if not bool(torch.isfinite(probs.sum())):
         raise NonFiniteError(_NON_FINITE_LOGITS)
     return probs
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The temperature-0 choice: the argmax of logits [..., V], ties to the lowest id. -> [...].
+
+    to_probs at temperature 0 is the point mass on exactly this token; a greedy draft calls
+    this directly because it reports no distribution (it is verified as a point mass).
+    Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
+    """
+    _check_floating("logits", logits)
+    # amax propagates NaN and +inf, and is -inf only for a row with no finite logit.
+    if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        raise NonFiniteError(_NON_FINITE_LOGITS)
+    return logits.argmax(dim=-1)  # first maximal index = lowest id
 
 
 _NON_FINITE_LOGITS = (

@@ -67,10 +67,13 @@ class FastLlamaLM:
         self.embed_weight = inner.embed_tokens.weight  # [V_model, E]
         self.norm_weight = inner.norm.weight
         rotary = inner.rotary_emb
-        self.inv_freq = rotary.inv_freq.float()  # [D/2]
-        self.rope_scaling = float(rotary.attention_scaling)
+        self.rotary = RotaryTable(rotary.inv_freq, float(rotary.attention_scaling), self.dtype,
+                                  self._device)
+        # exact for float32 (F.rms_norm computes what LlamaRMSNorm does); half precisions
+        # follow LlamaRMSNorm's casts step for step
+        self.rms_norm = _fused_rms_norm if self.dtype == torch.float32 else _rms_norm
         # weights pulled out of the modules once: attribute lookups per call cost more than the
-        # arithmetic at batch 1 (they reference the model's tensors; nothing is copied)
+        # arithmetic at batch 1; q/k/v and gate/up are fused in place (see _fuse_linears)
         self.layers = [_LayerWeights(layer) for layer in inner.layers]
         # the output head restricted to the vocabulary once, not per call: [V, E]
         self.head_weight = model.get_output_embeddings().weight[:vocab_size]
@@ -82,64 +85,114 @@ class FastLlamaLM:
     def new_session(self) -> FastLlamaSession:
         return FastLlamaSession(self)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                used: int, logits_to_keep: int = 0) -> torch.Tensor:
-        """tokens, positions [B, n] -> logits [B, n or logits_to_keep, V]; writes the cache."""
-        dtype = self.dtype
-        hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
-        cos, sin = self._rotary(positions, dtype)  # [B, 1, n, D] each
-        visible = torch.arange(used, device=tokens.device)[None, None, :] <= positions[:, :, None]
-        mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
-        mask = mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, n, used]
-        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]  # [B, 1]
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int,
+                cache: KVCache, used: int, logits_to_keep: int = 0) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n or logits_to_keep, V]; writes the cache.
+
+        Two ways to place the tokens. Uniform rows (batch 1, or every row holding ``start``
+        tokens): ``positions`` is None and row b's tokens go to start .. start + n - 1, so cache
+        writes are slices and a single new token needs no mask. Ragged rows: ``positions`` [B, n]
+        gives each token's position; writes are indexed and a [B, 1, n, used] mask hides what a
+        row must not see (its stale tail, other rows' padding).
+        """
         batch, num_new = tokens.shape
-        gqa = self.num_heads != self.num_kv_heads
+        hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
+        cos, sin = self.rotary.lookup(positions, start, num_new, used)  # [B or 1, n, 1, D] each
+        mask = _attention_mask(positions, start, num_new, used, tokens.device)
+        rows = None if positions is None else torch.arange(batch, device=tokens.device)[:, None]
+        num_qk_heads = self.num_heads + self.num_kv_heads
         for w, keys, values in zip(self.layers, cache.keys, cache.values):
-            x = _rms_norm(hidden, w.input_norm, self.eps)
-            query = F.linear(x, w.q, w.q_bias).view(batch, num_new, -1, self.head_dim)
-            key = F.linear(x, w.k, w.k_bias).view(batch, num_new, -1, self.head_dim)
-            value = F.linear(x, w.v, w.v_bias).view(batch, num_new, -1, self.head_dim)
-            query = query.transpose(1, 2)  # [B, H, n, D]
-            key = key.transpose(1, 2)  # [B, Hkv, n, D]
-            query = query * cos + _rotate_half(query) * sin
-            key = key * cos + _rotate_half(key) * sin
-            keys[rows, :, positions] = key.transpose(1, 2)  # cache [B, Hkv, T, D] at positions
-            values[rows, :, positions] = value
+            x = self.rms_norm(hidden, w.input_norm, self.eps)
+            qkv = w.project_qkv(x).view(batch, num_new, -1, self.head_dim)  # [B, n, H+2Hkv, D]
+            # rotate queries and keys together: one pass over [B, n, H+Hkv, D]
+            qk = qkv[:, :, :num_qk_heads]
+            qk = qk * cos + _rotate_half(qk) * sin
+            query = qk[:, :, : self.num_heads].transpose(1, 2)  # [B, H, n, D]
+            key = qk[:, :, self.num_heads:]  # [B, n, Hkv, D]
+            value = qkv[:, :, num_qk_heads:]  # [B, n, Hkv, D]
+            if positions is None:
+                keys[:, :, start : start + num_new] = key.transpose(1, 2)
+                values[:, :, start : start + num_new] = value.transpose(1, 2)
+            else:  # advanced indices around a slice: the indexed view is [B, n, Hkv, D]
+                keys[rows, :, positions] = key
+                values[rows, :, positions] = value
             out = F.scaled_dot_product_attention(
                 query, keys[:, :, :used], values[:, :, :used], attn_mask=mask,
-                scale=self.scaling, enable_gqa=gqa)
+                scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
             out = out.transpose(1, 2).reshape(batch, num_new, -1)
             hidden = hidden + F.linear(out, w.o, w.o_bias)
-            x = _rms_norm(hidden, w.post_norm, self.eps)
-            gate = F.silu(F.linear(x, w.gate, w.gate_bias))
-            hidden = hidden + F.linear(gate * F.linear(x, w.up, w.up_bias), w.down, w.down_bias)
+            x = self.rms_norm(hidden, w.post_norm, self.eps)
+            gate, up = w.project_gate_up(x)
+            hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        hidden = _rms_norm(hidden, self.norm_weight, self.eps)
+        hidden = self.rms_norm(hidden, self.norm_weight, self.eps)
         return F.linear(hidden, self.head_weight)
 
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """LlamaRotaryEmbedding (default rope): cos, sin [B, 1, n, D] for positions [B, n]."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = (angles.cos() * self.rope_scaling).to(dtype)
-        sin = (angles.sin() * self.rope_scaling).to(dtype)
-        return cos[:, None], sin[:, None]
+
+def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, used: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """Which cached keys each new token may attend to (True = visible), or None for all.
+
+    Uniform rows: token i sits at start + i and sees keys 0 .. start + i, a causal band
+    [1, 1, n, used]; a single token sees every key (None). Ragged rows: [B, 1, n, used] from the
+    positions, so no row sees its stale tail or past its own position.
+    """
+    if positions is None:
+        if num_new == 1:
+            return None
+        return torch.ones((num_new, used), dtype=torch.bool, device=device).tril_(start)[None, None]
+    visible = torch.arange(used, device=device)[None, None, :] <= positions[:, :, None]
+    return visible[:, None]
 
 
 class _LayerWeights:
-    """One decoder layer's tensors, looked up once."""
+    """One decoder layer's tensors, looked up once; q/k/v and gate/up fused."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        for name, linear in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj),
-                             ("o", attn.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj),
-                             ("down", mlp.down_proj)):
-            setattr(self, name, linear.weight)
-            setattr(self, f"{name}_bias", linear.bias)
+        self.qkv, self.qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up, self.gate_up_bias = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        self.gate_width = mlp.gate_proj.weight.shape[0]
+        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
+        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, n, E] -> queries, keys, values side by side [B, n, (H + 2 Hkv) D]."""
+        return F.linear(x, self.qkv, self.qkv_bias)
+
+    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, n, E] -> gate, up [B, n, I] each, from one matmul."""
+        gate_up = F.linear(x, self.gate_up, self.gate_up_bias)
+        return gate_up[..., : self.gate_width], gate_up[..., self.gate_width :]
+
+
+def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum of outputs, in] (and bias) for linears that read the same input.
+
+    One matmul instead of several saves a dispatch per linear, which is most of a small model's
+    step at batch 1. The modules' own weights are re-pointed at views of the fused tensor (the
+    same values), so fusing costs no memory and the transformers forward still runs on them.
+    Wrap a model after moving it (``.to(...)`` gives the modules new tensors).
+    """
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        offset = 0
+        for linear in linears:
+            width = linear.weight.shape[0]
+            linear.weight.data = weight[offset : offset + width]
+            offset += width
+        if all(linear.bias is None for linear in linears):
+            return weight, None
+        return weight, torch.cat([
+            linear.bias if linear.bias is not None else weight.new_zeros(linear.weight.shape[0])
+            for linear in linears])
+
+
+def _fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(hidden, weight.shape, weight, eps)
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,6 +200,39 @@ def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     as_float = hidden.float()
     normed = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(hidden.dtype)
+
+
+class RotaryTable:
+    """cos and sin of default RoPE for positions 0 .. T-1 [T, D], computed once, grown by doubling.
+
+    The same arithmetic as LlamaRotaryEmbedding (fp32 angles position * inv_freq, cos/sin
+    times attention_scaling, cast to the model dtype), so the values are identical; looking
+    them up per step replaces a dozen small ops.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.inv_freq = inv_freq.float().to(device)  # [D/2]
+        self.scaling, self.dtype = scaling, dtype
+        self.cos = self.sin = torch.empty((0, 2 * self.inv_freq.shape[0]), dtype=dtype,
+                                          device=device)
+
+    def lookup(self, positions: torch.Tensor | None, start: int, num_new: int, used: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [B, n] -> [B, n, 1, D]; for None, start .. start+n-1 -> [1, n, 1, D]."""
+        if used > self.cos.shape[0]:
+            self._grow(max(used, 2 * self.cos.shape[0], 256))
+        if positions is None:
+            window = slice(start, start + num_new)
+            return self.cos[window][None, :, None], self.sin[window][None, :, None]
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+    def _grow(self, size: int) -> None:
+        positions = torch.arange(size, device=self.inv_freq.device).float()
+        freqs = positions[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        self.cos = (angles.cos() * self.scaling).to(self.dtype)
+        self.sin = (angles.sin() * self.scaling).to(self.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -177,27 +263,30 @@ class KVCache:
 
 
 class FastLlamaSession:
-    """Same protocol and cache semantics as transformers.TransformersSession."""
+    """Same protocol and cache semantics as transformers.TransformersSession.
+
+    Row lengths are kept on the host: every row holding the same number of tokens (always at
+    batch 1) selects the uniform path of :meth:`FastLlamaLM.forward` without a device sync.
+    """
 
     def __init__(self, lm: FastLlamaLM) -> None:
         self.lm = lm
         self.cache = KVCache(lm, 0, 0)
-        self.lengths = torch.zeros(0, dtype=torch.int64)  # [B]
+        self.lengths: list[int] = []  # tokens held per row
         self.num_rows = 0
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         longest = max((len(p) for p in prompts), default=0)
         self.num_rows = len(prompts)
         self.cache = KVCache(self.lm, self.num_rows, max(128, 2 * longest))
-        self.lengths = torch.zeros(self.num_rows, dtype=torch.int64, device=self.lm.device)
+        self.lengths = [0] * self.num_rows
         if longest == 0:
             return
         padded = torch.zeros((self.num_rows, longest), dtype=torch.int64)
         for row, prompt in enumerate(prompts):  # right-padded; padding is masked, then overwritten
             padded[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
         self._forward(padded.to(self.lm.device), logits_to_keep=1)
-        self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64,
-                                    device=self.lm.device)
+        self.lengths = [len(p) for p in prompts]
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V]."""
@@ -205,16 +294,23 @@ class FastLlamaSession:
             raise ShapeError(f"extend expects tokens [B={self.num_rows}, n]; got "
                              f"{tuple(tokens.shape)}.")
         logits = self._forward(tokens.to(self.lm.device))
-        self.lengths = self.lengths + tokens.shape[1]
+        self.lengths = [length + tokens.shape[1] for length in self.lengths]
         return logits
 
     def rewind(self, num_tokens: torch.Tensor) -> None:
-        num_tokens = torch.as_tensor(num_tokens, dtype=torch.int64, device=self.lengths.device)
-        self.lengths = self.lengths - num_tokens
+        dropped = torch.as_tensor(num_tokens, dtype=torch.int64).reshape(-1).tolist()
+        if len(dropped) != self.num_rows or min(dropped, default=0) < 0:
+            raise ShapeError(f"rewind expects [B={self.num_rows}] counts >= 0; got {dropped}.")
+        self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
     def _forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        positions = self.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        used = int(positions.max()) + 1
+        num_new = tokens.shape[1]
+        start = self.lengths[0]
+        used = max(self.lengths) + num_new
+        positions = None  # uniform rows
+        if any(length != start for length in self.lengths):
+            lengths = torch.tensor(self.lengths, dtype=torch.int64, device=tokens.device)
+            positions = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
         self.cache.ensure(used)
         with torch.inference_mode():
-            return self.lm.forward(tokens, positions, self.cache, used, logits_to_keep)
+            return self.lm.forward(tokens, positions, start, self.cache, used, logits_to_keep)

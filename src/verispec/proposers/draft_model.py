@@ -22,7 +22,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import LanguageModel, LMSession
-from ..sampling import sample, to_probs
+from ..sampling import greedy_tokens, sample, to_probs
 from .base import Proposal
 
 
@@ -54,16 +54,16 @@ class DraftModelSession:
         draft_tokens, draft_probs = [], []
         for _ in range(num_draft_tokens):
             logits = self.session.extend(inputs)[:, -1]  # [B, V]
-            probs = to_probs(logits, self.sampling)  # [B, V] fp32, what the token is drawn from
             if self.sampling.is_greedy:
-                token = probs.argmax(dim=-1)  # deterministic: verified as a point mass
+                token = greedy_tokens(logits)  # deterministic: verified as a point mass
             else:
+                probs = to_probs(logits, self.sampling)  # [B, V] fp32, what token is drawn from
                 token = sample(probs, generator)
+                draft_probs.append(probs)
             draft_tokens.append(token)
-            draft_probs.append(probs)
             inputs = token[:, None]
         self._proposal = torch.stack(draft_tokens, dim=1)  # [B, K]
-        stacked_probs = None if self.sampling.is_greedy else torch.stack(draft_probs, dim=1)
+        stacked_probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, K, V]
         return Proposal(self._proposal, stacked_probs)
 
     def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:

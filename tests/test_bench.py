@@ -1,0 +1,63 @@
+"""``verispec bench``: the measurement's structure and its correctness checks, on tiny models.
+
+Timings are not asserted (speed is measured by running the bench, never in tests); what is
+asserted is what the table claims: every method ran, greedy outputs of every method (ours and
+transformers' assisted generation) equal the plain baseline token for token, the theory column
+uses the per-token acceptance a, and the JSON and plot are written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_models import save_untied_pair
+
+from verispec import cli
+from verispec.verify import theoretical_speedup
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[str, str]:
+    return save_untied_pair(tmp_path_factory.mktemp("bench_models"))
+
+
+def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nfor i in\nclass Point:\n")
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    status = cli.main(["bench", "--target", model_dirs[0], "--draft", model_dirs[1],
+                       "--prompts", str(prompts), "--max-new-tokens", "10", "--repeats", "1",
+                       "--ks", "1", "3", "--temperatures", "0", "1", "--threads", "1",
+                       "--json", str(out_json), "--plot", str(out_png)])
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "verispec k=3" in table and "hf assisted k=3" in table
+    report = json.loads(out_json.read_text())
+    assert report["num_prompts"] == 3 and report["environment"]["threads"] == 1
+    greedy, sampled = report["results"]["0.0"], report["results"]["1.0"]
+    names = [r["name"] for r in greedy]
+    assert names == ["verispec plain", "hf generate (target)", "hf assisted (defaults)",
+                     "hf assisted k=1", "hf assisted k=3", "verispec k=1", "verispec k=3",
+                     "verispec threshold", "verispec goodput"]
+    assert [r["name"] for r in sampled] == names
+    assert all(r["matches_baseline"] is True for r in greedy), [
+        r["name"] for r in greedy if not r["matches_baseline"]]
+    for r in greedy + sampled:
+        assert r["tokens_per_second"] > 0 and r["speedup"] > 0
+        if r["kind"] == "verispec":
+            a, k, c = r["token_acceptance"], r["num_draft_tokens"], r["cost_ratio"]
+            assert 0.0 <= r["acceptance_rate"] <= a <= 1.0  # accepted/drafted <= accepted/tested
+            assert r["theoretical_speedup"] == pytest.approx(theoretical_speedup(a, k, c))
+            assert r["achieved_over_theoretical"] == pytest.approx(
+                r["speedup"] / r["theoretical_speedup"])
+    assert out_png.stat().st_size > 10_000
+
+
+def test_bench_rejects_bad_settings_with_one_line(model_dirs, capsys):
+    status = cli.main(["bench", "--target", model_dirs[0], "--draft", model_dirs[1],
+                       "--repeats", "0"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "--repeats" in err

@@ -51,6 +51,7 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
             a, k, c = r["token_acceptance"], r["num_draft_tokens"], r["cost_ratio"]
             assert 0.0 <= r["acceptance_rate"] <= a <= 1.0  # accepted/drafted <= accepted/tested
             assert r["theoretical_speedup"] == pytest.approx(theoretical_speedup(a, k, c))
+            assert c > 0 and r["verify_cost"] > 0
             assert r["achieved_over_theoretical"] == pytest.approx(
                 r["speedup"] / r["theoretical_speedup"])
     assert out_png.stat().st_size > 10_000

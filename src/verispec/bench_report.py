@@ -118,7 +118,7 @@ def results_table(results: list[MethodResult], temperature: float):
 
     table = Table(title=f"temperature {temperature:g} (speedup over verispec plain)")
     for column in ("method", "tok/s", "ms/tok", "speedup", "accept", "a", "per-position",
-                   "tok/call", "c", "theory", "ach/theory", "peak MB", "= base"):
+                   "tok/call", "c", "v", "theory", "ach/theory", "peak MB", "= base"):
         table.add_column(column, justify="left" if column in ("method", "per-position")
                          else "right")
     for r in results:
@@ -129,6 +129,7 @@ def results_table(results: list[MethodResult], temperature: float):
                       _fmt(r.speedup), _fmt(r.acceptance_rate), _fmt(r.token_acceptance),
                       per_position or "-",
                       _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
+                      _fmt(r.verify_cost),
                       _fmt(r.theoretical_speedup), _fmt(r.achieved_over_theoretical),
                       _fmt(r.peak_rss_mb, ".0f"), same)
     return table

@@ -1,6 +1,8 @@
 """Reproduce the README benchmark table: `verispec bench` on the shipped demo pair.
 
-    .venv/bin/python benchmarks/run_bench.py            # writes benchmarks/results/bench_cpu.{json,png}
+    .venv/bin/python benchmarks/run_bench.py --ks 1 2 3 4 6 8   # the README table (make bench)
+
+writes benchmarks/results/bench_cpu.{json,png}.
 
 Extra arguments are passed to `verispec bench` (e.g. --device cuda --dtype bfloat16).
 """

@@ -172,8 +172,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     device = target_probs.device
-    uniforms = torch.zeros((batch_size, max_k), device=device)  # accept iff 0 < p(x), p(x) in {0, 1}
-    noise = torch.ones((batch_size, target_probs.shape[-1]), device=device)  # argmax of a point mass
+    uniforms = torch.zeros((batch_size, max_k), device=device)  # accept iff 0 < p(x) in {0, 1}
+    noise = torch.ones((batch_size, target_probs.shape[-1]), device=device)  # argmax of p
     return verify_with_randomness(draft_tokens, None, target_probs, uniforms, noise,
                                   num_draft_tokens)
 

@@ -7,8 +7,12 @@ Why: for the small models speculative decoding pairs with (and for every draft),
 forward at batch 1 spends most of its time in Python module dispatch, not in arithmetic; that
 fixed cost is what makes a draft step expensive relative to a target step (the cost ratio c).
 This module runs the same computation as ``LlamaForCausalLM`` as one function over the model's
-own weight tensors (no copies), with the same preallocated per-row KV cache semantics as
-transformers.py (position-indexed writes, free rewind, ragged rows).
+own weight tensors (no copies: q/k/v and gate/up are fused in place, see _fuse_linears), with
+the same preallocated per-row KV cache semantics as transformers.py (position-indexed writes,
+free rewind, ragged rows). Per step it issues about 20 ops a layer; at batch 1 on a CPU each
+costs a few microseconds whatever its size, which is what bounds a small draft's step.
+torch.compile was measured and does not pay here: the demo draft's step went 0.89 -> 0.74 ms
+after a 12 s compile per shape, with logits that differ from the eager ones by ~3e-6.
 
 It is a fast path with a reference: tests/test_fast_llama.py checks its logits against the
 transformers forward and its greedy output against ``generate()``. ``supports()`` admits only
@@ -219,7 +223,8 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor | None, start: int, num_new: int, used: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions [B, n] -> [B, n, 1, D]; for None, start .. start+n-1 -> [1, n, 1, D]."""
+        """cos, sin [B, n, 1, D] for positions [B, n]; [1, n, 1, D] for start .. start + n - 1
+        when positions is None (uniform rows). ``used`` bounds every position (grows the table)."""
         if used > self.cos.shape[0]:
             self._grow(max(used, 2 * self.cos.shape[0], 256))
         if positions is None:

@@ -239,17 +239,27 @@ def test_verify_greedy_equals_verify_on_point_masses(seed):
         assert int(result.output_tokens[row, n]) == int(target_probs[row, n].argmax())
 
 
-def test_verify_greedy_rejects_a_wrong_draft_token_of_a_sampled_target():
+def test_verify_greedy_is_not_a_verifier_for_sampled_targets():
     # Negative control for the shortcut: on a target that is NOT a point mass, verify_greedy is
-    # not a valid verifier; its contract is temperature 0 only. Here the draft token has p = 0.5,
-    # which verify accepts about half the time, and verify_greedy (uniform 0) always accepts:
-    # the two differ, so the engine must only call it at temperature 0.
+    # not valid (its contract is temperature 0). Draft token 1 has p = 0.5: verify accepts it
+    # about half the time, verify_greedy never (the target's argmax is token 0), so the engine
+    # must only call it at temperature 0.
     draft_tokens = torch.tensor([[1]])
     target_probs = _tensor([[[0.5, 0.5], [1.0, 0.0]]])
     outcomes = {int(verify(draft_tokens, None, target_probs, make_generator(s)).num_accepted[0])
                 for s in range(40)}
     assert outcomes == {0, 1}
-    assert int(verify_greedy(draft_tokens, target_probs).num_accepted[0]) == 1
+    assert int(verify_greedy(draft_tokens, target_probs).num_accepted[0]) == 0
+
+
+def test_verify_greedy_checks_its_inputs():
+    with pytest.raises(ShapeError):
+        verify_greedy(torch.tensor([[1, 2]]), torch.zeros(1, 2, 4))  # needs K+1 = 3 positions
+    with pytest.raises(NonFiniteError):
+        verify_greedy(torch.tensor([[1]]), torch.tensor([[[0.0, float("nan")], [1.0, 0.0]]]))
+    with pytest.raises(TokenOutOfRangeError):
+        verify_greedy(torch.tensor([[7]]), to_probs(torch.zeros(1, 2, 4),
+                                                    SamplingConfig(temperature=0.0)))
 
 
 def test_greedy_tokens_ties_go_to_the_lowest_id_and_non_finite_raises():

@@ -161,21 +161,25 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
 
 def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                   num_draft_tokens: torch.Tensor | None = None) -> VerifyResult:
-    """:func:`verify` at temperature 0, where it needs no random numbers.
+    """:func:`verify` at temperature 0: no random numbers, and no work over the vocabulary.
 
-    With a point-mass draft (draft_probs None) and point-mass target rows, the acceptance
-    ratio p(x) / 1 is 0 or 1 and the recovered / bonus distribution is a point mass, so any
-    uniforms and any noise give the same result: a draft token is accepted iff it is the
-    target's argmax, and the next token is the target's argmax where the prefix stops. This
-    passes uniforms 0 and noise 1 instead of drawing them (two fewer kernels per round).
-    Shapes as in :func:`verify`; target_probs must be point masses (to_probs at temperature 0).
+    With a point-mass draft and point-mass target rows (to_probs at temperature 0), the
+    acceptance ratio p(x) / 1 is 1 when x is the target's token and 0 otherwise, and the
+    residual max(0, p - one_hot(x)) at a rejection is p itself. So: accept while the draft
+    token equals the target's argmax; the next token (recovered or bonus) is the target's
+    argmax where the accepted prefix stops. Equal to :func:`verify` on such inputs for every
+    generator (tests/test_verify.py checks it); on targets that are not point masses it is not
+    a valid verifier, so the engine calls it at temperature 0 only.
+    Shapes as in :func:`verify`.
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
-    device = target_probs.device
-    uniforms = torch.zeros((batch_size, max_k), device=device)  # accept iff 0 < p(x) in {0, 1}
-    noise = torch.ones((batch_size, target_probs.shape[-1]), device=device)  # argmax of p
-    return verify_with_randomness(draft_tokens, None, target_probs, uniforms, noise,
-                                  num_draft_tokens)
+    num_draft = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
+    target_tokens = target_probs.argmax(dim=-1)  # [B, K+1] the target's token at each position
+    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    accepted = valid & (draft_tokens == target_tokens[:, :max_k])  # [B, K]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
+    next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return _assemble(draft_tokens, num_accepted, next_tokens, num_draft)
 
 
 def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -228,6 +232,16 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     next_tokens = sample_with_noise(next_probs, noise)  # [B]
 
     # 3. Assemble: accepted prefix, then the next token, then padding.
+    return _assemble(draft_tokens, num_accepted, next_tokens, num_draft)
+
+
+def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
+              num_draft: torch.Tensor) -> VerifyResult:
+    """Rows of accepted draft tokens, then the next token, then PAD_TOKEN. -> [B, K+1].
+
+    Example: draft [7, 8, 9], num_accepted 1, next token 5 -> [7, 5, PAD, PAD].
+    """
+    batch_size, max_k = draft_tokens.shape
     positions = torch.arange(max_k + 1, device=draft_tokens.device)[None, :]
     padded_draft = torch.cat([draft_tokens, draft_tokens.new_full((batch_size, 1), PAD_TOKEN)], 1)
     output_tokens = torch.where(positions < num_accepted[:, None], padded_draft,
@@ -235,7 +249,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     output_tokens.scatter_(1, num_accepted[:, None], next_tokens[:, None])
     return VerifyResult(num_accepted=num_accepted, output_tokens=output_tokens,
                         num_emitted=num_accepted + 1, first_rejection=num_accepted,
-                        all_accepted=all_accepted)
+                        all_accepted=num_accepted == num_draft)
 
 
 def _check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:

@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/verispec generate "def fibonacci(n):" --max-new-tokens 64 --temperature 0
+	HF_HUB_OFFLINE=1 $(BIN)/verispec generate "def fibonacci(n):" --max-new-tokens 64 --temperature 0 --compare
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q

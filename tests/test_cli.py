@@ -85,6 +85,25 @@ def test_json_output(model_dirs, expected_completion, capsys):
     assert payload["metrics"]["draft_time"] > 0
 
 
+def test_compare_measures_against_plain_decoding(model_dirs, expected_completion, capsys):
+    status, out, err = run_main(["generate", PROMPT, *models(model_dirs),
+                                 "--max-new-tokens", "12", "--compare"], capsys)
+    assert status == 0 and out == expected_completion.text + "\n"
+    summary, measured = err.splitlines()
+    assert "modelled speedup" in summary
+    assert measured.startswith("[measured on this prompt: speculative ")
+    assert "same tokens as plain decoding: yes" in measured
+    status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
+                               "--compare", "--json"], capsys)
+    comparison = json.loads(out)["comparison"]
+    assert comparison["same_tokens"] is True
+    assert comparison["measured_speedup"] == pytest.approx(
+        comparison["speculative_tok_s"] / comparison["plain_tok_s"])
+    status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
+                               "--compare", "--json", "--temperature", "1", "--seed", "3"], capsys)
+    assert json.loads(out)["comparison"]["same_tokens"] is None  # sampled: not comparable
+
+
 def test_no_draft_plain_decoding(model_dirs, expected_completion, capsys):
     status, out, err = run_main(["generate", PROMPT, "--target", model_dirs[0], "--no-draft",
                                  "--max-new-tokens", "12"], capsys)
@@ -140,6 +159,8 @@ BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dir
     "device-bogus": (["x", "{models}", "--device", "tpu"], "device='tpu'"),
     "context-overflow": (["x", "{models}", "--max-new-tokens", "100000"], "context window"),
     "stop-empty": (["x", "{models}", "--stop", ""], "stop="),
+    "compare-without-draft": (["x", "--target", "{target}", "--no-draft", "--compare"],
+                              "--compare"),
 }
 
 

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true",
                           help="print one JSON object (text, token_ids, metrics) instead")
     generate.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
+    generate.add_argument("--compare", action="store_true",
+                          help="then time speculative and plain decoding of the same prompt "
+                          "once more each and report the measured speedup (and, at "
+                          "temperature 0, whether the tokens are identical)")
     generate.set_defaults(handler=_generate)
     from .bench_report import add_bench_parser  # the bench command's own module
 
@@ -131,6 +135,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompt = _read_prompt(args.prompt)
     _check_model_choice(args)
+    if args.compare and args.no_draft:
+        from .errors import ConfigError
+
+        raise ConfigError("--compare times speculative against plain decoding; it needs a "
+                          "draft, so drop --no-draft.")
     decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
                    num_draft_tokens=args.k, backend=args.backend)
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
@@ -142,13 +151,44 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
     completion = stream.completion
+    comparison = _compare(decoder, prompt, args) if args.compare else None
     if args.json:
-        print(json.dumps(completion.to_dict()))
+        print(json.dumps({**completion.to_dict(), **({"comparison": comparison}
+                                                      if comparison else {})}))
         return 0
     sys.stdout.write("\n")
     if not args.quiet:
         print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
+    if comparison is not None:
+        same = comparison["same_tokens"]
+        print(f"[measured on this prompt: speculative {comparison['speculative_tok_s']:.1f} "
+              f"tok/s, plain {comparison['plain_tok_s']:.1f} tok/s, speedup "
+              f"{comparison['measured_speedup']:.2f}x"
+              + ("" if same is None else f"; same tokens as plain decoding: "
+                 f"{'yes' if same else 'NO'}") + "]", file=sys.stderr)
     return 0
+
+
+def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object]:
+    """Time one speculative and one plain generation of the prompt (the streamed run above
+    warmed both models up). Same settings and seed; tokens compared at temperature 0 only,
+    where they must be identical (sampled runs draw different, equally distributed tokens)."""
+    import time
+
+    runs = {}
+    for speculative in (True, False):
+        started = time.perf_counter()
+        completion = decoder.generate(
+            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+            num_draft_tokens=args.k, speculative=speculative)
+        runs[speculative] = (completion, time.perf_counter() - started)
+    (fast, fast_s), (plain, plain_s) = runs[True], runs[False]
+    return {"speculative_tok_s": len(fast.token_ids) / fast_s,
+            "plain_tok_s": len(plain.token_ids) / plain_s,
+            "measured_speedup": (plain_s / len(plain.token_ids)) / (fast_s / len(fast.token_ids))
+            if fast.token_ids and plain.token_ids else None,
+            "same_tokens": fast.token_ids == plain.token_ids if args.temperature == 0 else None}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -168,4 +208,4 @@ def format_metrics(metrics, speculative: bool) -> str:
     return (f"{line}; acceptance rate {metrics.acceptance_rate:.2f}, mean accepted length "
             f"{metrics.mean_accepted_length:.2f} tokens/target call, c = "
             f"{'n/a' if c is None else f'{c:.3f}'}, modelled speedup "
-            f"{metrics.modelled_speedup:.2f}x]")
+            f"{metrics.modelled_speedup:.2f}x (formula; --compare measures it)]")

@@ -408,6 +408,54 @@ def test_goodput_policy_with_exact_estimates_matches_optimal_num_draft_tokens(ra
     assert k == optimal_num_draft_tokens(rate, cost_ratio, 16)[0]
 
 
+def _timed_stats(k: int, rate: float, draft_step: float, target_call) -> RoundStats:
+    """A round of 1000 rows accepting each tested position at ``rate``, with given timings."""
+    stats = _stats(k, 1000, rate)
+    return replace(stats, draft_time=k * draft_step, target_time=target_call(k))
+
+
+def _true_best_k(rate: float, draft_step: float, target_call, max_k: int) -> int:
+    goodput = {k: sum(rate ** i for i in range(k + 1)) / (k * draft_step + target_call(k))
+               for k in range(1, max_k + 1)}
+    return max(goodput, key=goodput.get)
+
+
+@pytest.mark.parametrize("name, target_call", [
+    ("flat", lambda k: 1.0),  # a GPU-like pass: verifying k + 1 tokens costs one step
+    ("steep", lambda k: 1.0 + 0.5 * k),  # a CPU-like pass: each extra token costs half a step
+    ("mild", lambda k: 1.0 + 0.1 * k),
+])
+def test_goodput_policy_with_measured_costs_finds_the_true_best_k(name, target_call):
+    # The policy only sees the timings of the depths it runs (plus its probes). It must end at
+    # the k maximising E(k) / (k d + T(k)) for the true T; the old cost model (k c + 1, c at
+    # the current depth) drifts to k = 5 in the steep case, where the best is 1.
+    rate, draft_step, max_k = 0.73, 0.25, 8
+    expected = _true_best_k(rate, draft_step, target_call, max_k)
+    policy = GoodputPolicyConfig(max_num_draft_tokens=max_k, prior_acceptance=rate,
+                                 probe_every=8).build(4)
+    k, used = 4, []
+    for _ in range(200):
+        k = policy.next_num_draft_tokens(_timed_stats(k, rate, draft_step, target_call))
+        used.append(k)
+    assert policy.num_draft_tokens == expected, (name, expected, used[-20:])
+    assert used[-20:].count(expected) >= 16  # probes aside, it runs at the best k
+    if name == "steep":
+        assert expected == 1
+    costs = policy.round_costs()
+    for depth in (expected, min(expected + 1, max_k)):  # measured where it runs and probes
+        assert costs[depth - 1] == pytest.approx(depth * draft_step + target_call(depth))
+
+
+def test_goodput_policy_probes_neighbours_only_with_measured_costs():
+    measured = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=4).build(3)
+    given = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=4, cost_ratio=0.2).build(3)
+    never = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=0).build(3)
+    outputs = {name: [policy.next_num_draft_tokens(_stats(3, 100, 0.7)) for _ in range(16)]
+               for name, policy in (("measured", measured), ("given", given), ("never", never))}
+    assert len(set(outputs["measured"])) > 1  # every 4th round a neighbour
+    assert len(set(outputs["given"][2:])) == 1 and len(set(outputs["never"][2:])) == 1
+
+
 def test_goodput_policy_with_zero_prior_weight_handles_unreached_positions():
     # GoodputPolicyConfig accepts prior_weight=0 (its check is prior_weight >= 0), so the policy
     # must cope with positions no round has reached yet (reached = 0, nothing to shrink towards).

@@ -154,6 +154,9 @@ def test_bad_threshold_policy_config(kwargs, fragment):
     ({"decay": 1.5}, "decay=1.5"),
     ({"prior_acceptance": 1.5}, "prior_acceptance=1.5"),
     ({"prior_weight": -1.0}, "prior_weight=-1.0"),
+    ({"probe_every": -1}, "probe_every=-1"),
+    ({"probe_every": 2.5}, "probe_every=2.5"),
+    ({"probe_every": True}, "probe_every=True"),
 ])
 def test_bad_goodput_policy_config(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):

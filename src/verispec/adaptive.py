@@ -4,9 +4,15 @@ Two policies:
   * threshold: grow k by one when the recent acceptance rate is above ``grow_above``, shrink it
     when below ``shrink_below``, always within [min, max] (a common heuristic, e.g. the
     "heuristic" schedule of Hugging Face assisted generation).
-  * goodput: estimate the per-position acceptance rate a_i and the cost ratio c, and pick the k
-    that maximises expected tokens per unit of cost, (1 + sum_{i<k} prod_{j<=i} a_j) / (k c + 1)
-    (Leviathan et al. 2023, section 3.4, with per-position rates instead of one i.i.d. a).
+  * goodput: estimate the per-position acceptance rate a_i and the costs, and pick the k that
+    maximises expected tokens per unit of cost, E(k) = 1 + sum_{i<k} prod_{j<=i} a_j over the
+    cost of a round (Leviathan et al. 2023, section 3.4, with per-position rates instead of
+    one i.i.d. a). With a given cost ratio c the cost is k c + 1 target calls. Otherwise it
+    is measured: k draft steps plus the target call at depth k, T(k), because a pass over
+    k + 1 tokens is not free on every device (on a 2-core CPU T(4) is ~1.8 T(0)); T is the
+    measured mean at each depth used, and a least-squares line through them elsewhere. To see
+    more than one depth, every ``probe_every`` rounds one round runs at a neighbour of the
+    best k.
 
 Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
 one generation, so no state leaks between requests. Policies never change the output law: any k
@@ -118,15 +124,19 @@ class ThresholdPolicy(AdaptivePolicy):
 class GoodputPolicyConfig(AdaptivePolicyConfig):
     """Pick k maximising expected tokens per unit cost from running estimates.
 
-    cost_ratio: c = draft step time / target step time; None measures it as rounds go.
+    cost_ratio: c = draft step time / target step time, with a target call costing the same
+        at every depth; None measures draft steps and target calls per depth as rounds go.
     decay: weight kept by old observations each round (exponential forgetting).
     prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
+    probe_every: with measured costs, one round in this many runs at a neighbouring k so that
+        T(k) is measured at more than one depth; 0 never probes.
     """
 
     cost_ratio: float | None = None
     decay: float = 0.9
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0
+    probe_every: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,6 +148,10 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         if not (0.0 <= self.prior_acceptance <= 1.0 and 0.0 <= self.prior_weight < math.inf):
             raise ConfigError(f"prior_acceptance={self.prior_acceptance!r} must be in [0, 1] and "
                               f"prior_weight={self.prior_weight!r} >= 0.")
+        if isinstance(self.probe_every, bool) or not (isinstance(self.probe_every, int)
+                                                      and self.probe_every >= 0):
+            raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
+                              ">= 0 (0 never probes).")
 
     def build(self, initial_num_draft_tokens: int) -> GoodputPolicy:
         return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
@@ -152,8 +166,10 @@ class GoodputPolicy(AdaptivePolicy):
         self._accepted = [0.0] * size
         self._draft_step_time = 0.0  # decayed sums: seconds and step counts
         self._draft_steps = 0.0
-        self._target_time = 0.0
-        self._target_calls = 0.0
+        self._target_time = [0.0] * (size + 1)  # decayed seconds of target calls at depth k
+        self._target_calls = [0.0] * (size + 1)
+        self._num_rounds = 0
+        self._probe_up = True  # the side of the next probe
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -166,13 +182,56 @@ class GoodputPolicy(AdaptivePolicy):
                 for acc, reached in zip(self._accepted, self._reached)]
 
     def cost_ratio(self) -> float:
+        """c = draft step / target call (pooled over depths): given, measured, or 0.1 at first."""
         if self.config.cost_ratio is not None:
             return self.config.cost_ratio
-        if self._draft_steps == 0 or self._target_calls == 0 or self._target_time <= 0:
+        calls, seconds = sum(self._target_calls), sum(self._target_time)
+        if self._draft_steps == 0 or calls == 0 or seconds <= 0:
             return 0.1  # a typical small-draft ratio until something is measured
-        return (self._draft_step_time / self._draft_steps) / (self._target_time / self._target_calls)
+        return (self._draft_step_time / self._draft_steps) / (seconds / calls)
+
+    def round_costs(self) -> list[float] | None:
+        """Measured cost of a round at k = 1 .. max, in seconds; None until anything is timed.
+
+        k draft steps plus T(k): the mean target call at depth k where measured, else a
+        least-squares line through the measured depths (weights: their decayed counts; slope
+        >= 0); one measured depth gives a flat T, the formula's assumption.
+        """
+        if self.config.cost_ratio is not None or self._draft_steps == 0:
+            return None
+        seen = [(k, seconds / calls, calls) for k, (seconds, calls) in
+                enumerate(zip(self._target_time, self._target_calls)) if calls > 1e-9]
+        if not seen:
+            return None
+        weight = sum(w for _, _, w in seen)
+        mean_k = sum(k * w for k, _, w in seen) / weight
+        mean_t = sum(t * w for _, t, w in seen) / weight
+        spread = sum(w * (k - mean_k) ** 2 for k, _, w in seen)
+        slope = 0.0 if spread <= 0 else max(0.0, sum(
+            w * (k - mean_k) * (t - mean_t) for k, t, w in seen) / spread)
+        measured = {k: t for k, t, w in seen if w >= 0.5}  # a depth timed recently enough
+        draft_step = self._draft_step_time / self._draft_steps
+        return [k * draft_step + measured.get(k, mean_t + slope * (k - mean_k))
+                for k in range(1, self.config.max_num_draft_tokens + 1)]
 
     def next_num_draft_tokens(self, stats: RoundStats) -> int:
+        self._observe(stats)
+        rates = self.acceptance_estimates()
+        costs = self.round_costs()
+        if costs is None:
+            c = self.cost_ratio()
+            costs = [k * c + 1.0 for k in range(1, self.config.max_num_draft_tokens + 1)]
+        best_k, best_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
+        for k in range(1, self.config.max_num_draft_tokens + 1):
+            prefix *= rates[k - 1]
+            expected += prefix
+            goodput = expected / costs[k - 1]
+            if k >= self.config.min_num_draft_tokens and goodput > best_goodput:
+                best_k, best_goodput = k, goodput
+        self.num_draft_tokens = best_k
+        return self._maybe_probe(best_k)
+
+    def _observe(self, stats: RoundStats) -> None:
         decay = self.config.decay
         self._reached = [r * decay for r in self._reached]
         self._accepted = [a * decay for a in self._accepted]
@@ -182,15 +241,21 @@ class GoodputPolicy(AdaptivePolicy):
                 self._accepted[i] += accepted
         self._draft_step_time = self._draft_step_time * decay + stats.draft_time
         self._draft_steps = self._draft_steps * decay + stats.num_draft_tokens
-        self._target_time = self._target_time * decay + stats.target_time
-        self._target_calls = self._target_calls * decay + 1
-        rates, c = self.acceptance_estimates(), self.cost_ratio()
-        best_k, best_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
-        for k in range(1, self.config.max_num_draft_tokens + 1):
-            prefix *= rates[k - 1]
-            expected += prefix
-            goodput = expected / (k * c + 1.0)
-            if k >= self.config.min_num_draft_tokens and goodput > best_goodput:
-                best_k, best_goodput = k, goodput
-        self.num_draft_tokens = best_k
+        self._target_time = [t * decay for t in self._target_time]
+        self._target_calls = [n * decay for n in self._target_calls]
+        if stats.num_draft_tokens < len(self._target_time):
+            self._target_time[stats.num_draft_tokens] += stats.target_time
+            self._target_calls[stats.num_draft_tokens] += 1
+        self._num_rounds += 1
+
+    def _maybe_probe(self, best_k: int) -> int:
+        """Every probe_every rounds (measured costs only), one round at best_k +- 1."""
+        every = self.config.probe_every
+        if self.config.cost_ratio is not None or every == 0 or self._num_rounds % every:
+            return best_k
+        self._probe_up = not self._probe_up
+        for step in ((1, -1) if self._probe_up else (-1, 1)):
+            probe = self.config.clamp(best_k + step)
+            if probe != best_k:
+                return probe
         return best_k

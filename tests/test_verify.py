@@ -30,7 +30,6 @@ from verispec import (
     verify_greedy,
 )
 from verispec.config import SamplingConfig
-from verispec.sampling import sample_noise
 from verispec.verify import (
     PAD_TOKEN,
     acceptance_probs,
@@ -124,11 +123,13 @@ def test_rejection_mid_draft(seed):
     assert result.first_rejection.tolist() == [n]
 
     uniforms = torch.tensor([[0.3, 0.79, 0.0, 0.0]])
-    noise = torch.ones(1, 6)
-    exact = verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms, noise)
+    next_uniforms = torch.tensor([0.5], dtype=torch.float64)
+    exact = verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms,
+                                   next_uniforms)
     assert exact.output_tokens.tolist() == [[4, 1, 5, PAD_TOKEN, PAD_TOKEN]]
     uniforms = torch.tensor([[0.3, 0.81, 0.0, 0.0]])
-    exact = verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms, noise)
+    exact = verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms,
+                                   next_uniforms)
     assert exact.output_tokens.tolist() == [[4, 0, PAD_TOKEN, PAD_TOKEN, PAD_TOKEN]]
 
 
@@ -205,12 +206,12 @@ def test_point_mass_ragged_row_ignores_out_of_vocab_padding():
     target_probs = torch.full((2, 3, 4), 0.25)
     target_probs[1, 0] = torch.tensor(_one_hot(3, 4))
     target_probs[1, 1] = torch.tensor(_one_hot(0, 4))
-    uniforms, noise = torch.zeros(2, 2), torch.ones(2, 4)
+    uniforms, next_uniforms = torch.zeros(2, 2), torch.zeros(2, dtype=torch.float64)
     num_draft_tokens = torch.tensor([2, 1])
     with_probs = verify_with_randomness(draft_tokens, torch.full((2, 2, 4), 0.25), target_probs,
-                                        uniforms, noise, num_draft_tokens)
+                                        uniforms, next_uniforms, num_draft_tokens)
     assert with_probs.output_tokens[1].tolist() == [3, 0, PAD_TOKEN]
-    point = verify_with_randomness(draft_tokens, None, target_probs, uniforms, noise,
+    point = verify_with_randomness(draft_tokens, None, target_probs, uniforms, next_uniforms,
                                    num_draft_tokens)
     assert point.output_tokens[1].tolist() == [3, 0, PAD_TOKEN]
 
@@ -282,7 +283,8 @@ def test_zero_draft_tokens_is_a_plain_target_sample():
 # --- 2. the batched op against a per-row Python reference ------------------------------------
 
 
-def reference_verify(draft_tokens, draft_probs, target_probs, uniforms, noise, num_draft_tokens):
+def reference_verify(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                     num_draft_tokens):
     """Leviathan et al. Algorithm 1, one row and one position at a time.
 
     Returns output rows (lists of emitted tokens, no padding). The acceptance ratio is computed
@@ -307,7 +309,7 @@ def reference_verify(draft_tokens, draft_probs, target_probs, uniforms, noise, n
             break
         if rejected_at is None:
             final = target_probs[b, int(num_draft_tokens[b])]  # the bonus distribution
-        emitted.append(int(torch.argmax(final / noise[b])))
+        emitted.append(_inverse_cdf(final, float(next_uniforms[b])))
         outputs.append(emitted)
     return outputs
 
@@ -337,12 +339,23 @@ def random_case(seed: int, point_mass_draft: bool = False):
     positions = torch.arange(max_k)[None, :]
     draft_tokens = torch.where(positions < num_draft[:, None], draft_tokens, PAD_TOKEN)
     uniforms = torch.rand((batch_size, max_k), generator=gen)
-    noise = sample_noise((batch_size, vocab_size), gen)
+    next_uniforms = torch.rand((batch_size,), generator=gen, dtype=torch.float64)
     if point_mass_draft:
         draft_probs = None
         # the point-mass path reads draft_tokens at the first rejected position: keep in range
         draft_tokens = draft_tokens.clamp_min(0)
-    return draft_tokens, draft_probs, target_probs, uniforms, noise, num_draft
+    return draft_tokens, draft_probs, target_probs, uniforms, next_uniforms, num_draft
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative mass exceeds u * total, in plain Python floats."""
+    values = [float(x) for x in probs.double()]
+    threshold, running = u * sum(values), 0.0
+    for token, value in enumerate(values):
+        running += value
+        if value > 0 and running > threshold:
+            return token
+    return max(i for i, value in enumerate(values) if value > 0)
 
 
 @pytest.mark.parametrize("point_mass_draft", [False, True], ids=["draft_probs", "point_mass"])
@@ -350,7 +363,7 @@ def test_batched_verify_equals_per_row_reference(point_mass_draft):
     num_rejections = num_bonus = 0
     for seed in range(400):
         case = random_case(seed, point_mass_draft)
-        draft_tokens, draft_probs, target_probs, uniforms, noise, num_draft = case
+        draft_tokens, draft_probs, target_probs, uniforms, next_uniforms, num_draft = case
         result = verify_with_randomness(*case)
         expected = reference_verify(*case)
         got = [row[:n].tolist() for row, n in zip(result.output_tokens, result.num_emitted)]
@@ -364,15 +377,15 @@ def test_batched_verify_equals_per_row_reference(point_mass_draft):
     assert num_rejections > 100 and num_bonus > 100  # both branches well exercised
 
 
-def test_verify_draws_uniforms_then_noise_from_the_generator():
+def test_verify_draws_uniforms_then_next_uniforms_from_the_generator():
     for seed in range(30):
         draft_tokens, draft_probs, target_probs, _, _, num_draft = random_case(seed)
         batch_size, max_k = draft_tokens.shape
         gen = make_generator(1000 + seed)
         uniforms = torch.rand((batch_size, max_k), generator=gen)
-        noise = sample_noise((batch_size, target_probs.shape[-1]), gen)
+        next_uniforms = torch.rand((batch_size,), generator=gen, dtype=torch.float64)
         expected = verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms,
-                                          noise, num_draft)
+                                          next_uniforms, num_draft)
         got = verify(draft_tokens, draft_probs, target_probs, make_generator(1000 + seed),
                      num_draft)
         assert torch.equal(got.output_tokens, expected.output_tokens)
@@ -436,9 +449,21 @@ def test_equal_distributions_have_zero_residual_and_never_nan():
     target_probs = _tensor([[[0.2, 0.0, 0.8], [0.0, 1.0, 0.0]]])
     for token in (0, 2):
         result = verify_with_randomness(torch.tensor([[token]]), draft_probs, target_probs,
-                                        torch.tensor([[0.9999999]]), torch.ones(1, 3))
+                                        torch.tensor([[0.9999999]]),
+                                        torch.tensor([0.5], dtype=torch.float64))
         assert result.num_accepted.tolist() == [0]
         assert int(result.next_tokens) in (0, 2)
+
+
+def test_random_numbers_of_the_wrong_shape_raise_shape_error():
+    draft_tokens, draft_probs, target_probs = torch.tensor([[1]]), torch.full((1, 1, 3), 1 / 3), \
+        torch.full((1, 2, 3), 1 / 3)
+    with pytest.raises(ShapeError, match="next_uniforms"):
+        verify_with_randomness(draft_tokens, draft_probs, target_probs, torch.zeros(1, 1),
+                               torch.ones(1, 3))  # exponential noise [B, V]: the old contract
+    with pytest.raises(ShapeError, match="uniforms"):
+        verify_with_randomness(draft_tokens, draft_probs, target_probs, torch.zeros(1, 2),
+                               torch.zeros(1, dtype=torch.float64))
 
 
 def test_equal_draft_and_target_accept_everything():

@@ -7,13 +7,10 @@ samples from its output and reports exactly that tensor as its probabilities, an
 scores go through the same function, so the acceptance test compares the two distributions that
 were really in play (the exactness requirement of Leviathan et al. 2023, Chen et al. 2023).
 
-Two exact draws, both batched, both free of normalisation, both never selecting a
-zero-probability entry, both fed by an explicit ``torch.Generator`` (the global RNG is never
-touched):
-  * :func:`sample` (the draft's per-step draw): inverse CDF, one uniform per row, float64 sums;
-  * :func:`sample_with_noise` (verification's recovered/bonus draw): the exponential race
-    ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d., which picks index i with probability
-    ``probs[i] / sum(probs)`` and lets tests replay the exact noise.
+One exact draw, batched, free of normalisation, never selecting a zero-probability entry, fed
+by an explicit ``torch.Generator`` (the global RNG is never touched): inverse CDF with one
+uniform per row and float64 cumulative sums (:func:`sample`, and :func:`sample_with_uniform`
+when the uniforms are given, as verification does so that tests can replay them).
 
 Not here: models, caches, acceptance tests (see verify.py).
 """
@@ -24,9 +21,6 @@ import torch
 
 from .config import SamplingConfig
 from .errors import NonFiniteError, ShapeError
-
-# The smallest noise value used; keeps probs / noise finite so a zero-probability token scores 0.
-_MIN_NOISE = torch.finfo(torch.float32).tiny
 
 
 def _check_floating(name: str, tensor: torch.Tensor) -> None:
@@ -90,21 +84,6 @@ def _truncate_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     drop = torch.zeros_like(drop_sorted).scatter_(-1, sorted_ids, drop_sorted)
     kept = probs.masked_fill(drop, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
-
-
-def sample_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generator,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """Exp(1) noise for :func:`sample_with_noise`, drawn from ``generator``. -> [shape] fp32."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    return noise.exponential_(1.0, generator=generator).clamp_min_(_MIN_NOISE)
-
-
-def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Deterministic draw given the noise: argmax(probs / noise).
-
-    Shapes: probs [..., V] (need not be normalised), noise [..., V] Exp(1) -> tokens [...] int64.
-    """
-    return (probs / noise).argmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DraftContractError, NonFiniteError, ShapeError, TokenOutOfRangeError
-from .sampling import sample_noise, sample_with_noise
+from .sampling import sample_with_uniform
 
 PAD_TOKEN = -1  # fills output_tokens after each row's emitted tokens
 
@@ -147,16 +147,19 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
       target_probs     [B, K+1, V] fp32, processed with the same sampling settings; row b's
                        bonus distribution is target_probs[b, num_draft_tokens[b]].
       num_draft_tokens [B] int64 in [0, K] (ragged rows); None means K for every row.
-    Random numbers come from ``generator`` in a fixed order: uniforms [B, K], then Exp(1) noise
-    [B, V]; :func:`verify_with_randomness` takes them explicitly.
+    Random numbers come from ``generator`` in a fixed order: uniforms [B, K] fp32 for the
+    acceptance tests, then next_uniforms [B] float64 for the recovered/bonus draw;
+    :func:`verify_with_randomness` takes them explicitly. One uniform per row replaces V
+    exponentials: at batch 1 over an 8192-token vocabulary that saves ~0.2 ms a round.
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     # drawn where the generator lives, then moved (a no-op when both are on one device)
     uniforms = torch.rand((batch_size, max_k), generator=generator, device=generator.device)
-    noise = sample_noise((batch_size, target_probs.shape[-1]), generator, generator.device)
-    uniforms, noise = uniforms.to(target_probs.device), noise.to(target_probs.device)
-    return verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms, noise,
-                                  num_draft_tokens)
+    next_uniforms = torch.rand((batch_size,), generator=generator, dtype=torch.float64,
+                               device=generator.device)
+    return verify_with_randomness(draft_tokens, draft_probs, target_probs,
+                                  uniforms.to(target_probs.device),
+                                  next_uniforms.to(target_probs.device), num_draft_tokens)
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
@@ -184,18 +187,24 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
 
 def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                            target_probs: torch.Tensor, uniforms: torch.Tensor,
-                           noise: torch.Tensor,
+                           next_uniforms: torch.Tensor,
                            num_draft_tokens: torch.Tensor | None = None) -> VerifyResult:
-    """:func:`verify` with its random numbers given: uniforms [B, K] in [0, 1), noise [B, V] Exp(1).
+    """:func:`verify` with its random numbers given: uniforms [B, K] and next_uniforms [B], all
+    in [0, 1).
 
     Draft token i of row b is accepted iff uniforms[b, i] < min(1, p_target / p_draft); the
-    recovered/bonus token is argmax(final_probs / noise) (an exact draw, see sampling.py).
+    recovered/bonus token is the inverse-CDF draw of next_uniforms[b] from that row's final
+    distribution (sampling.sample_with_uniform: exact, never a zero-probability token).
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     vocab_size = target_probs.shape[-1]
     num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
+    if tuple(uniforms.shape) != (batch_size, max_k) or tuple(next_uniforms.shape) != (batch_size,):
+        raise ShapeError(f"uniforms must be [B, K] = [{batch_size}, {max_k}] and next_uniforms "
+                         f"[B] = [{batch_size}]; got {tuple(uniforms.shape)} and "
+                         f"{tuple(next_uniforms.shape)}.")
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
-        next_tokens = sample_with_noise(target_probs[:, 0], noise)  # [B]
+        next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
         zeros = torch.zeros_like(num_draft)
         return VerifyResult(num_accepted=zeros, output_tokens=next_tokens[:, None],
                             num_emitted=zeros + 1, first_rejection=zeros,
@@ -229,7 +238,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         next_draft = draft_probs[rows, first_rejected]  # [B, V]
     residual = residual_probs(next_draft, next_target)
     next_probs = torch.where(all_accepted[:, None], next_target, residual)
-    next_tokens = sample_with_noise(next_probs, noise)  # [B]
+    next_tokens = sample_with_uniform(next_probs, next_uniforms)  # [B]
 
     # 3. Assemble: accepted prefix, then the next token, then padding.
     return _assemble(draft_tokens, num_accepted, next_tokens, num_draft)

@@ -27,11 +27,12 @@ def model_dirs(tmp_path_factory) -> tuple[str, str]:
 def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nfor i in\nclass Point:\n")
-    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out_json, out_png, out_md = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "b.md"
     status = cli.main(["bench", "--target", model_dirs[0], "--draft", model_dirs[1],
                        "--prompts", str(prompts), "--max-new-tokens", "10", "--repeats", "1",
                        "--ks", "1", "3", "--temperatures", "0", "1", "--threads", "1",
-                       "--json", str(out_json), "--plot", str(out_png)])
+                       "--json", str(out_json), "--plot", str(out_png),
+                       "--markdown", str(out_md)])
     assert status == 0
     table = capsys.readouterr().out
     assert "verispec k=3" in table and "hf assisted k=3" in table
@@ -55,6 +56,8 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
             assert r["achieved_over_theoretical"] == pytest.approx(
                 r["speedup"] / r["theoretical_speedup"])
     assert out_png.stat().st_size > 10_000
+    markdown = out_md.read_text()
+    assert markdown.count("| verispec k=3 |") == 2 and "**Temperature 0 (greedy)**" in markdown
 
 
 def test_bench_rejects_bad_settings_with_one_line(model_dirs, capsys):

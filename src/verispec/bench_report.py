@@ -41,6 +41,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
     bench.add_argument("--seed", type=int, default=0, metavar="S")
     bench.add_argument("--json", metavar="FILE", help="write all results as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="speedup versus k, with the theory")
+    bench.add_argument("--markdown", metavar="FILE.md", help="the tables as Markdown (the "
+                       "README's benchmark section is this file)")
     bench.set_defaults(handler=run_bench_command)
 
 
@@ -106,6 +108,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         Path(args.json).write_text(to_json(all_results, settings, extra))
     if args.plot:
         plot_speedups(all_results, Path(args.plot))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_tables(all_results))
     return 0
 
 
@@ -135,6 +139,25 @@ def results_table(results: list[MethodResult], temperature: float):
     return table
 
 
+def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
+    """One Markdown table per temperature: the columns of the terminal table that matter."""
+    lines = []
+    for temperature, results in all_results.items():
+        title = "greedy" if temperature == 0 else "seeded sampling"
+        lines += [f"**Temperature {temperature:g} ({title})**", "",
+                  "| method | tok/s | speedup | a | tokens / target call | c | v | theory | "
+                  "achieved / theory | = plain |", "|---" * 10 + "|"]
+        for r in results:
+            same = "-" if r.matches_baseline is None else ("yes" if r.matches_baseline else "NO")
+            lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {_fmt(r.speedup)} | "
+                         f"{_fmt(r.token_acceptance)} | {_fmt(r.mean_accepted_length)} | "
+                         f"{_fmt(r.cost_ratio)} | {_fmt(r.verify_cost)} | "
+                         f"{_fmt(r.theoretical_speedup)} | {_fmt(r.achieved_over_theoretical)} | "
+                         f"{same} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> None:
     import matplotlib
 
@@ -143,7 +166,7 @@ def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(all_results), figsize=(6 * len(all_results), 4.5),
+    fig, axes = plt.subplots(1, len(all_results), figsize=(8 * len(all_results), 4.5),
                              squeeze=False)
     for ax, (temperature, results) in zip(axes[0], all_results.items()):
         fixed = [r for r in results if r.kind == "verispec"]
@@ -165,6 +188,6 @@ def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> N
         ax.set_xlabel("k (draft tokens per round)")
         ax.set_ylabel("speedup over plain decoding")
         ax.set_title(f"temperature {temperature:g}")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # off the data
     fig.tight_layout()
     fig.savefig(path, dpi=110)

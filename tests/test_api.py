@@ -122,6 +122,26 @@ def test_num_draft_tokens_per_call_overrides_default(decoder, model_dirs):
         decoder.generate(PROMPT, num_draft_tokens=0)
 
 
+def test_adaptive_policy_per_call_and_as_the_decoders_default(decoder, model_dirs):
+    fixed = decoder.generate(PROMPT, max_new_tokens=40, num_draft_tokens=1)
+    # a threshold policy with a near-0 bar grows k on any acceptance: more positions tested
+    growing = verispec.ThresholdPolicyConfig(grow_above=0.01, shrink_below=0.0, window=1,
+                                             max_num_draft_tokens=6)
+    out = decoder.generate(PROMPT, max_new_tokens=40, num_draft_tokens=1, adaptive=growing)
+    assert out.token_ids == fixed.token_ids  # greedy: any depth schedule gives the same text
+    assert positions_tested(out.metrics) > 1 and positions_tested(fixed.metrics) == 1
+    with_default = verispec.load(*model_dirs, num_draft_tokens=1, adaptive=growing)
+    out = with_default.generate(PROMPT, max_new_tokens=40)
+    assert out.token_ids == fixed.token_ids and positions_tested(out.metrics) > 1
+    goodput = decoder.generate(PROMPT, max_new_tokens=40,
+                               adaptive=verispec.GoodputPolicyConfig())
+    assert goodput.token_ids == fixed.token_ids
+    with pytest.raises(ConfigError, match="adaptive"):
+        decoder.generate(PROMPT, adaptive="goodput")
+    with pytest.raises(ConfigError, match="adaptive"):
+        verispec.load(*model_dirs, adaptive=3)
+
+
 def test_prompt_as_token_ids(decoder, tokenizer):
     ids = tokenizer.encode(PROMPT)
     from_ids = decoder.generate(ids, max_new_tokens=16)

@@ -104,6 +104,16 @@ def test_compare_measures_against_plain_decoding(model_dirs, expected_completion
     assert json.loads(out)["comparison"]["same_tokens"] is None  # sampled: not comparable
 
 
+@pytest.mark.parametrize("policy", ["goodput", "threshold"])
+def test_adaptive_depth_keeps_the_greedy_output(model_dirs, expected_completion, policy, capsys):
+    status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
+                               "--adaptive", policy, "--k", "2", "--json"], capsys)
+    assert status == 0
+    payload = json.loads(out)
+    assert payload["token_ids"] == expected_completion.token_ids
+    assert payload["metrics"]["num_drafted"] > 0
+
+
 def test_no_draft_plain_decoding(model_dirs, expected_completion, capsys):
     status, out, err = run_main(["generate", PROMPT, "--target", model_dirs[0], "--no-draft",
                                  "--max-new-tokens", "12"], capsys)
@@ -161,6 +171,9 @@ BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dir
     "stop-empty": (["x", "{models}", "--stop", ""], "stop="),
     "compare-without-draft": (["x", "--target", "{target}", "--no-draft", "--compare"],
                               "--compare"),
+    "adaptive-without-draft": (["x", "--target", "{target}", "--no-draft", "--adaptive",
+                                "goodput"], "--adaptive"),
+    "adaptive-bogus": (["x", "{models}", "--adaptive", "fastest"], "invalid choice: 'fastest'"),
 }
 
 

@@ -241,3 +241,13 @@ def test_verify_shape_mismatches(target_shape, draft_shape, fragment):
     draft_probs = None if draft_shape is None else torch.full(draft_shape, 0.25)
     with pytest.raises(ShapeError, match=fragment):
         verify(draft_tokens, draft_probs, target_probs, make_generator(0))
+
+
+def test_named_policies():
+    from verispec.adaptive import named_policy
+
+    assert named_policy(None) is None
+    assert named_policy("goodput") == GoodputPolicyConfig()
+    assert named_policy("threshold") == ThresholdPolicyConfig()
+    with pytest.raises(ConfigError, match="adaptive='fastest'"):
+        named_policy("fastest")

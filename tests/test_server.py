@@ -479,8 +479,10 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
 def test_serve_flags_come_from_the_settings():
     args = cli.build_parser().parse_args(
         ["serve", "--target", "t", "--draft", "d", "--port", "0", "--k", "3", "--api-key", "s",
-         "--max-queue", "5", "--max-tokens-limit", "7", "--model-name", "m"])
+         "--max-queue", "5", "--max-tokens-limit", "7", "--model-name", "m",
+         "--adaptive", "goodput"])
     settings = ServerSettings.from_args(args)
+    assert settings.adaptive == "goodput"
     assert (settings.num_draft_tokens, settings.port, settings.api_key, settings.max_queue,
             settings.max_tokens_limit, settings.model_name) == (3, 0, "s", 5, 7, "m")
     assert settings.host == "127.0.0.1"
@@ -489,7 +491,7 @@ def test_serve_flags_come_from_the_settings():
 
 @pytest.mark.parametrize("kwargs", [dict(draft="d"), dict(target="t"), dict(max_queue=0),
                                     dict(num_draft_tokens=33), dict(port=70000),
-                                    dict(api_key="")])
+                                    dict(api_key=""), dict(adaptive="fastest")])
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
         ServerSettings(**kwargs)

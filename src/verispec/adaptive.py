@@ -259,3 +259,18 @@ class GoodputPolicy(AdaptivePolicy):
             if probe != best_k:
                 return probe
         return best_k
+
+
+POLICY_NAMES = ("goodput", "threshold")  # the names the CLI and the server accept
+
+
+def named_policy(name: str | None) -> AdaptivePolicyConfig | None:
+    """A policy config with default settings by name ("goodput", "threshold"); None: fixed k."""
+    if name is None:
+        return None
+    if name == "goodput":
+        return GoodputPolicyConfig()
+    if name == "threshold":
+        return ThresholdPolicyConfig()
+    raise ConfigError(f"adaptive={name!r} is invalid: expected one of {', '.join(POLICY_NAMES)}, "
+                      "or none for a fixed k.")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from .adaptive import AdaptivePolicyConfig
 from .config import GenerationConfig, SamplingConfig
 from .engine import DecodingRun, SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
@@ -63,13 +64,16 @@ class Completion:
 def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
          num_draft_tokens: int = 4, tokenizer: str | Path | None = None,
-         backend: str = "auto") -> Decoder:
+         backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
     ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
     (models/fast_llama.py, Llama-architecture only); "auto" picks "fast" where supported.
+    ``adaptive``: the default depth policy of every generation (GoodputPolicyConfig() measures
+    which k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is
+    then where it starts. None: a fixed k.
     """
     if target is None and draft is None:
         from .demo import demo_pair  # the shipped assets; imported only when used
@@ -79,7 +83,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
     elif target is None:
         raise ConfigError("draft was given without target; pass target=... as well (or neither "
                           "to use the shipped demo pair).")
-    GenerationConfig(num_draft_tokens=num_draft_tokens)  # validates the default k early
+    GenerationConfig(num_draft_tokens=num_draft_tokens, adaptive=adaptive)  # validated early
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
@@ -90,7 +94,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
         draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
-    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend)
+    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
+                   adaptive)
 
 
 def _tokenizer_for(source: ModelSource, tokenizer: str | Path | None, role: str):
@@ -106,7 +111,8 @@ class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
     def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
-                 None = None, num_draft_tokens: int = 4, backend: str = "auto") -> None:
+                 None = None, num_draft_tokens: int = 4, backend: str = "auto",
+                 adaptive: AdaptivePolicyConfig | None = None) -> None:
         widths = [output_width(target_model)]
         if draft_model is not None:
             widths.append(output_width(draft_model))
@@ -117,14 +123,16 @@ class Decoder:
         proposer = None if self.draft is None else DraftModelProposer(self.draft)
         self.engine = SpeculativeDecoder(self.target, proposer)
         self.num_draft_tokens = num_draft_tokens
+        self.adaptive = adaptive
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 num_draft_tokens: int | None = None, speculative: bool = True) -> Completion:
+                 num_draft_tokens: int | None = None, speculative: bool = True,
+                 adaptive: AdaptivePolicyConfig | None = None) -> Completion:
         """Generate a completion of ``prompt`` (text, or token ids). See :meth:`stream`."""
         run = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                          num_draft_tokens, speculative)
+                          num_draft_tokens, speculative, adaptive)
         for _ in run:
             pass
         return run.completion
@@ -132,12 +140,14 @@ class Decoder:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, stop: str | Sequence[str] | None = None,
-               num_draft_tokens: int | None = None, speculative: bool = True) -> TextStream:
+               num_draft_tokens: int | None = None, speculative: bool = True,
+               adaptive: AdaptivePolicyConfig | None = None) -> TextStream:
         """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
 
         Generation stops at the tokenizer's EOS token, at a stop string (excluded from the
         text), or after max_new_tokens. ``speculative=False`` decodes with the target alone
-        through the same code path.
+        through the same code path. ``num_draft_tokens`` and ``adaptive`` override the
+        decoder's defaults for this call (k is the starting depth under a policy).
         """
         if speculative and self.draft is None:
             raise ConfigError("speculative=True needs a draft model, and none is loaded; pass "
@@ -147,7 +157,8 @@ class Decoder:
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, num_draft_tokens=k,
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
-            stop_token_ids=() if eos is None else (eos,), seed=seed)
+            stop_token_ids=() if eos is None else (eos,), seed=seed,
+            adaptive=self.adaptive if adaptive is None else adaptive)
         stop_strings = _check_stop(stop)
         prompt_ids = self._encode(prompt)
         self._check_context(len(prompt_ids), config, speculative)

@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .adaptive import POLICY_NAMES, named_policy
 from .errors import VerispecError
 
 EXIT_USAGE = 2
@@ -62,6 +63,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           help="stop strings (excluded from the output)")
     sampling.add_argument("--no-draft", action="store_true",
                           help="plain target decoding through the same code path")
+    sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
+                          help="adapt k between rounds, starting at --k: 'goodput' measures "
+                          "which depth is fastest here, 'threshold' follows acceptance")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,13 +139,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompt = _read_prompt(args.prompt)
     _check_model_choice(args)
-    if args.compare and args.no_draft:
+    if args.no_draft and (args.compare or args.adaptive):
         from .errors import ConfigError
 
-        raise ConfigError("--compare times speculative against plain decoding; it needs a "
-                          "draft, so drop --no-draft.")
+        option = "--compare" if args.compare else "--adaptive"
+        raise ConfigError(f"{option} needs a draft (it is about speculative decoding); drop "
+                          "--no-draft.")
     decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
-                   num_draft_tokens=args.k, backend=args.backend)
+                   num_draft_tokens=args.k, backend=args.backend,
+                   adaptive=named_policy(args.adaptive))
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, stop=args.stop, num_draft_tokens=args.k,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..adaptive import named_policy
 from ..errors import UnsupportedFeatureError
 from .settings import ServerSettings
 
@@ -16,7 +17,8 @@ def load_decoder(settings: ServerSettings):
         pair = demo_pair()
         target, draft = pair.target, pair.draft
     return load(target, None if settings.no_draft else draft, device=settings.device,
-                dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens)
+                dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
+                adaptive=named_policy(settings.adaptive))
 
 
 def serve(settings: ServerSettings) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from ..adaptive import POLICY_NAMES
 from ..config import MAX_NUM_DRAFT_TOKENS
 from ..errors import ConfigError
 
@@ -43,9 +44,13 @@ class ServerSettings:
     num_draft_tokens: int = _setting(4, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a "
                                      "request may override it with num_draft_tokens",
                                      flag="--k", metavar="N")
+    adaptive: str | None = _setting(None, "adapt k between rounds, starting at --k: goodput "
+                                    "measures which depth is fastest here, threshold follows "
+                                    "acceptance (default: a fixed k)", choices=POLICY_NAMES,
+                                    value_type=str)
     threads: int | None = _setting(None, "torch intra-op threads of the server process "
-                                   "(default: torch's choice; 1 is fastest for small models on "
-                                   "a busy machine)", metavar="N", value_type=int)
+                                   "(default: torch's choice, one per core)", metavar="N",
+                                   value_type=int)
     host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the "
                          "network", metavar="ADDR")
     port: int = _setting(8000, "TCP port", metavar="PORT")
@@ -71,6 +76,8 @@ class ServerSettings:
                               "--no-draft to serve plain decoding.")
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "k", self.num_draft_tokens,
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")
+        _check(self.adaptive is None or self.adaptive in POLICY_NAMES, "adaptive", self.adaptive,
+               f"one of {', '.join(POLICY_NAMES)}, or none for a fixed k")
         _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
         _check(self.threads is None or self.threads >= 1, "threads", self.threads,
                "an integer >= 1, or no --threads for torch's default")
@@ -106,7 +113,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "no_draft", "device", "dtype", "num_draft_tokens",
-                           "threads"})
+                           "adaptive", "threads"})
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

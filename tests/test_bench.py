@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tiny_models import save_untied_pair
 
 from verispec import cli
@@ -28,12 +29,15 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nfor i in\nclass Point:\n")
     out_json, out_png, out_md = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "b.md"
+    rng_before = torch.get_rng_state()
     status = cli.main(["bench", "--target", model_dirs[0], "--draft", model_dirs[1],
                        "--prompts", str(prompts), "--max-new-tokens", "10", "--repeats", "1",
                        "--ks", "1", "3", "--temperatures", "0", "1", "--threads", "1",
                        "--json", str(out_json), "--plot", str(out_png),
                        "--markdown", str(out_md)])
     assert status == 0
+    # transformers samples from the global RNG; the bench seeds it inside a fork only
+    assert torch.equal(torch.get_rng_state(), rng_before)
     table = capsys.readouterr().out
     assert "verispec k=3" in table and "hf assisted k=3" in table
     report = json.loads(out_json.read_text())

@@ -22,6 +22,7 @@ achieved / theoretical shows.
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import statistics
@@ -112,9 +113,13 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
     sampling = ({"do_sample": False} if temperature == 0 else
                 {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0})
 
+    generation_config = copy.deepcopy(target.generation_config)  # one object: no kwargs mix
+    generation_config.update(max_new_tokens=settings.max_new_tokens,
+                             min_new_tokens=settings.max_new_tokens,
+                             pad_token_id=decoder.tokenizer.pad_token_id or 0, **sampling)
+
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], None]:
-        kwargs = dict(max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.max_new_tokens,
-                      pad_token_id=decoder.tokenizer.pad_token_id or 0, **sampling)
+        kwargs: dict[str, object] = {"generation_config": generation_config}
         if assisted:
             kwargs["assistant_model"] = draft
             config = draft.generation_config
@@ -123,10 +128,9 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
             if matched:
                 config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
                 config.assistant_confidence_threshold = 0.0
-        if temperature > 0:
-            torch.manual_seed(seed)  # transformers samples from the global RNG; verispec does not
-        try:
-            with torch.inference_mode():
+        try:  # transformers samples from the global RNG: seed it inside a fork, restored after
+            with torch.random.fork_rng(devices=[]), torch.inference_mode():
+                torch.manual_seed(seed)
                 out = target.generate(torch.tensor([prompt_ids], device=target.device), **kwargs)
         finally:
             if assisted:

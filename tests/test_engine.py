@@ -446,6 +446,33 @@ def test_goodput_policy_with_measured_costs_finds_the_true_best_k(name, target_c
         assert costs[depth - 1] == pytest.approx(depth * draft_step + target_call(depth))
 
 
+def test_goodput_policy_never_prices_a_depth_below_a_measured_call():
+    # Review finding: a least-squares line through two nearby depths, one slowed by an outlier,
+    # went negative at shallow depths and the policy jumped there. Shallow depths now cost at
+    # least the cheapest recently measured call; zero timings fall back to the fixed model.
+    policy = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=0,
+                                 prior_acceptance=0.7).build(4)
+    for k, target_time in ((4, 0.010), (4, 0.010), (4, 0.010), (5, 0.020)):
+        stats = replace(_stats(k, 100, 0.7), draft_time=k * 0.001, target_time=target_time)
+        policy.next_num_draft_tokens(stats)
+    costs = policy.round_costs()
+    assert all(later > earlier for earlier, later in zip(costs, costs[1:]))  # rising with k
+    assert costs[0] >= 0.001 + 0.010 - 1e-12  # one draft step + at least T(4)
+    zero = GoodputPolicyConfig().build(4)
+    assert 1 <= zero.next_num_draft_tokens(RoundStats(4, (1, 1, 1, 1), (1, 1, 1, 0), 0.0,
+                                                      0.0)) <= 16
+
+
+def test_engine_starts_an_adaptive_run_within_the_policys_bounds():
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=24, seed=0, sampling=GREEDY,
+                              adaptive=GoodputPolicyConfig(max_num_draft_tokens=6))
+    run = decoder.stream(PROMPTS, config)
+    next(run)  # the first round
+    assert run.metrics.num_drafted <= 6 * len(PROMPTS)
+    assert len(run.metrics.per_position_acceptance) <= 6
+
+
 def test_goodput_policy_probes_neighbours_only_with_measured_costs():
     measured = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=4).build(3)
     given = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=4, cost_ratio=0.2).build(3)

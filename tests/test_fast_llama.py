@@ -8,7 +8,7 @@ import torch
 from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.api import wrap_model
-from verispec.errors import ConfigError
+from verispec.errors import ConfigError, ShapeError
 from verispec.models.fast_llama import FastLlamaLM, supports
 from verispec.models.transformers import TransformersLM
 
@@ -113,3 +113,14 @@ def test_vocabulary_restriction_narrows_the_head():
     session = lm.new_session()
     session.start([[1, 2]])
     assert session.extend(torch.tensor([[3]])).shape == (1, 1, VOCAB)
+
+
+def test_rewind_past_a_rows_length_is_a_shape_error(target):
+    session = FastLlamaLM(target).new_session()
+    session.start([[1, 2, 3], [4]])
+    with pytest.raises(ShapeError, match="rewind"):
+        session.rewind(torch.tensor([0, 2]))  # row 1 holds one token
+    with pytest.raises(ShapeError, match="rewind"):
+        session.rewind(torch.tensor([-1, 0]))
+    session.rewind(torch.tensor([3, 1]))  # to empty is fine
+    assert session.lengths == [0, 0]

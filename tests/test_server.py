@@ -491,7 +491,8 @@ def test_serve_flags_come_from_the_settings():
 
 @pytest.mark.parametrize("kwargs", [dict(draft="d"), dict(target="t"), dict(max_queue=0),
                                     dict(num_draft_tokens=33), dict(port=70000),
-                                    dict(api_key=""), dict(adaptive="fastest")])
+                                    dict(api_key=""), dict(adaptive="fastest"),
+                                    dict(target="t", no_draft=True, adaptive="goodput")])
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
         ServerSettings(**kwargs)

@@ -44,7 +44,13 @@ class RoundStats:
 
 
 class AdaptivePolicy:
-    """Interface: called once per round with that round's stats; returns the next round's k."""
+    """Interface: called once per round with that round's stats; returns the next round's k.
+
+    ``num_draft_tokens`` holds the current depth; at construction, the first round's k
+    (the configured start, clamped to the policy's bounds).
+    """
+
+    num_draft_tokens: int
 
     def next_num_draft_tokens(self, stats: RoundStats) -> int:  # pragma: no cover - interface
         raise NotImplementedError
@@ -193,25 +199,27 @@ class GoodputPolicy(AdaptivePolicy):
     def round_costs(self) -> list[float] | None:
         """Measured cost of a round at k = 1 .. max, in seconds; None until anything is timed.
 
-        k draft steps plus T(k): the mean target call at depth k where measured, else a
-        least-squares line through the measured depths (weights: their decayed counts; slope
-        >= 0); one measured depth gives a flat T, the formula's assumption.
+        k draft steps plus T(k), the target call at depth k: the mean of its recent timings
+        where it ran recently, else interpolated between the nearest such depths; below the
+        lowest one T is flat (never below a measured call: a slow outlier at a deeper k must
+        not make shallow depths look free), above the highest it grows by the least-squares
+        slope of all timings (>= 0). One measured depth gives a flat T, the formula's model.
         """
         if self.config.cost_ratio is not None or self._draft_steps == 0:
             return None
         seen = [(k, seconds / calls, calls) for k, (seconds, calls) in
                 enumerate(zip(self._target_time, self._target_calls)) if calls > 1e-9]
-        if not seen:
+        if not seen or any(t <= 0 for _, t, _ in seen):
             return None
+        recent = [(k, t) for k, t, w in seen if w >= 0.5] or [max(seen, key=lambda s: s[2])[:2]]
         weight = sum(w for _, _, w in seen)
         mean_k = sum(k * w for k, _, w in seen) / weight
         mean_t = sum(t * w for _, t, w in seen) / weight
         spread = sum(w * (k - mean_k) ** 2 for k, _, w in seen)
         slope = 0.0 if spread <= 0 else max(0.0, sum(
             w * (k - mean_k) * (t - mean_t) for k, t, w in seen) / spread)
-        measured = {k: t for k, t, w in seen if w >= 0.5}  # a depth timed recently enough
         draft_step = self._draft_step_time / self._draft_steps
-        return [k * draft_step + measured.get(k, mean_t + slope * (k - mean_k))
+        return [k * draft_step + _piecewise(recent, k, slope)
                 for k in range(1, self.config.max_num_draft_tokens + 1)]
 
     def next_num_draft_tokens(self, stats: RoundStats) -> int:
@@ -259,6 +267,20 @@ class GoodputPolicy(AdaptivePolicy):
             if probe != best_k:
                 return probe
         return best_k
+
+
+def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:
+    """T at depth k from measured (depth, T) points sorted by depth: exact at a point, linear
+    between neighbours, flat below the first, rising by ``slope`` after the last.
+    Example: points [(2, 1.0), (4, 2.0)], slope 0.4 -> k=1: 1.0, k=3: 1.5, k=6: 2.8."""
+    below = [(d, t) for d, t in points if d <= k]
+    above = [(d, t) for d, t in points if d >= k]
+    if not below:
+        return above[0][1]
+    if not above:
+        return below[-1][1] + slope * (k - below[-1][0])
+    (d0, t0), (d1, t1) = below[-1], above[0]
+    return t0 if d1 == d0 else t0 + (t1 - t0) * (k - d0) / (d1 - d0)
 
 
 POLICY_NAMES = ("goodput", "threshold")  # the names the CLI and the server accept

@@ -100,7 +100,9 @@ class DecodingRun:
             self.proposer = decoder.proposer.start(prompts, config.sampling)
             if config.adaptive is not None:
                 self.policy = config.adaptive.build(config.num_draft_tokens)
-        self.num_draft_tokens = config.num_draft_tokens if speculative else 0
+        self.num_draft_tokens = 0 if not speculative else (
+            config.num_draft_tokens if self.policy is None  # a policy clamps k to its bounds
+            else self.policy.num_draft_tokens)
         batch_size = len(prompts)
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.num_generated = torch.zeros(batch_size, dtype=torch.int64)

@@ -304,8 +304,10 @@ class FastLlamaSession:
 
     def rewind(self, num_tokens: torch.Tensor) -> None:
         dropped = torch.as_tensor(num_tokens, dtype=torch.int64).reshape(-1).tolist()
-        if len(dropped) != self.num_rows or min(dropped, default=0) < 0:
-            raise ShapeError(f"rewind expects [B={self.num_rows}] counts >= 0; got {dropped}.")
+        if len(dropped) != self.num_rows or not all(
+                0 <= n <= length for n, length in zip(dropped, self.lengths)):
+            raise ShapeError(f"rewind expects [B={self.num_rows}] counts from 0 to each row's "
+                             f"length {self.lengths}; got {dropped}.")
         self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
     def _forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:

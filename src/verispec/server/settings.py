@@ -78,6 +78,8 @@ class ServerSettings:
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")
         _check(self.adaptive is None or self.adaptive in POLICY_NAMES, "adaptive", self.adaptive,
                f"one of {', '.join(POLICY_NAMES)}, or none for a fixed k")
+        _check(not (self.adaptive and self.no_draft), "adaptive", self.adaptive,
+               "no --adaptive with --no-draft (there is no draft depth to adapt)")
         _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
         _check(self.threads is None or self.threads >= 1, "threads", self.threads,
                "an integer >= 1, or no --threads for torch's default")

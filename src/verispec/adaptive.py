@@ -10,9 +10,9 @@ Two policies:
     one i.i.d. a). With a given cost ratio c the cost is k c + 1 target calls. Otherwise it
     is measured: k draft steps plus the target call at depth k, T(k), because a pass over
     k + 1 tokens is not free on every device (on a 2-core CPU T(4) is ~1.8 T(0)); T is the
-    measured mean at each depth used, and a least-squares line through them elsewhere. To see
-    more than one depth, every ``probe_every`` rounds one round runs at a neighbour of the
-    best k.
+    measured mean at each depth used recently, interpolated between them, flat below them and
+    rising by a fitted slope above them (GoodputPolicy.round_costs). To see more than one
+    depth, every ``probe_every`` rounds one round runs at a neighbour of the best k.
 
 Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
 one generation, so no state leaks between requests. Policies never change the output law: any k

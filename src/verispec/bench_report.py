@@ -117,6 +117,11 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _matches_column(r: MethodResult) -> str:
+    """The '= base' column: whether greedy output equals the baseline's ('-' when sampled)."""
+    return "-" if r.matches_baseline is None else ("yes" if r.matches_baseline else "NO")
+
+
 def results_table(results: list[MethodResult], temperature: float):
     from rich.table import Table
 
@@ -128,7 +133,7 @@ def results_table(results: list[MethodResult], temperature: float):
     for r in results:
         per_position = "/".join(f"{x:.2f}"[1:] if x < 1 else "1" for x in
                                 r.per_position_acceptance[:8])
-        same = "-" if r.matches_baseline is None else ("yes" if r.matches_baseline else "NO")
+        same = _matches_column(r)
         table.add_row(r.name, _fmt(r.tokens_per_second, ".1f"), _fmt(r.ms_per_token),
                       _fmt(r.speedup), _fmt(r.acceptance_rate), _fmt(r.token_acceptance),
                       per_position or "-",
@@ -148,7 +153,7 @@ def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
                   "| method | tok/s | speedup | a | tokens / target call | c | v | theory | "
                   "achieved / theory | = plain |", "|---" * 10 + "|"]
         for r in results:
-            same = "-" if r.matches_baseline is None else ("yes" if r.matches_baseline else "NO")
+            same = _matches_column(r)
             lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {_fmt(r.speedup)} | "
                          f"{_fmt(r.token_acceptance)} | {_fmt(r.mean_accepted_length)} | "
                          f"{_fmt(r.cost_ratio)} | {_fmt(r.verify_cost)} | "

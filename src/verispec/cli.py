@@ -167,9 +167,10 @@ def _generate(args: argparse.Namespace) -> int:
         print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
     if comparison is not None:
         same = comparison["same_tokens"]
+        speedup = comparison["measured_speedup"]
         print(f"[measured on this prompt: speculative {comparison['speculative_tok_s']:.1f} "
               f"tok/s, plain {comparison['plain_tok_s']:.1f} tok/s, speedup "
-              f"{comparison['measured_speedup']:.2f}x"
+              + ("n/a (no tokens)" if speedup is None else f"{speedup:.2f}x")
               + ("" if same is None else f"; same tokens as plain decoding: "
                  f"{'yes' if same else 'NO'}") + "]", file=sys.stderr)
     return 0
@@ -190,10 +191,9 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
             num_draft_tokens=args.k, speculative=speculative)
         runs[speculative] = (completion, time.perf_counter() - started)
     (fast, fast_s), (plain, plain_s) = runs[True], runs[False]
-    return {"speculative_tok_s": len(fast.token_ids) / fast_s,
-            "plain_tok_s": len(plain.token_ids) / plain_s,
-            "measured_speedup": (plain_s / len(plain.token_ids)) / (fast_s / len(fast.token_ids))
-            if fast.token_ids and plain.token_ids else None,
+    fast_rate, plain_rate = len(fast.token_ids) / fast_s, len(plain.token_ids) / plain_s
+    return {"speculative_tok_s": fast_rate, "plain_tok_s": plain_rate,
+            "measured_speedup": fast_rate / plain_rate if plain_rate else None,
             "same_tokens": fast.token_ids == plain.token_ids if args.temperature == 0 else None}
 
 

@@ -122,9 +122,9 @@ class GenerationMetrics:
         used = len(self.per_position_acceptance)
         raw["num_reached"] = list(self.num_reached[:used])
         raw["num_accepted_at"] = list(self.num_accepted_at[:used])
-        for name in ("acceptance_rate", "token_acceptance", "per_position_acceptance", "mean_accepted_length",
-                     "mean_num_draft_tokens", "cost_ratio", "modelled_speedup",
-                     "tokens_per_second"):
+        for name in ("acceptance_rate", "token_acceptance", "per_position_acceptance",
+                     "mean_accepted_length", "mean_num_draft_tokens", "cost_ratio",
+                     "modelled_speedup", "tokens_per_second"):
             value = getattr(self, name)
             raw[name] = list(value) if isinstance(value, tuple) else value
         return raw

@@ -205,10 +205,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
                          f"{tuple(next_uniforms.shape)}.")
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
         next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
-        zeros = torch.zeros_like(num_draft)
-        return VerifyResult(num_accepted=zeros, output_tokens=next_tokens[:, None],
-                            num_emitted=zeros + 1, first_rejection=zeros,
-                            all_accepted=torch.ones_like(num_draft, dtype=torch.bool))
+        return _assemble(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
     rows = torch.arange(batch_size, device=target_probs.device)
 
     # 1. Acceptance test at every proposed position (positions past a row's length count as rejected).

@@ -28,6 +28,7 @@ from verispec import (
     to_probs,
     verify,
     verify_greedy,
+    verify_greedy_tokens,
 )
 from verispec.config import SamplingConfig
 from verispec.verify import (
@@ -233,6 +234,11 @@ def test_verify_greedy_equals_verify_on_point_masses(seed):
     result = verify_greedy(draft_tokens, target_probs, num_draft)
     assert result.output_tokens.tolist() == expected.output_tokens.tolist()
     assert result.num_accepted.tolist() == expected.num_accepted.tolist()
+    # the engine's form: the target's tokens (greedy_tokens of the logits), no one-hot rows
+    from_tokens = verify_greedy_tokens(draft_tokens, target_probs.argmax(-1), vocab_size,
+                                       num_draft)
+    assert from_tokens.output_tokens.tolist() == expected.output_tokens.tolist()
+    assert from_tokens.num_accepted.tolist() == expected.num_accepted.tolist()
     # and the outcome is the argmax rule: accept while the draft equals the target's argmax
     for row in range(batch_size):
         n = int(result.num_accepted[row])
@@ -649,3 +655,18 @@ def test_optimal_num_draft_tokens_is_the_argmax(a, c):
 def test_optimal_num_draft_tokens_examples():
     assert optimal_num_draft_tokens(0.1, 1.0)[0] == 1  # hopeless draft: the minimum
     assert optimal_num_draft_tokens(1.0, 0.0, max_num_draft_tokens=8)[0] == 8  # free, perfect
+
+
+def test_verify_greedy_tokens_checks_its_inputs():
+    with pytest.raises(ShapeError):  # needs K+1 = 3 target tokens
+        verify_greedy_tokens(torch.tensor([[1, 2]]), torch.tensor([[1, 2]]), 4)
+    with pytest.raises(ShapeError):  # target tokens are ids, not probabilities
+        verify_greedy_tokens(torch.tensor([[1]]), torch.tensor([[0.0, 1.0]]), 4)
+    with pytest.raises(TokenOutOfRangeError):
+        verify_greedy_tokens(torch.tensor([[7]]), torch.tensor([[1, 2]]), 4)
+    with pytest.raises(ShapeError):
+        verify_greedy_tokens(torch.tensor([[1]]), torch.tensor([[1, 2]]), 4, torch.tensor([2]))
+    # a token past its row's num_draft_tokens is not proposed, so it is not range-checked
+    result = verify_greedy_tokens(torch.tensor([[1, 9]]), torch.tensor([[1, 3, 0]]), 4,
+                                  torch.tensor([1]))
+    assert result.output_tokens.tolist() == [[1, 3, PAD_TOKEN]]

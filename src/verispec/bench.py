@@ -166,27 +166,37 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float)
 def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSettings,
               temperature: float, progress: Callable[[str], None] | None = None
               ) -> list[MethodResult]:
-    """Time every method on every prompt, interleaved over repeats; return per-method results."""
+    """Time every method on every prompt; return per-method results.
+
+    Interleaved at the finest grain: for each prompt every method runs back to back (the order
+    reversed on alternate prompts), so a slow minute on a shared machine lands on all methods
+    alike instead of on whichever method happened to be running. A method's time for a repeat
+    is the sum over prompts; its reported time is the median over repeats.
+    """
     methods = build_methods(decoder, settings, temperature)
     results = {m.name: MethodResult(m.name, m.kind, m.k) for m in methods}
     metrics = {m.name: GenerationMetrics() for m in methods}
-    outputs: dict[str, list[list[int]]] = {}
+    outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
     for method in methods:  # warm-up: one prompt each
         method.run(prompts[0], settings.seed)
+        # the process's peak RSS once this method has run (methods share the process)
+        results[method.name].peak_rss_mb = _peak_rss_mb()
     for repeat in range(settings.repeats):
-        for method in methods:
+        elapsed = dict.fromkeys(results, 0.0)
+        for i, prompt in enumerate(prompts):
             if progress:
-                progress(f"T={temperature} repeat {repeat + 1}/{settings.repeats}: {method.name}")
-            started = time.perf_counter()
-            produced = []
-            for i, prompt in enumerate(prompts):
+                progress(f"T={temperature} repeat {repeat + 1}/{settings.repeats}: prompt "
+                         f"{i + 1}/{len(prompts)}")
+            for method in methods if (repeat + i) % 2 == 0 else methods[::-1]:
+                started = time.perf_counter()
                 tokens, generation_metrics = method.run(prompt, settings.seed + i)
-                produced.append(tokens)
+                elapsed[method.name] += time.perf_counter() - started
+                if repeat == 0:
+                    outputs[method.name].append(tokens)
                 if generation_metrics is not None:
                     metrics[method.name] = metrics[method.name] + generation_metrics
-            results[method.name].seconds.append(time.perf_counter() - started)
-            results[method.name].peak_rss_mb = _peak_rss_mb()
-            outputs.setdefault(method.name, produced)
+        for method in methods:
+            results[method.name].seconds.append(elapsed[method.name])
     num_tokens = settings.max_new_tokens * len(prompts)
     baseline = results[methods[0].name]
     plain_step = statistics.median(baseline.seconds) / num_tokens

@@ -31,8 +31,8 @@ from .metrics import GenerationMetrics, MetricsRecorder
 from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
 from .proposers.draft_model import DraftModelProposer
-from .sampling import make_generator, to_probs
-from .verify import verify, verify_greedy
+from .sampling import greedy_tokens, make_generator, to_probs
+from .verify import verify, verify_greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,19 @@ class DecodingRun:
             config.num_draft_tokens if self.policy is None  # a policy clamps k to its bounds
             else self.policy.num_draft_tokens)
         batch_size = len(prompts)
+        # per-row bookkeeping on the host: one transfer of each round's result, then plain ints
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
-        self.num_generated = torch.zeros(batch_size, dtype=torch.int64)
-        self.finished = torch.zeros(batch_size, dtype=torch.bool)
-        self.hit_stop = torch.zeros(batch_size, dtype=torch.bool)
-        self.stop_ids = torch.tensor(config.stop_token_ids, dtype=torch.int64)
+        self.num_generated = [0] * batch_size
+        self.finished = [False] * batch_size
+        self.hit_stop = [False] * batch_size
+        self.stop_ids = frozenset(config.stop_token_ids)
         self.recorder = MetricsRecorder(config.cost_ratio)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
 
     def __next__(self) -> Chunk:
-        if bool(self.finished.all()):
+        if all(self.finished):
             raise StopIteration
         return self._round()
 
@@ -125,13 +126,14 @@ class DecodingRun:
         return self.recorder.snapshot()
 
     def result(self) -> GenerationResult:
-        reasons = ["stop" if s else "length" for s in self.hit_stop.tolist()]
+        reasons = ["stop" if s else "length" for s in self.hit_stop]
         return GenerationResult(self.token_ids, reasons, self.metrics)
 
     def _round(self) -> Chunk:
         started = time.perf_counter()
-        active = ~self.finished
-        remaining = int((self.config.max_new_tokens - self.num_generated)[active].max())
+        active = [not finished for finished in self.finished]
+        remaining = self.config.max_new_tokens - min(
+            n for n, is_active in zip(self.num_generated, active) if is_active)
         k = min(self.num_draft_tokens, remaining - 1)  # never draft past max_new_tokens
 
         # 1. propose
@@ -141,23 +143,28 @@ class DecodingRun:
         # 2. score: one target pass over the pending token and the k draft tokens
         target_started = time.perf_counter()
         target_logits = self.target.score(draft_tokens)  # [B, K+1, V]
-        target_probs = to_probs(target_logits, self.config.sampling)  # [B, K+1, V] fp32
-        target_time = _synced_elapsed(target_started, target_probs)
+        if self.config.sampling.is_greedy:  # point masses: the argmax is all that is needed
+            target_out = greedy_tokens(target_logits)  # [B, K+1]
+        else:
+            target_out = to_probs(target_logits, self.config.sampling)  # [B, K+1, V] fp32
+        target_time = _synced_elapsed(target_started, target_out)
         # 3. verify
         verify_started = time.perf_counter()
-        if self.config.sampling.is_greedy:  # point masses throughout: no random numbers
-            result = verify_greedy(draft_tokens, target_probs)
+        if self.config.sampling.is_greedy:  # no random numbers, no work over the vocabulary
+            result = verify_greedy_tokens(draft_tokens, target_out, target_logits.shape[-1])
         else:
-            result = verify(draft_tokens, draft_probs, target_probs, self.generator)
+            result = verify(draft_tokens, draft_probs, target_out, self.generator)
         # 4. commit / rewind both sides to the accepted prefix + the new token
         self.target.commit(result.num_accepted, result.next_tokens)
         if self.proposer is not None:
             self.proposer.commit(result.num_accepted, result.next_tokens)
         # 5. emit
-        chunk = self._emit(result.output_tokens.cpu(), result.num_emitted.cpu(), active)
+        num_accepted = result.num_accepted.tolist()
+        chunk = self._emit(result.output_tokens.tolist(), num_accepted, active)
         verify_time = time.perf_counter() - verify_started
-        stats = self._record(k, result.num_accepted.cpu()[active], draft_time, target_time,
-                             verify_time, time.perf_counter() - started, chunk)
+        stats = self._record(k, [n for n, is_active in zip(num_accepted, active) if is_active],
+                             draft_time, target_time, verify_time,
+                             time.perf_counter() - started, chunk)
         if self.policy is not None and k > 0:
             self.num_draft_tokens = self.policy.next_num_draft_tokens(stats)
         return chunk
@@ -169,38 +176,39 @@ class DecodingRun:
         proposal = self.proposer.propose(k, self.generator)
         return proposal.draft_tokens, proposal.draft_probs
 
-    def _emit(self, output_tokens: torch.Tensor, num_emitted: torch.Tensor,
-              active: torch.Tensor) -> Chunk:
-        """Cut each row's tokens at max_new_tokens and after its first stop token."""
-        positions = torch.arange(output_tokens.shape[1])[None, :]
-        budget = (self.config.max_new_tokens - self.num_generated)[:, None]
-        keep = (positions < num_emitted[:, None]) & (positions < budget) & active[:, None]
-        if self.stop_ids.numel():
-            is_stop = torch.isin(output_tokens, self.stop_ids) & keep
-            seen_stop_before = (torch.cumsum(is_stop.long(), dim=1) - is_stop.long()) > 0
-            keep &= ~seen_stop_before
-            self.hit_stop |= is_stop.any(dim=1)
-        counts = keep.sum(dim=1)
-        self.num_generated += counts
-        self.finished |= self.hit_stop | (self.num_generated >= self.config.max_new_tokens)
-        rows, row_counts = output_tokens.tolist(), counts.tolist()
-        new_ids = [row[:count] for row, count in zip(rows, row_counts)]
-        for tokens, new in zip(self.token_ids, new_ids):
-            tokens.extend(new)
-        return Chunk(new_ids, self.finished.tolist())
+    def _emit(self, output_tokens: list[list[int]], num_accepted: list[int],
+              active: list[bool]) -> Chunk:
+        """Each active row's num_accepted + 1 tokens, cut at max_new_tokens and after its first
+        stop token (which is kept). output_tokens: the round's [B, K+1] rows as lists."""
+        new_ids: list[list[int]] = []
+        for row, (tokens, accepted, is_active) in enumerate(
+                zip(output_tokens, num_accepted, active)):
+            if not is_active:
+                new_ids.append([])
+                continue
+            budget = self.config.max_new_tokens - self.num_generated[row]
+            new = tokens[: min(accepted + 1, budget)]
+            for i, token in enumerate(new):
+                if token in self.stop_ids:
+                    new = new[: i + 1]
+                    self.hit_stop[row] = True
+                    break
+            self.num_generated[row] += len(new)
+            self.finished[row] = (self.hit_stop[row]
+                                  or self.num_generated[row] >= self.config.max_new_tokens)
+            self.token_ids[row].extend(new)
+            new_ids.append(new)
+        return Chunk(new_ids, list(self.finished))
 
-    def _record(self, k: int, num_accepted: torch.Tensor, draft_time: float, target_time: float,
+    def _record(self, k: int, num_accepted: list[int], draft_time: float, target_time: float,
                 verify_time: float, wall_time: float, chunk: Chunk) -> RoundStats:
-        """Add this round to the metrics; num_accepted [B_active] of the rows that took part."""
-        num_rows = num_accepted.shape[0]
-        reached, accepted_at = [0] * k, [0] * k
-        if k > 0:
-            at_least = torch.bincount(num_accepted, minlength=k + 1).flip(0).cumsum(0).flip(0)
-            at_least = at_least.tolist()  # at_least[j] = rows that accepted >= j tokens
-            reached, accepted_at = at_least[:k], at_least[1 : k + 1]
+        """Add this round to the metrics; num_accepted: one count per row that took part."""
+        # at_least[j] = rows that accepted >= j tokens, j = 0 .. k
+        at_least = [sum(n >= j for n in num_accepted) for j in range(k + 1)]
+        reached, accepted_at = at_least[:k], at_least[1:]
         times = {"draft_time": draft_time, "target_time": target_time,
                  "verify_time": verify_time, "wall_time": wall_time}
-        self.recorder.record_round(k, num_rows, int(num_accepted.sum()),
+        self.recorder.record_round(k, len(num_accepted), sum(num_accepted),
                                    sum(map(len, chunk.token_ids)), reached, accepted_at, times)
         return RoundStats(k, tuple(reached), tuple(accepted_at), draft_time, target_time)
 

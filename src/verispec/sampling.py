@@ -64,10 +64,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
     """
     _check_floating("logits", logits)
-    # amax propagates NaN and +inf, and is -inf only for a row with no finite logit.
-    if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+    # one reduction gives both: max propagates NaN and +inf, is -inf only for a row with no
+    # finite logit, and its index is the first maximal one (the lowest id), as argmax's is
+    best_logits, tokens = logits.max(dim=-1)
+    if not bool(torch.isfinite(best_logits).all()):
         raise NonFiniteError(_NON_FINITE_LOGITS)
-    return logits.argmax(dim=-1)  # first maximal index = lowest id
+    return tokens
 
 
 _NON_FINITE_LOGITS = (

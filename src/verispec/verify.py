@@ -175,9 +175,37 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     a valid verifier, so the engine calls it at temperature 0 only.
     Shapes as in :func:`verify`.
     """
-    batch_size, max_k = _check_draft_tokens(draft_tokens)
+    _check_draft_tokens(draft_tokens)
     num_draft = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
     target_tokens = target_probs.argmax(dim=-1)  # [B, K+1] the target's token at each position
+    return _verify_point_masses(draft_tokens, target_tokens, num_draft)
+
+
+def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
+                         vocab_size: int, num_draft_tokens: torch.Tensor | None = None
+                         ) -> VerifyResult:
+    """:func:`verify_greedy` given the target's tokens instead of its point masses.
+
+    target_tokens [B, K+1] int64 is sampling.greedy_tokens of the target logits: the argmax
+    :func:`verify_greedy` would take of to_probs at temperature 0, without building the
+    [B, K+1, V] one-hot rows. What the engine calls at temperature 0.
+    """
+    batch_size, max_k = _check_draft_tokens(draft_tokens)
+    if (not isinstance(target_tokens, torch.Tensor) or target_tokens.dtype != torch.int64
+            or tuple(target_tokens.shape) != (batch_size, max_k + 1)):
+        shape = tuple(target_tokens.shape) if isinstance(target_tokens, torch.Tensor) else None
+        raise ShapeError(f"target_tokens must be an int64 tensor [B, K+1] = [{batch_size}, "
+                         f"{max_k + 1}] for draft_tokens {tuple(draft_tokens.shape)}; got "
+                         f"{shape}.")
+    num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
+    _check_token_range(draft_tokens, num_draft, vocab_size)
+    return _verify_point_masses(draft_tokens, target_tokens, num_draft)
+
+
+def _verify_point_masses(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
+                         num_draft: torch.Tensor) -> VerifyResult:
+    """Accept while draft_tokens [B, K] equal target_tokens [B, K+1]; then the target's token."""
+    max_k = draft_tokens.shape[1]
     valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
     accepted = valid & (draft_tokens == target_tokens[:, :max_k])  # [B, K]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -280,20 +308,37 @@ def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         raise ShapeError(f"draft_probs must be [B, K, V] = [{batch_size}, {max_k}, {vocab_size}]"
                          f"; got {tuple(draft_probs.shape)}. Draft and target must share a "
                          "vocabulary.")
-    if num_draft_tokens is None:
-        num_draft = torch.full((batch_size,), max_k, dtype=torch.int64, device=draft_tokens.device)
-    else:
-        num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64, device=draft_tokens.device)
-        if num_draft.shape != (batch_size,) or bool(((num_draft < 0) | (num_draft > max_k)).any()):
-            raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
-                             f"[0, {max_k}]; got {num_draft.tolist()}.")
-    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
-    if bool((valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))).any()):
-        bad = draft_tokens[valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))]
-        raise TokenOutOfRangeError(f"draft token id {int(bad[0])} is outside the vocabulary "
-                                   f"[0, {vocab_size}); draft and target must share a tokenizer.")
+    num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
+    _check_token_range(draft_tokens, num_draft, vocab_size)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
         if probs is not None and not bool(torch.isfinite(probs.sum())):  # NaN/inf -> sum not finite
             raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
                                  "from verispec.sampling.to_probs.")
     return num_draft
+
+
+def _check_num_draft(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """num_draft_tokens as [B] int64 in [0, K] (all K when None)."""
+    batch_size, max_k = draft_tokens.shape
+    if num_draft_tokens is None:
+        return torch.full((batch_size,), max_k, dtype=torch.int64, device=draft_tokens.device)
+    num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64, device=draft_tokens.device)
+    if num_draft.shape != (batch_size,) or bool(((num_draft < 0) | (num_draft > max_k)).any()):
+        raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
+                         f"[0, {max_k}]; got {num_draft.tolist()}.")
+    return num_draft
+
+
+def _check_token_range(draft_tokens: torch.Tensor, num_draft: torch.Tensor,
+                       vocab_size: int) -> None:
+    """Every proposed token (within its row's num_draft) is an id in [0, V)."""
+    if draft_tokens.numel() == 0:
+        return
+    valid = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)[None, :] < (
+        num_draft[:, None])
+    out_of_range = valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))
+    if bool(out_of_range.any()):
+        bad = draft_tokens[out_of_range]
+        raise TokenOutOfRangeError(f"draft token id {int(bad[0])} is outside the vocabulary "
+                                   f"[0, {vocab_size}); draft and target must share a tokenizer.")

@@ -17,6 +17,8 @@ Not here: models, caches, acceptance tests (see verify.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import SamplingConfig
@@ -42,7 +44,8 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     if sampling.is_greedy:
         tokens = greedy_tokens(logits)[..., None]
         return torch.zeros_like(logits).scatter_(-1, tokens, 1.0)
-    logits = logits / sampling.temperature
+    if sampling.temperature != 1.0:  # dividing by 1.0 is the identity: skip the pass over V
+        logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -51,7 +54,7 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         probs = _truncate_top_p(probs, sampling.top_p)
     # softmax turns NaN, +inf and all -inf rows into NaN, and any NaN makes the sum NaN: one
     # reduction covers all three (cheaper than an elementwise isfinite pass).
-    if not bool(torch.isfinite(probs.sum())):
+    if not math.isfinite(float(probs.sum())):
         raise NonFiniteError(_NON_FINITE_LOGITS)
     return probs
 
@@ -108,7 +111,7 @@ def sample_with_uniform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     Zero-probability tokens are never returned: their CDF step has zero width, and the
     threshold is kept strictly below the total mass.
     """
-    cdf = probs.double().cumsum(dim=-1)  # [..., V]
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [..., V]
     total = cdf[..., -1:]
     if not bool(((total > 0) & (total < float("inf"))).all()):  # NaN fails both comparisons
         raise NonFiniteError("probs has a row with zero, NaN or infinite total mass; expected "

@@ -29,6 +29,7 @@ Not here: models, caches, sampling settings (see sampling.py), the decoding loop
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -234,7 +235,6 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
         next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
         return _assemble(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
-    rows = torch.arange(batch_size, device=target_probs.device)
 
     # 1. Acceptance test at every proposed position (positions past a row's length count as rejected).
     valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]  # [B, K]
@@ -255,18 +255,26 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     all_accepted = num_accepted == num_draft
 
     # 2. The next token: residual at the first rejection, or the bonus distribution after position n.
-    next_target = target_probs[rows, num_accepted]  # [B, V]
+    next_target = _row_at(target_probs, num_accepted)  # [B, V]
     first_rejected = num_accepted.clamp(max=max_k - 1)
     if draft_probs is None:
-        next_draft = point_mass(safe_tokens[rows, first_rejected], vocab_size)
+        next_draft = point_mass(safe_tokens.gather(1, first_rejected[:, None]).squeeze(1),
+                                vocab_size)
     else:
-        next_draft = draft_probs[rows, first_rejected]  # [B, V]
+        next_draft = _row_at(draft_probs, first_rejected)  # [B, V]
     residual = residual_probs(next_draft, next_target)
     next_probs = torch.where(all_accepted[:, None], next_target, residual)
     next_tokens = sample_with_uniform(next_probs, next_uniforms)  # [B]
 
     # 3. Assemble: accepted prefix, then the next token, then padding.
     return _assemble(draft_tokens, num_accepted, next_tokens, num_draft)
+
+
+def _row_at(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """probs[b, positions[b]] for each row: [B, K, V], [B] -> [B, V] (a gather: cheaper than
+    advanced indexing at batch 1)."""
+    index = positions[:, None, None].expand(-1, 1, probs.shape[-1])  # [B, 1, V]
+    return probs.gather(1, index).squeeze(1)
 
 
 def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
@@ -311,7 +319,7 @@ def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
     _check_token_range(draft_tokens, num_draft, vocab_size)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
-        if probs is not None and not bool(torch.isfinite(probs.sum())):  # NaN/inf -> sum not finite
+        if probs is not None and not math.isfinite(float(probs.sum())):  # NaN/inf -> sum not finite
             raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
                                  "from verispec.sampling.to_probs.")
     return num_draft

@@ -9,6 +9,8 @@ uses the per-token acceptance a, and the JSON and plot are written.
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,3 +71,22 @@ def test_bench_rejects_bad_settings_with_one_line(model_dirs, capsys):
                        "--repeats", "0"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "--repeats" in err
+
+
+def test_target_gap_script_measures_every_pattern(tmp_path, capsys):
+    # benchmarks/target_gap.py on the shipped pair, shortened: every pattern is timed, the
+    # ratios are relative to the one-token pass, and the JSON holds what was printed.
+    script = Path(__file__).parent.parent / "benchmarks" / "target_gap.py"
+    main = runpy.run_path(str(script))["main"]
+    out = tmp_path / "gap.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--blocks", "1", "--passes", "2", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out.read_text())
+    patterns = [row["pattern"] for row in report["rows"]]
+    assert len(patterns) == 7 and patterns[0] == "1 token, back to back"
+    assert report["rows"][0]["vs_one_token"] == 1.0
+    assert all(row["ms"] > 0 for row in report["rows"]) and report["draft_round_ms"] > 0
+    assert "3 tokens after the draft's 2 steps" in capsys.readouterr().out

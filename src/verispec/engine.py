@@ -5,8 +5,10 @@ Legend: B batch, K draft tokens this round, V vocabulary.
 Each round (Leviathan et al. 2023, Algorithm 1, batched):
   1. propose: the proposer drafts k tokens per row, with the distributions they were drawn from;
   2. score:   the target runs ONE pass over [last committed token, d_1 .. d_k] -> k+1 logits,
-              processed by the same sampling.to_probs the draft used;
-  3. verify:  verify.verify accepts a prefix per row and draws the recovered or bonus token;
+              processed by the same sampling.to_probs the draft used (at temperature 0 only
+              their argmax, sampling.greedy_tokens, which to_probs' point mass sits on);
+  3. verify:  verify.verify accepts a prefix per row and draws the recovered or bonus token
+              (verify.verify_greedy_tokens at temperature 0: no random numbers);
   4. commit:  both sides rewind to the accepted prefix and append the new token;
   5. emit:    each row's new tokens, cut at the first stop token and at max_new_tokens.
 Plain decoding is the same loop with k = 0 and no proposer: the "bonus" is an ordinary sample

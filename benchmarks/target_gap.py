@@ -1,6 +1,10 @@
 """What a target pass costs when other work runs between passes: the v column, taken apart.
 
     .venv/bin/python benchmarks/target_gap.py            # demo pair, writes results/target_gap.json
+    .venv/bin/python benchmarks/target_gap.py --threads 1 --blocks 4 \
+        --json benchmarks/results/target_gap_1thread.json
+    OMP_WAIT_POLICY=ACTIVE .venv/bin/python benchmarks/target_gap.py \
+        --json benchmarks/results/target_gap_omp_active.json   # OpenMP threads never sleep
 
 The speedup formula charges one verification pass over k + 1 tokens as one plain step. This
 script measures the target's pass alone (the demo pair's target through verispec's fast path,
@@ -19,22 +23,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import verispec
 from verispec.bench import environment
+from verispec.models.base import LMSession
 
 CONTEXT = list(range(2, 66))  # a 64-token context; the positions used by one pass are reused
 
 
-def _pass(session, num_tokens: int) -> None:
+def _pass(session: LMSession, num_tokens: int) -> None:
     """One target pass over num_tokens new tokens, then rewind them (the cache is unchanged)."""
     session.extend(torch.full((1, num_tokens), 5, dtype=torch.int64))
     session.rewind(torch.tensor([num_tokens]))
+
+
+def time_patterns(patterns: dict[str, tuple[int, Callable[[], object] | None]],
+                  target: LMSession, blocks: int, passes: int) -> dict[str, list[float]]:
+    """Seconds of each timed target pass per pattern (num_tokens, what runs before each pass).
+
+    Blocks of consecutive passes, the blocks of all patterns interleaved; the first 5 passes of
+    a block still see the previous pattern and are not timed.
+    """
+    times: dict[str, list[float]] = {name: [] for name in patterns}
+    for _ in range(blocks):
+        for name, (num_tokens, between) in patterns.items():
+            for i in range(passes + 5):
+                if between is not None:
+                    between()
+                started = time.perf_counter()
+                _pass(target, num_tokens)
+                if i >= 5:
+                    times[name].append(time.perf_counter() - started)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     decoder = verispec.load()  # the demo pair, float32 on CPU
-    target = decoder.target.new_session()
-    draft = decoder.draft.new_session()
+    target, draft = decoder.target.new_session(), decoder.draft.new_session()
     target.start([CONTEXT])
     draft.start([CONTEXT])
     scratch = torch.ones(6 * 1024 * 1024)  # 24 MB of float32
@@ -62,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(50):
             draft_round()
         draft_round_s = (time.perf_counter() - started) / 50
-        patterns = {
+        times = time_patterns({
             "1 token, back to back": (1, None),
             "2 tokens, back to back": (2, None),
             "3 tokens, back to back": (3, None),
@@ -70,29 +96,19 @@ def main(argv: list[str] | None = None) -> int:
             "3 tokens after the draft's 2 steps": (3, draft_round),
             "3 tokens after an idle pause as long": (3, lambda: time.sleep(draft_round_s)),
             "3 tokens after reading 24 MB": (3, lambda: float(scratch.sum())),
-        }
-        times: dict[str, list[float]] = {name: [] for name in patterns}
-        for _ in range(args.blocks):
-            for name, (num_tokens, between) in patterns.items():
-                for i in range(args.passes + 5):
-                    if between is not None:
-                        between()
-                    started = time.perf_counter()
-                    _pass(target, num_tokens)
-                    if i >= 5:  # the first passes of a block still see the previous pattern
-                        times[name].append(time.perf_counter() - started)
+        }, target, args.blocks, args.passes)
     base = statistics.median(times["1 token, back to back"])
     rows = [{"pattern": name, "ms": 1000 * statistics.median(t),
              "vs_one_token": statistics.median(t) / base} for name, t in times.items()]
     print(f"draft round (2 steps): {1000 * draft_round_s:.2f} ms; target pass, median of "
-          f"{args.blocks * args.passes} per pattern:")
+          f"{args.blocks * args.passes} per pattern ({args.threads} threads):")
     print(f"{'pattern':40s} {'ms':>6s} {'x 1 token':>10s}")
     for row in rows:
         print(f"{row['pattern']:40s} {row['ms']:6.2f} {row['vs_one_token']:10.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"environment": environment(),
-                                     "threads": args.threads,
-                                     "draft_round_ms": 1000 * draft_round_s,
+    openmp = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    args.json.write_text(json.dumps({"environment": environment(), "threads": args.threads,
+                                     "openmp_env": openmp, "draft_round_ms": 1000 * draft_round_s,
                                      "rows": rows}, indent=1) + "\n")
     return 0
 

@@ -664,6 +664,10 @@ def test_verify_greedy_tokens_checks_its_inputs():
         verify_greedy_tokens(torch.tensor([[1]]), torch.tensor([[0.0, 1.0]]), 4)
     with pytest.raises(TokenOutOfRangeError):
         verify_greedy_tokens(torch.tensor([[7]]), torch.tensor([[1, 2]]), 4)
+    with pytest.raises(TokenOutOfRangeError):  # the target's tokens are range-checked too
+        verify_greedy_tokens(torch.tensor([[1]]), torch.tensor([[1, 4]]), 4)
+    with pytest.raises(ShapeError):
+        verify_greedy_tokens(torch.tensor([[1]]), torch.tensor([[1, 2]]), 0)
     with pytest.raises(ShapeError):
         verify_greedy_tokens(torch.tensor([[1]]), torch.tensor([[1, 2]]), 4, torch.tensor([2]))
     # a token past its row's num_draft_tokens is not proposed, so it is not range-checked

@@ -1,9 +1,10 @@
 """``verispec bench``: verispec against plain decoding and Hugging Face assisted generation.
 
 Every method generates exactly ``max_new_tokens`` tokens for the same prompts with the same
-models in one process (no EOS stop, so token counts match). Runs are interleaved (A B C A B C)
-after a warm-up, and each method's figure is the median over repeats, so drift in machine load
-hits all methods alike. Ratios are taken within one run of this command, never across runs.
+models in one process (no EOS stop, so token counts match). After a warm-up, each repeat runs
+every method back to back on each prompt (A B C, then C B A on the next prompt), and each
+method's figure is the median over repeats, so drift in machine load hits all methods alike.
+Ratios are taken within one run of this command, never across runs.
 
 Methods: verispec plain decoding (the baseline every speedup divides by); transformers
 ``generate()`` with the target alone; transformers assisted generation with the same draft at its
@@ -179,7 +180,8 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
     for method in methods:  # warm-up: one prompt each
         method.run(prompts[0], settings.seed)
-        # the process's peak RSS once this method has run (methods share the process)
+        # the process's peak RSS once this method has run: methods share the process, so a
+        # method's own footprint shows as the rise over the methods before it
         results[method.name].peak_rss_mb = _peak_rss_mb()
     for repeat in range(settings.repeats):
         elapsed = dict.fromkeys(results, 0.0)

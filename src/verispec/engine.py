@@ -106,7 +106,8 @@ class DecodingRun:
             config.num_draft_tokens if self.policy is None  # a policy clamps k to its bounds
             else self.policy.num_draft_tokens)
         batch_size = len(prompts)
-        # per-row bookkeeping on the host: one transfer of each round's result, then plain ints
+        # per-row bookkeeping on the host: each round's result comes over once (two small
+        # .tolist() calls), then plain ints
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.num_generated = [0] * batch_size
         self.finished = [False] * batch_size

@@ -173,8 +173,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     token equals the target's argmax; the next token (recovered or bonus) is the target's
     argmax where the accepted prefix stops. Equal to :func:`verify` on such inputs for every
     generator (tests/test_verify.py checks it); on targets that are not point masses it is not
-    a valid verifier, so the engine calls it at temperature 0 only.
-    Shapes as in :func:`verify`.
+    a valid verifier: it is for temperature 0 only (where the engine calls its token form,
+    :func:`verify_greedy_tokens`). Shapes as in :func:`verify`.
     """
     _check_draft_tokens(draft_tokens)
     num_draft = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
@@ -187,9 +187,10 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
                          ) -> VerifyResult:
     """:func:`verify_greedy` given the target's tokens instead of its point masses.
 
-    target_tokens [B, K+1] int64 is sampling.greedy_tokens of the target logits: the argmax
-    :func:`verify_greedy` would take of to_probs at temperature 0, without building the
-    [B, K+1, V] one-hot rows. What the engine calls at temperature 0.
+    Shapes: draft_tokens [B, K] int64; target_tokens [B, K+1] int64, sampling.greedy_tokens of
+    the target logits: the argmax :func:`verify_greedy` would take of to_probs at temperature
+    0, without building the [B, K+1, V] one-hot rows; num_draft_tokens [B] or None (all K).
+    vocab_size: V, the range every token must lie in. What the engine calls at temperature 0.
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     if (not isinstance(target_tokens, torch.Tensor) or target_tokens.dtype != torch.int64
@@ -198,6 +199,15 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
         raise ShapeError(f"target_tokens must be an int64 tensor [B, K+1] = [{batch_size}, "
                          f"{max_k + 1}] for draft_tokens {tuple(draft_tokens.shape)}; got "
                          f"{shape}.")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ShapeError(f"vocab_size must be a positive int (the target's V); got "
+                         f"{vocab_size!r}.")
+    if target_tokens.device != draft_tokens.device:
+        raise ShapeError(f"target_tokens are on {target_tokens.device} and draft_tokens on "
+                         f"{draft_tokens.device}; move both to one device.")
+    if bool(((target_tokens < 0) | (target_tokens >= vocab_size)).any()):
+        raise TokenOutOfRangeError(f"target_tokens hold an id outside the vocabulary "
+                                   f"[0, {vocab_size}): {target_tokens.tolist()}.")
     num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
     _check_token_range(draft_tokens, num_draft, vocab_size)
     return _verify_point_masses(draft_tokens, target_tokens, num_draft)

@@ -177,9 +177,9 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     :func:`verify_greedy_tokens`). Shapes as in :func:`verify`.
     """
     _check_draft_tokens(draft_tokens)
-    num_draft = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
+    num_draft, valid = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
     target_tokens = target_probs.argmax(dim=-1)  # [B, K+1] the target's token at each position
-    return _verify_point_masses(draft_tokens, target_tokens, num_draft)
+    return _verify_point_masses(draft_tokens, target_tokens, num_draft, valid)
 
 
 def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
@@ -208,16 +208,16 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     if bool(((target_tokens < 0) | (target_tokens >= vocab_size)).any()):
         raise TokenOutOfRangeError(f"target_tokens hold an id outside the vocabulary "
                                    f"[0, {vocab_size}): {target_tokens.tolist()}.")
-    num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
-    _check_token_range(draft_tokens, num_draft, vocab_size)
-    return _verify_point_masses(draft_tokens, target_tokens, num_draft)
+    num_draft, valid = _check_num_draft(draft_tokens, num_draft_tokens)
+    _check_token_range(draft_tokens, valid, vocab_size)
+    return _verify_point_masses(draft_tokens, target_tokens, num_draft, valid)
 
 
 def _verify_point_masses(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
-                         num_draft: torch.Tensor) -> VerifyResult:
-    """Accept while draft_tokens [B, K] equal target_tokens [B, K+1]; then the target's token."""
+                         num_draft: torch.Tensor, valid: torch.Tensor) -> VerifyResult:
+    """Accept while draft_tokens [B, K] equal target_tokens [B, K+1] (where valid [B, K]);
+    then the target's token."""
     max_k = draft_tokens.shape[1]
-    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
     accepted = valid & (draft_tokens == target_tokens[:, :max_k])  # [B, K]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
@@ -237,7 +237,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     vocab_size = target_probs.shape[-1]
-    num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
+    num_draft, valid = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
     if tuple(uniforms.shape) != (batch_size, max_k) or tuple(next_uniforms.shape) != (batch_size,):
         raise ShapeError(f"uniforms must be [B, K] = [{batch_size}, {max_k}] and next_uniforms "
                          f"[B] = [{batch_size}]; got {tuple(uniforms.shape)} and "
@@ -246,8 +246,8 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
         return _assemble(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
 
-    # 1. Acceptance test at every proposed position (positions past a row's length count as rejected).
-    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]  # [B, K]
+    # 1. Acceptance test at every proposed position (positions past a row's length count as
+    # rejected: valid [B, K] is False there).
     safe_tokens = torch.where(valid, draft_tokens, torch.zeros_like(draft_tokens))
     target_at_draft = target_probs[:, :max_k].gather(-1, safe_tokens[..., None]).squeeze(-1)
     if draft_probs is None:
@@ -314,8 +314,9 @@ def _check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:
 
 def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                   target_probs: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                  ) -> torch.Tensor:
-    """Validate shapes, ranges and finiteness; return num_draft_tokens as [B] int64."""
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate shapes, ranges and finiteness; return num_draft [B] int64 and valid [B, K]
+    (see :func:`_check_num_draft`)."""
     batch_size, max_k = draft_tokens.shape
     if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (batch_size, max_k + 1):
         raise ShapeError(f"target_probs must be [B, K+1, V] = [{batch_size}, {max_k + 1}, V] "
@@ -326,35 +327,37 @@ def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         raise ShapeError(f"draft_probs must be [B, K, V] = [{batch_size}, {max_k}, {vocab_size}]"
                          f"; got {tuple(draft_probs.shape)}. Draft and target must share a "
                          "vocabulary.")
-    num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
-    _check_token_range(draft_tokens, num_draft, vocab_size)
+    num_draft, valid = _check_num_draft(draft_tokens, num_draft_tokens)
+    _check_token_range(draft_tokens, valid, vocab_size)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
         if probs is not None and not math.isfinite(float(probs.sum())):  # NaN/inf -> sum not finite
             raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
                                  "from verispec.sampling.to_probs.")
-    return num_draft
+    return num_draft, valid
 
 
 def _check_num_draft(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                     ) -> torch.Tensor:
-    """num_draft_tokens as [B] int64 in [0, K] (all K when None)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """num_draft_tokens as num_draft [B] int64 in [0, K] (all K when None), and valid [B, K]:
+    which positions each row proposed."""
     batch_size, max_k = draft_tokens.shape
     if num_draft_tokens is None:
-        return torch.full((batch_size,), max_k, dtype=torch.int64, device=draft_tokens.device)
-    num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64, device=draft_tokens.device)
-    if num_draft.shape != (batch_size,) or bool(((num_draft < 0) | (num_draft > max_k)).any()):
-        raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
-                         f"[0, {max_k}]; got {num_draft.tolist()}.")
-    return num_draft
+        num_draft = torch.full((batch_size,), max_k, dtype=torch.int64,
+                               device=draft_tokens.device)
+    else:
+        num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64,
+                                    device=draft_tokens.device)
+        if num_draft.shape != (batch_size,) or bool(((num_draft < 0) | (num_draft > max_k)).any()):
+            raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
+                             f"[0, {max_k}]; got {num_draft.tolist()}.")
+    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    return num_draft, valid
 
 
-def _check_token_range(draft_tokens: torch.Tensor, num_draft: torch.Tensor,
-                       vocab_size: int) -> None:
-    """Every proposed token (within its row's num_draft) is an id in [0, V)."""
+def _check_token_range(draft_tokens: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
+    """Every proposed token (valid [B, K]) is an id in [0, V)."""
     if draft_tokens.numel() == 0:
         return
-    valid = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)[None, :] < (
-        num_draft[:, None])
     out_of_range = valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))
     if bool(out_of_range.any()):
         bad = draft_tokens[out_of_range]

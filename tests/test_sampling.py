@@ -19,7 +19,7 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec.sampling import sample_from_logprobs
+from verispec.sampling import sample_from_logprobs, sample_with_uniform
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -276,3 +276,40 @@ def test_global_rng_state_is_untouched():
         sample(probs, make_generator(None))
         sample_from_logprobs(probs.log(), make_generator(2))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _reference_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw written with tensor ops only: the reference for the host threshold."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[..., -1:]
+    threshold = torch.minimum(uniforms.double()[..., None] * total,
+                              torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sample_with_uniform_equals_the_tensor_reference(seed):
+    # sample_with_uniform computes each row's threshold on the host; the tokens must be those of
+    # the all-tensor formula bit for bit, including uniforms at the very top of [0, 1) and rows
+    # with zero-probability tokens and unnormalised mass.
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(3 * torch.randn(4, 3, 50, generator=gen), dim=-1)
+    probs[..., ::7] = 0.0
+    probs[1] *= 3.0
+    uniforms = torch.rand(4, 3, generator=gen, dtype=torch.float64)
+    uniforms[0, 0] = 1.0 - 2.0 ** -53  # the largest double below 1
+    uniforms[0, 1] = 0.0
+    tokens = sample_with_uniform(probs, uniforms)
+    assert tokens.tolist() == _reference_inverse_cdf(probs, uniforms).tolist()
+    assert bool((probs.gather(-1, tokens[..., None]) > 0).all())
+    # fp32 uniforms (as verify_with_randomness callers may pass) give the same answer as well
+    as_float = uniforms.float()
+    assert (sample_with_uniform(probs, as_float).tolist()
+            == _reference_inverse_cdf(probs, as_float).tolist())
+
+
+def test_sample_with_uniform_checks_the_uniforms_shape():
+    with pytest.raises(ShapeError):
+        sample_with_uniform(torch.ones(2, 4), torch.zeros(3))
+    with pytest.raises(NonFiniteError):
+        sample_with_uniform(torch.zeros(1, 4), torch.zeros(1))

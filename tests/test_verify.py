@@ -28,6 +28,7 @@ from verispec import (
     to_probs,
     verify,
     verify_greedy,
+    verify_greedy_rows,
     verify_greedy_tokens,
 )
 from verispec.config import SamplingConfig
@@ -674,3 +675,37 @@ def test_verify_greedy_tokens_checks_its_inputs():
     result = verify_greedy_tokens(torch.tensor([[1, 9]]), torch.tensor([[1, 3, 0]]), 4,
                                   torch.tensor([1]))
     assert result.output_tokens.tolist() == [[1, 3, PAD_TOKEN]]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_verify_greedy_rows_equals_verify_greedy_tokens(seed):
+    # The engine's host form against the tensor form (its reference), on batches where some
+    # draft tokens match the target's and some do not, for K = 0 (plain decoding) to 4.
+    gen = torch.Generator().manual_seed(seed)
+    batch_size, vocab_size = 5, 6
+    for max_k in range(5):
+        target_tokens = torch.randint(0, vocab_size, (batch_size, max_k + 1), generator=gen)
+        agree = torch.rand(batch_size, max_k, generator=gen) < 0.7
+        draft_tokens = torch.where(agree, target_tokens[:, :max_k],
+                                   (target_tokens[:, :max_k] + 1) % vocab_size)
+        expected = verify_greedy_tokens(draft_tokens, target_tokens, vocab_size)
+        num_accepted, output_tokens = verify_greedy_rows(draft_tokens.tolist(),
+                                                         target_tokens.tolist(), vocab_size)
+        assert num_accepted == expected.num_accepted.tolist()
+        assert output_tokens == expected.output_tokens.tolist()
+
+
+def test_verify_greedy_rows_example_and_errors():
+    assert verify_greedy_rows([[7, 8, 9]], [[7, 5, 9, 2]], 10) == ([1], [[7, 5, PAD_TOKEN,
+                                                                          PAD_TOKEN]])
+    assert verify_greedy_rows([[7, 8]], [[7, 8, 2]], 10) == ([2], [[7, 8, 2]])  # bonus
+    with pytest.raises(ShapeError):  # needs K+1 = 3 target tokens
+        verify_greedy_rows([[1, 2]], [[1, 2]], 4)
+    with pytest.raises(ShapeError):  # one target row per draft row
+        verify_greedy_rows([[1], [2]], [[1, 2]], 4)
+    with pytest.raises(TokenOutOfRangeError):
+        verify_greedy_rows([[7]], [[1, 2]], 4)
+    with pytest.raises(TokenOutOfRangeError):  # the target's tokens are range-checked too
+        verify_greedy_rows([[1]], [[1, -1]], 4)
+    with pytest.raises(ShapeError):
+        verify_greedy_rows([[1]], [[1, 2]], 0)

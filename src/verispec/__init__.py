@@ -31,6 +31,7 @@ from .verify import (
     theoretical_speedup,
     verify,
     verify_greedy,
+    verify_greedy_rows,
     verify_greedy_tokens,
 )
 
@@ -59,6 +60,6 @@ __all__ = [
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "Proposal",
     "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_greedy",
-    "verify_greedy_tokens", "VerifyResult",
+    "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

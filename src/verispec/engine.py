@@ -8,7 +8,7 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched):
               processed by the same sampling.to_probs the draft used (at temperature 0 only
               their argmax, sampling.greedy_tokens, which to_probs' point mass sits on);
   3. verify:  verify.verify accepts a prefix per row and draws the recovered or bonus token
-              (verify.verify_greedy_tokens at temperature 0: no random numbers);
+              (verify.verify_greedy_rows at temperature 0: no random numbers, host ints);
   4. commit:  both sides rewind to the accepted prefix and append the new token;
   5. emit:    each row's new tokens, cut at the first stop token and at max_new_tokens.
 Plain decoding is the same loop with k = 0 and no proposer: the "bonus" is an ordinary sample
@@ -34,7 +34,7 @@ from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
 from .proposers.draft_model import DraftModelProposer
 from .sampling import greedy_tokens, make_generator, to_probs
-from .verify import verify, verify_greedy_tokens
+from .verify import verify, verify_greedy_rows
 
 
 @dataclass(frozen=True)
@@ -151,19 +151,23 @@ class DecodingRun:
         else:
             target_out = to_probs(target_logits, self.config.sampling)  # [B, K+1, V] fp32
         target_time = _synced_elapsed(target_started, target_out)
-        # 3. verify
+        # 3. verify, on the host at temperature 0 (no random numbers, a loop over K+1 ints);
+        # either way the round's result comes over once, as lists
         verify_started = time.perf_counter()
-        if self.config.sampling.is_greedy:  # no random numbers, no work over the vocabulary
-            result = verify_greedy_tokens(draft_tokens, target_out, target_logits.shape[-1])
+        if self.config.sampling.is_greedy:
+            num_accepted, output_tokens = verify_greedy_rows(
+                draft_tokens.tolist(), target_out.tolist(), target_logits.shape[-1])
         else:
             result = verify(draft_tokens, draft_probs, target_out, self.generator)
+            num_accepted, output_tokens = (result.num_accepted.tolist(),
+                                           result.output_tokens.tolist())
+        next_tokens = [row[n] for row, n in zip(output_tokens, num_accepted)]  # recovered/bonus
         # 4. commit / rewind both sides to the accepted prefix + the new token
-        self.target.commit(result.num_accepted, result.next_tokens)
+        self.target.commit(num_accepted, next_tokens)
         if self.proposer is not None:
-            self.proposer.commit(result.num_accepted, result.next_tokens)
+            self.proposer.commit(num_accepted, next_tokens)
         # 5. emit
-        num_accepted = result.num_accepted.tolist()
-        chunk = self._emit(result.output_tokens.tolist(), num_accepted, active)
+        chunk = self._emit(output_tokens, num_accepted, active)
         verify_time = time.perf_counter() - verify_started
         stats = self._record(k, [n for n, is_active in zip(num_accepted, active) if is_active],
                              draft_time, target_time, verify_time,

@@ -111,14 +111,22 @@ def sample_with_uniform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     Zero-probability tokens are never returned: their CDF step has zero width, and the
     threshold is kept strictly below the total mass.
     """
+    if not isinstance(uniforms, torch.Tensor) or uniforms.shape != probs.shape[:-1]:
+        got = tuple(uniforms.shape) if isinstance(uniforms, torch.Tensor) else type(uniforms)
+        raise ShapeError(f"uniforms must be a tensor of shape {tuple(probs.shape[:-1])} (one per "
+                         f"row of probs {tuple(probs.shape)}); got {got}.")
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [..., V]
-    total = cdf[..., -1:]
-    if not bool(((total > 0) & (total < float("inf"))).all()):  # NaN fails both comparisons
-        raise NonFiniteError("probs has a row with zero, NaN or infinite total mass; expected "
-                             "non-negative finite probabilities with a positive sum per row.")
-    threshold = torch.minimum(uniforms.double()[..., None] * total,
-                              torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    # the per-row threshold is computed on the host: Python floats are IEEE float64, so u * total
+    # and nextafter round exactly as the tensor ops would, and one transfer replaces ~8 tiny ops
+    totals = cdf[..., -1].reshape(-1).tolist()
+    thresholds = []
+    for u, total in zip(uniforms.reshape(-1).tolist(), totals):
+        if not 0.0 < total < math.inf:  # NaN fails both comparisons
+            raise NonFiniteError("probs has a row with zero, NaN or infinite total mass; expected "
+                                 "non-negative finite probabilities with a positive sum per row.")
+        thresholds.append(min(float(u) * total, math.nextafter(total, 0.0)))
+    threshold = torch.tensor(thresholds, dtype=torch.float64, device=cdf.device)
+    return torch.searchsorted(cdf, threshold.reshape(*cdf.shape[:-1], 1), right=True).squeeze(-1)
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

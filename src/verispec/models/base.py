@@ -30,8 +30,9 @@ class LMSession(Protocol):
         """Feed tokens [B, n] int64; return logits [B, n, V]: row b, position i holds the
         next-token logits after tokens[b, :i+1] (on top of everything fed before)."""
 
-    def rewind(self, num_tokens: torch.Tensor) -> None:
-        """Drop the last num_tokens[b] fed tokens of each row b; num_tokens [B] int64 >= 0."""
+    def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
+        """Drop the last num_tokens[b] fed tokens of each row b; num_tokens [B] ints >= 0 (a
+        list, as the engine passes, or an int64 tensor)."""
 
 
 @runtime_checkable
@@ -44,6 +45,11 @@ class LanguageModel(Protocol):
 
     def new_session(self) -> LMSession:
         ...
+
+
+def as_ints(values: torch.Tensor | Sequence[int]) -> list[int]:
+    """Per-row counts or token ids as a list of ints (one host transfer for a tensor)."""
+    return values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]
 
 
 class TargetScorer:
@@ -72,7 +78,9 @@ class TargetScorer:
         pending = self.pending.to(draft_tokens.device)
         return self.session.extend(torch.cat([pending, draft_tokens], dim=1))
 
-    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Keep the accepted prefix of the last scored draft; next_tokens [B] becomes pending."""
-        self.session.rewind(self._num_scored - num_accepted)
-        self.pending = next_tokens[:, None]
+    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
+        """Keep the accepted prefix of the last scored draft; next_tokens [B] becomes pending.
+        Both are host ints, one per row (a list or a 1-D tensor)."""
+        num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
+        self.session.rewind([self._num_scored - n for n in num_accepted])
+        self.pending = torch.tensor(next_tokens, dtype=torch.int64)[:, None]  # [B, 1]

@@ -34,9 +34,10 @@ class ProposerSession(Protocol):
     def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
         """Draft ``num_draft_tokens`` >= 1 tokens per row after the committed sequence."""
 
-    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended.
-        Called every round, also rounds where propose was not called (num_accepted is then 0)."""
+    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
+        """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended;
+        host ints, one per row. Called every round, also rounds where propose was not called
+        (num_accepted is then 0)."""
 
 
 class Proposer(Protocol):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..models.base import LanguageModel, LMSession
+from ..models.base import LanguageModel, LMSession, as_ints
 from ..sampling import greedy_tokens, sample, to_probs
 from .base import Proposal
 
@@ -66,14 +66,16 @@ class DraftModelSession:
         stacked_probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, K, V]
         return Proposal(self._proposal, stacked_probs)
 
-    def commit(self, num_accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
+        num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
+        unfed = self.unfed.tolist()
         if self._proposal is None:  # a round without a proposal: the cache did not move
-            self.unfed = torch.cat([self.unfed.to(next_tokens.device), next_tokens[:, None]], 1)
-            return
-        proposal, self._proposal = self._proposal, None
-        num_draft_tokens = proposal.shape[1]
-        self.session.rewind(num_draft_tokens - num_accepted)
-        # the committed token before next_tokens: d_n if n > 0, else the last unfed token
-        before = torch.cat([self.unfed[:, -1:].to(proposal.device), proposal], dim=1)
-        last_kept = before.gather(1, num_accepted[:, None].to(proposal.device))  # [B, 1]
-        self.unfed = torch.cat([last_kept, next_tokens[:, None].to(proposal.device)], dim=1)
+            rows = [row + [token] for row, token in zip(unfed, next_tokens)]
+        else:
+            proposal, self._proposal = self._proposal.tolist(), None
+            num_draft_tokens = len(proposal[0])
+            self.session.rewind([num_draft_tokens - n for n in num_accepted])
+            # the committed token before next_tokens: d_n if n > 0, else the last unfed token
+            rows = [[(row[-1:] + drafted)[n], token] for row, drafted, n, token
+                    in zip(unfed, proposal, num_accepted, next_tokens)]
+        self.unfed = torch.tensor(rows, dtype=torch.int64)  # [B, u]

@@ -8,6 +8,7 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -347,10 +348,8 @@ def random_case(seed: int, point_mass_draft: bool = False):
     draft_tokens = torch.where(positions < num_draft[:, None], draft_tokens, PAD_TOKEN)
     uniforms = torch.rand((batch_size, max_k), generator=gen)
     next_uniforms = torch.rand((batch_size,), generator=gen, dtype=torch.float64)
-    if point_mass_draft:
+    if point_mass_draft:  # positions past num_draft keep PAD_TOKEN: verify must ignore them
         draft_probs = None
-        # the point-mass path reads draft_tokens at the first rejected position: keep in range
-        draft_tokens = draft_tokens.clamp_min(0)
     return draft_tokens, draft_probs, target_probs, uniforms, next_uniforms, num_draft
 
 
@@ -365,8 +364,14 @@ def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
     return max(i for i, value in enumerate(values) if value > 0)
 
 
+@pytest.mark.parametrize("host_rows_max_batch", [8, 0], ids=["host_rows", "tensor_batched"])
 @pytest.mark.parametrize("point_mass_draft", [False, True], ids=["draft_probs", "point_mass"])
-def test_batched_verify_equals_per_row_reference(point_mass_draft):
+def test_batched_verify_equals_per_row_reference(point_mass_draft, host_rows_max_batch,
+                                                 monkeypatch):
+    # both implementations behind verify_with_randomness: host decisions for small batches,
+    # tensor ops for large ones (batches here have 1 to 5 rows; 0 sends them all to tensors)
+    monkeypatch.setattr(importlib.import_module("verispec.verify"), "HOST_ROWS_MAX_BATCH",
+                        host_rows_max_batch)
     num_rejections = num_bonus = 0
     for seed in range(400):
         case = random_case(seed, point_mass_draft)

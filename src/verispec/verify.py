@@ -177,7 +177,9 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     :func:`verify_greedy_tokens`). Shapes as in :func:`verify`.
     """
     _check_draft_tokens(draft_tokens)
-    num_draft, valid = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
+    num_draft = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
+    num_draft, valid = _proposed_mask(num_draft, draft_tokens.shape[1], draft_tokens.device)
+    _check_token_range(draft_tokens, valid, target_probs.shape[-1])
     target_tokens = target_probs.argmax(dim=-1)  # [B, K+1] the target's token at each position
     return _verify_point_masses(draft_tokens, target_tokens, num_draft, valid)
 
@@ -208,7 +210,8 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     if bool(((target_tokens < 0) | (target_tokens >= vocab_size)).any()):
         raise TokenOutOfRangeError(f"target_tokens hold an id outside the vocabulary "
                                    f"[0, {vocab_size}): {target_tokens.tolist()}.")
-    num_draft, valid = _check_num_draft(draft_tokens, num_draft_tokens)
+    num_draft, valid = _proposed_mask(_check_num_draft(draft_tokens, num_draft_tokens), max_k,
+                                      draft_tokens.device)
     _check_token_range(draft_tokens, valid, vocab_size)
     return _verify_point_masses(draft_tokens, target_tokens, num_draft, valid)
 
@@ -274,14 +277,102 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     Draft token i of row b is accepted iff uniforms[b, i] < min(1, p_target / p_draft); the
     recovered/bonus token is the inverse-CDF draw of next_uniforms[b] from that row's final
     distribution (sampling.sample_with_uniform: exact, never a zero-probability token).
+    Batches of up to HOST_ROWS_MAX_BATCH rows decide on host ints, larger ones with tensor ops
+    over the batch; both give the same result.
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
-    vocab_size = target_probs.shape[-1]
-    num_draft, valid = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
+    num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
     if tuple(uniforms.shape) != (batch_size, max_k) or tuple(next_uniforms.shape) != (batch_size,):
         raise ShapeError(f"uniforms must be [B, K] = [{batch_size}, {max_k}] and next_uniforms "
                          f"[B] = [{batch_size}]; got {tuple(uniforms.shape)} and "
                          f"{tuple(next_uniforms.shape)}.")
+    if batch_size <= HOST_ROWS_MAX_BATCH:
+        return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                            num_draft)
+    return _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                           num_draft)
+
+
+# At most this many rows, verify_with_randomness decides on the host (_verify_rows): at batch 1
+# its ~65 tiny tensor ops, each run cold right after a target pass, cost more than the math.
+# Larger batches take the tensor path (_verify_batched), whose op count does not grow with B.
+# Both give the same tokens for the same random numbers (tests/test_verify.py checks both
+# against a per-row reference).
+HOST_ROWS_MAX_BATCH = 8
+
+
+def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                 target_probs: torch.Tensor, uniforms: torch.Tensor, next_uniforms: torch.Tensor,
+                 num_draft: list[int]) -> VerifyResult:
+    """verify_with_randomness for small batches: accept/reject and assembly on host ints."""
+    batch_size, max_k = draft_tokens.shape
+    vocab_size = target_probs.shape[-1]
+    draft_rows = draft_tokens.tolist()
+    for row, n in zip(draft_rows, num_draft):  # every proposed token is an id in [0, V)
+        if not all(0 <= token < vocab_size for token in row[:n]):
+            _raise_out_of_range(row[:n], vocab_size)
+    if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
+        next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
+        return _result(draft_rows, [0] * batch_size, next_tokens.tolist(), num_draft,
+                       draft_tokens.device)
+
+    # 1. Acceptance test. The ratios p_target / p_draft at the proposed tokens are fp32 tensor
+    # ops; the comparisons with the uniforms and the accepted prefix are host ints and floats
+    # (comparing two floats is exact in any precision). Positions past a row's num_draft_tokens
+    # may hold any id: clamped into range, their ratios are never looked at.
+    safe_tokens = draft_tokens.clamp(0, vocab_size - 1)[..., None]  # [B, K, 1]
+    target_at_draft = target_probs[:, :max_k].gather(-1, safe_tokens).squeeze(-1)  # [B, K]
+    if draft_probs is None:  # point mass: q(x) = 1
+        ratios = target_at_draft.tolist()
+    else:
+        draft_at_draft = draft_probs.gather(-1, safe_tokens).squeeze(-1)  # [B, K]
+        draft_values = draft_at_draft.tolist()
+        if any(value <= 0 for row, n in zip(draft_values, num_draft) for value in row[:n]):
+            raise DraftContractError(
+                "the draft proposed a token to which its own reported distribution gives "
+                "probability 0; draft_probs must be exactly the distributions the draft tokens "
+                "were sampled from (or None for a deterministic proposal).")
+        ratios = (target_at_draft / draft_at_draft).tolist()
+    num_accepted = []
+    for ratio_row, uniform_row, n in zip(ratios, uniforms.tolist(), num_draft):
+        accepted = 0
+        while accepted < n and uniform_row[accepted] < min(ratio_row[accepted], 1.0):
+            accepted += 1
+        num_accepted.append(accepted)
+
+    # 2. The next token: residual at the first rejection, or the bonus distribution after the
+    # accepted prefix. Rows are picked by host index; the residual is only built if some row
+    # was rejected.
+    next_target = _rows_at(target_probs, num_accepted)  # [B, V]
+    rejected = [n < k for n, k in zip(num_accepted, num_draft)]
+    if any(rejected):
+        if draft_probs is None:
+            next_draft = point_mass(torch.tensor(  # rows not rejected: any id, unused
+                [row[n] if is_rejected else 0
+                 for row, n, is_rejected in zip(draft_rows, num_accepted, rejected)],
+                device=target_probs.device), vocab_size)
+        else:
+            next_draft = _rows_at(draft_probs, [min(n, max_k - 1) for n in num_accepted])
+        residual = residual_probs(next_draft, next_target)  # [B, V]
+        next_probs = residual if all(rejected) else torch.where(
+            torch.tensor(rejected, device=target_probs.device)[:, None], residual, next_target)
+    else:
+        next_probs = next_target
+    next_tokens = sample_with_uniform(next_probs, next_uniforms)  # [B]
+
+    # 3. Assemble: accepted prefix, then the next token, then padding.
+    return _result(draft_rows, num_accepted, next_tokens.tolist(), num_draft,
+                   draft_tokens.device)
+
+
+def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                    target_probs: torch.Tensor, uniforms: torch.Tensor,
+                    next_uniforms: torch.Tensor, num_draft_list: list[int]) -> VerifyResult:
+    """verify_with_randomness as tensor ops over the whole batch: the path for large batches."""
+    max_k = draft_tokens.shape[1]
+    vocab_size = target_probs.shape[-1]
+    num_draft, valid = _proposed_mask(num_draft_list, max_k, draft_tokens.device)
+    _check_token_range(draft_tokens, valid, vocab_size)
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
         next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
         return _assemble(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
@@ -327,6 +418,30 @@ def _row_at(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return probs.gather(1, index).squeeze(1)
 
 
+def _rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """probs[b, positions[b]] for each row: [B, K, V] and B host ints -> [B, V]. Views and one
+    stack (a single view at batch 1): no index tensors."""
+    if len(positions) == 1:
+        return probs[0, positions[0]][None]
+    return torch.stack([probs[b, n] for b, n in enumerate(positions)])
+
+
+def _result(draft_rows: list[list[int]], num_accepted: list[int], next_tokens: list[int],
+            num_draft: list[int], device: torch.device) -> VerifyResult:
+    """A :class:`VerifyResult` built from host ints (rows as in :func:`_assemble`)."""
+    max_k = len(draft_rows[0]) if draft_rows else 0
+    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
+                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
+    accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)
+    return VerifyResult(
+        num_accepted=accepted,
+        output_tokens=torch.tensor(output_tokens, dtype=torch.int64,
+                                   device=device).reshape(len(draft_rows), max_k + 1),
+        num_emitted=accepted + 1, first_rejection=accepted,
+        all_accepted=torch.tensor([n == k for n, k in zip(num_accepted, num_draft)],
+                                  dtype=torch.bool, device=device))
+
+
 def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
               num_draft: torch.Tensor) -> VerifyResult:
     """Rows of accepted draft tokens, then the next token, then PAD_TOKEN. -> [B, K+1].
@@ -354,9 +469,9 @@ def _check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:
 
 def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                   target_probs: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate shapes, ranges and finiteness; return num_draft [B] int64 and valid [B, K]
-    (see :func:`_check_num_draft`)."""
+                  ) -> list[int]:
+    """Validate shapes and finiteness; return num_draft, each row's number of proposed tokens
+    (see :func:`_check_num_draft`). The token range is checked by each verification path."""
     batch_size, max_k = draft_tokens.shape
     if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (batch_size, max_k + 1):
         raise ShapeError(f"target_probs must be [B, K+1, V] = [{batch_size}, {max_k + 1}, V] "
@@ -367,31 +482,34 @@ def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         raise ShapeError(f"draft_probs must be [B, K, V] = [{batch_size}, {max_k}, {vocab_size}]"
                          f"; got {tuple(draft_probs.shape)}. Draft and target must share a "
                          "vocabulary.")
-    num_draft, valid = _check_num_draft(draft_tokens, num_draft_tokens)
-    _check_token_range(draft_tokens, valid, vocab_size)
+    num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
         if probs is not None and not math.isfinite(float(probs.sum())):  # NaN/inf -> sum not finite
             raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
                                  "from verispec.sampling.to_probs.")
-    return num_draft, valid
+    return num_draft
 
 
 def _check_num_draft(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """num_draft_tokens as num_draft [B] int64 in [0, K] (all K when None), and valid [B, K]:
-    which positions each row proposed."""
+                     ) -> list[int]:
+    """num_draft_tokens as host ints in [0, K], one per row (all K when None)."""
     batch_size, max_k = draft_tokens.shape
     if num_draft_tokens is None:
-        num_draft = torch.full((batch_size,), max_k, dtype=torch.int64,
-                               device=draft_tokens.device)
-    else:
-        num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64,
-                                    device=draft_tokens.device)
-        if num_draft.shape != (batch_size,) or bool(((num_draft < 0) | (num_draft > max_k)).any()):
-            raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
-                             f"[0, {max_k}]; got {num_draft.tolist()}.")
-    valid = torch.arange(max_k, device=draft_tokens.device)[None, :] < num_draft[:, None]
-    return num_draft, valid
+        return [max_k] * batch_size
+    as_tensor = torch.as_tensor(num_draft_tokens, dtype=torch.int64)
+    num_draft = as_tensor.tolist()
+    if as_tensor.shape != (batch_size,) or not all(0 <= n <= max_k for n in num_draft):
+        raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
+                         f"[0, {max_k}]; got {num_draft}.")
+    return num_draft
+
+
+def _proposed_mask(num_draft: list[int], max_k: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """num_draft as a [B] int64 tensor, and valid [B, K]: which positions each row proposed."""
+    num_draft_tensor = torch.tensor(num_draft, dtype=torch.int64, device=device)
+    valid = torch.arange(max_k, device=device)[None, :] < num_draft_tensor[:, None]
+    return num_draft_tensor, valid
 
 
 def _check_token_range(draft_tokens: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
@@ -400,6 +518,11 @@ def _check_token_range(draft_tokens: torch.Tensor, valid: torch.Tensor, vocab_si
         return
     out_of_range = valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))
     if bool(out_of_range.any()):
-        bad = draft_tokens[out_of_range]
-        raise TokenOutOfRangeError(f"draft token id {int(bad[0])} is outside the vocabulary "
-                                   f"[0, {vocab_size}); draft and target must share a tokenizer.")
+        _raise_out_of_range(draft_tokens[out_of_range].tolist(), vocab_size)
+
+
+def _raise_out_of_range(tokens: list[int], vocab_size: int) -> None:
+    """Raise TokenOutOfRangeError for the first id in tokens outside [0, V)."""
+    bad = next(token for token in tokens if not 0 <= token < vocab_size)
+    raise TokenOutOfRangeError(f"draft token id {bad} is outside the vocabulary [0, "
+                               f"{vocab_size}); draft and target must share a tokenizer.")

@@ -12,8 +12,9 @@ batch 1, greedy) in sustained patterns, so the cost can be split into its two pa
 
   * rows: a pass over 1, 2, 3 or 4 tokens, back to back (nothing else runs between passes);
   * gap:  a pass over 3 tokens (k = 2) with something run before every pass, as in speculative
-    decoding: the draft's two steps of a round, an idle pause as long as those steps, or a
-    read of 24 MB (about twice the draft's weights).
+    decoding: the draft's two steps of a round, an idle pause as long as those steps, a
+    read of 24 MB (about twice the draft's weights), or a busy wait on the clock of 0.3 ms,
+    as long as the draft's steps, 3 ms and 6 ms (nothing but time passes).
 
 Each pattern runs in blocks of consecutive passes (the first passes of a block are dropped),
 the blocks of all patterns interleaved, medians reported. Ratios are within this run only.
@@ -42,6 +43,16 @@ def _pass(session: LMSession, num_tokens: int) -> None:
     """One target pass over num_tokens new tokens, then rewind them (the cache is unchanged)."""
     session.extend(torch.full((1, num_tokens), 5, dtype=torch.int64))
     session.rewind(torch.tensor([num_tokens]))
+
+
+def _busy_wait(seconds: float) -> Callable[[], None]:
+    """Spin on the clock for ``seconds``: one core busy, no tensor op, no memory traffic, so
+    only the time since the previous pass changes."""
+    def wait() -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+    return wait
 
 
 def time_patterns(patterns: dict[str, tuple[int, Callable[[], object] | None]],
@@ -96,15 +107,19 @@ def main(argv: list[str] | None = None) -> int:
             "3 tokens after the draft's 2 steps": (3, draft_round),
             "3 tokens after an idle pause as long": (3, lambda: time.sleep(draft_round_s)),
             "3 tokens after reading 24 MB": (3, lambda: float(scratch.sum())),
+            "3 tokens after busy-waiting 0.3 ms": (3, _busy_wait(0.0003)),
+            "3 tokens after busy-waiting as long": (3, _busy_wait(draft_round_s)),
+            "3 tokens after busy-waiting 3 ms": (3, _busy_wait(0.003)),
+            "3 tokens after busy-waiting 6 ms": (3, _busy_wait(0.006)),
         }, target, args.blocks, args.passes)
     base = statistics.median(times["1 token, back to back"])
     rows = [{"pattern": name, "ms": 1000 * statistics.median(t),
              "vs_one_token": statistics.median(t) / base} for name, t in times.items()]
     print(f"draft round (2 steps): {1000 * draft_round_s:.2f} ms; target pass, median of "
           f"{args.blocks * args.passes} per pattern ({args.threads} threads):")
-    print(f"{'pattern':40s} {'ms':>6s} {'x 1 token':>10s}")
+    print(f"{'pattern':42s} {'ms':>6s} {'x 1 token':>10s}")
     for row in rows:
-        print(f"{row['pattern']:40s} {row['ms']:6.2f} {row['vs_one_token']:10.2f}")
+        print(f"{row['pattern']:42s} {row['ms']:6.2f} {row['vs_one_token']:10.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     openmp = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     args.json.write_text(json.dumps({"environment": environment(), "threads": args.threads,

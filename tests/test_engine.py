@@ -508,6 +508,46 @@ def test_goodput_policy_through_the_engine_keeps_the_greedy_output():
     assert run.result().token_ids == plain
 
 
+def test_goodput_policy_with_min_zero_falls_back_to_plain_rounds():
+    # min_num_draft_tokens=0: k = 0 (one token per target call) competes with every depth.
+    # A hopeless, costly draft -> plain rounds; a good cheap one -> still deep drafts.
+    bad = GoodputPolicyConfig(cost_ratio=1.0, min_num_draft_tokens=0).build(4)
+    for _ in range(10):
+        k_bad = bad.next_num_draft_tokens(_stats(4, 200, 0.1))
+    assert k_bad == 0
+    good = GoodputPolicyConfig(cost_ratio=0.02, min_num_draft_tokens=0).build(4)
+    for _ in range(10):
+        k_good = good.next_num_draft_tokens(_stats(4, 200, 0.95))
+    assert k_good >= 8
+    # with measured costs: plain rounds at T(0) = 0.1 s beat k = 1 at 0.05 s of draft + a
+    # 0.2 s target call when the draft is never accepted; probes still revisit k = 1
+    measured = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=4).build(1)
+    used = []
+    for _ in range(24):
+        k = measured.num_draft_tokens if not used else used[-1]
+        stats = (RoundStats(0, (), (), 0.0, 0.1) if k == 0 else
+                 RoundStats(k, (1,) + (0,) * (k - 1), (0,) * k, 0.05 * k, 0.2))
+        used.append(measured.next_num_draft_tokens(stats))
+    assert used[-8:].count(0) >= 6 and 1 in used[-8:]
+
+
+def test_goodput_policy_with_min_zero_through_the_engine():
+    # every draft token rejected (the draft's argmax is the target's argmin) and a draft step
+    # as costly as a target call: the run goes plain, and the output is still the target's
+    target = _target(order=2, seed=8)
+    plain = [_plain_greedy(target, p, 60) for p in PROMPTS]
+    adaptive = GoodputPolicyConfig(cost_ratio=1.0, min_num_draft_tokens=0)
+    run = _greedy_engine_run(-target.table.nan_to_num(neginf=-1e4), target, adaptive)
+    assert run.result().token_ids == plain
+    metrics = run.metrics
+    assert run.num_draft_tokens == 0 and metrics.acceptance_rate == 0.0
+    assert metrics.num_draft_steps < 0.2 * metrics.num_rounds  # nearly all rounds plain
+    # and a perfect draft keeps drafting deep under the same policy
+    run = _greedy_engine_run(target.table.clone(), target,
+                             GoodputPolicyConfig(cost_ratio=0.05, min_num_draft_tokens=0))
+    assert run.result().token_ids == plain and run.metrics.mean_num_draft_tokens > 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_adaptive_runs_respect_max_new_tokens_and_metrics(temperature):
     decoder, _ = _decoder(order=2)

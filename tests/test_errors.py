@@ -122,14 +122,23 @@ def test_valid_configs_are_accepted():
 
 @pytest.mark.parametrize("config_type", [ThresholdPolicyConfig, GoodputPolicyConfig])
 @pytest.mark.parametrize("kwargs, fragment", [
-    ({"min_num_draft_tokens": 0}, "min_num_draft_tokens=0"),
+    ({"min_num_draft_tokens": -1}, "min_num_draft_tokens=-1"),
     ({"max_num_draft_tokens": 33}, "max_num_draft_tokens=33"),
+    ({"min_num_draft_tokens": 0, "max_num_draft_tokens": 0}, "max_num_draft_tokens=0"),
     ({"min_num_draft_tokens": 5, "max_num_draft_tokens": 3}, "min_num_draft_tokens=5"),
     ({"min_num_draft_tokens": 1.0}, "min_num_draft_tokens=1.0"),
 ])
 def test_bad_adaptive_bounds(config_type, kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         config_type(**kwargs)
+
+
+def test_only_the_goodput_policy_may_choose_plain_rounds():
+    # goodput compares k = 0 with every depth; the threshold rule has no acceptance to judge
+    # at k = 0, so it would never leave it
+    assert GoodputPolicyConfig(min_num_draft_tokens=0).min_num_draft_tokens == 0
+    with pytest.raises(ConfigError, match="1 <= min"):
+        ThresholdPolicyConfig(min_num_draft_tokens=0)
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .errors import ConfigError
 
@@ -62,14 +63,16 @@ class AdaptivePolicyConfig:
 
     min_num_draft_tokens: int = 1
     max_num_draft_tokens: int = 16
+    # the lowest min_num_draft_tokens a policy accepts: 0 lets it choose plain decoding rounds
+    LOWEST_MIN: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         lo, hi = self.min_num_draft_tokens, self.max_num_draft_tokens
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
-        if not (ints and 1 <= lo <= hi <= 32):
+        if not (ints and self.LOWEST_MIN <= lo <= hi <= 32 and hi >= 1):
             raise ConfigError(
                 f"min_num_draft_tokens={lo!r}, max_num_draft_tokens={hi!r} are invalid: expected "
-                "integers with 1 <= min <= max <= 32.")
+                f"integers with {self.LOWEST_MIN} <= min <= max <= 32 and max >= 1.")
 
     def clamp(self, k: int) -> int:
         return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))
@@ -136,8 +139,13 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
     probe_every: with measured costs, one round in this many runs at a neighbouring k so that
         T(k) is measured at more than one depth; 0 never probes.
+    min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
+    call T(0), and the policy falls back to it while no depth's expected goodput beats it (a
+    draft that rarely agrees, or a machine where the target's pass costs more after the
+    draft's steps than back to back); probes keep measuring k = 1.
     """
 
+    LOWEST_MIN: ClassVar[int] = 0
     cost_ratio: float | None = None
     decay: float = 0.9
     prior_acceptance: float = 0.6
@@ -205,7 +213,24 @@ class GoodputPolicy(AdaptivePolicy):
         not make shallow depths look free), above the highest it grows by the least-squares
         slope of all timings (>= 0). One measured depth gives a flat T, the formula's model.
         """
-        if self.config.cost_ratio is not None or self._draft_steps == 0:
+        model = self._target_call_model()
+        if model is None or self._draft_steps <= 1e-9:
+            return None
+        recent, slope = model
+        draft_step = self._draft_step_time / self._draft_steps
+        return [k * draft_step + _piecewise(recent, k, slope)
+                for k in range(1, self.config.max_num_draft_tokens + 1)]
+
+    def plain_cost(self) -> float | None:
+        """Measured seconds of a plain round (k = 0): T(0), flat below the lowest measured depth
+        (as in :meth:`round_costs`); None until anything is timed."""
+        model = self._target_call_model()
+        return None if model is None else _piecewise(model[0], 0, model[1])
+
+    def _target_call_model(self) -> tuple[list[tuple[int, float]], float] | None:
+        """(recent (depth, mean T) points, least-squares slope of T over depth), from the
+        decayed timings; None with a given cost ratio or nothing timed yet."""
+        if self.config.cost_ratio is not None:
             return None
         seen = [(k, seconds / calls, calls) for k, (seconds, calls) in
                 enumerate(zip(self._target_time, self._target_calls)) if calls > 1e-9]
@@ -218,18 +243,19 @@ class GoodputPolicy(AdaptivePolicy):
         spread = sum(w * (k - mean_k) ** 2 for k, _, w in seen)
         slope = 0.0 if spread <= 0 else max(0.0, sum(
             w * (k - mean_k) * (t - mean_t) for k, t, w in seen) / spread)
-        draft_step = self._draft_step_time / self._draft_steps
-        return [k * draft_step + _piecewise(recent, k, slope)
-                for k in range(1, self.config.max_num_draft_tokens + 1)]
+        return recent, slope
 
     def next_num_draft_tokens(self, stats: RoundStats) -> int:
         self._observe(stats)
         rates = self.acceptance_estimates()
-        costs = self.round_costs()
-        if costs is None:
+        costs, plain_cost = self.round_costs(), self.plain_cost()
+        if costs is None or plain_cost is None:  # in target calls: k draft steps + one call
             c = self.cost_ratio()
             costs = [k * c + 1.0 for k in range(1, self.config.max_num_draft_tokens + 1)]
+            plain_cost = 1.0
         best_k, best_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
+        if self.config.min_num_draft_tokens == 0:  # a plain round: one token per T(0)
+            best_k, best_goodput = 0, 1.0 / plain_cost
         for k in range(1, self.config.max_num_draft_tokens + 1):
             prefix *= rates[k - 1]
             expected += prefix

@@ -2,8 +2,9 @@
 
 Every method generates exactly ``max_new_tokens`` tokens for the same prompts with the same
 models in one process (no EOS stop, so token counts match). After a warm-up, each repeat runs
-every method back to back on each prompt (A B C, then C B A on the next prompt), and each
-method's figure is the median over repeats, so drift in machine load hits all methods alike.
+every method back to back on each prompt (A B C, then C B A on the next prompt), so drift in
+machine load hits all methods alike. A method's time is the median of its per-repeat totals;
+its speedup is the median of its per-repeat ratios to the baseline (paired within a repeat).
 Ratios are taken within one run of this command, never across runs.
 
 Methods: verispec plain decoding (the baseline every speedup divides by); transformers
@@ -55,14 +56,16 @@ class BenchSettings:
 
 @dataclass
 class MethodResult:
-    """One method at one temperature, aggregated over repeats (medians of per-repeat totals)."""
+    """One method at one temperature, aggregated over repeats: times are medians of per-repeat
+    totals, the speedup the median of per-repeat ratios to the baseline."""
 
     name: str
     kind: str  # "baseline", "hf", "verispec", "adaptive"
     num_draft_tokens: int | None
     tokens_per_second: float = 0.0
     ms_per_token: float = 0.0
-    speedup: float | None = None
+    speedup: float | None = None  # median over repeats of baseline seconds / method seconds
+    speedup_per_repeat: list[float] = field(default_factory=list)
     acceptance_rate: float | None = None
     token_acceptance: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
@@ -204,18 +207,22 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     plain_step = statistics.median(baseline.seconds) / num_tokens
     for method in methods:
         _summarise(results[method.name], metrics[method.name], num_tokens, plain_step,
-                   statistics.median(baseline.seconds))
+                   baseline.seconds)
         if temperature == 0:
             results[method.name].matches_baseline = outputs[method.name] == outputs[methods[0].name]
     return [results[m.name] for m in methods]
 
 
 def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int,
-               plain_step: float, baseline_seconds: float) -> None:
+               plain_step: float, baseline_seconds: list[float]) -> None:
     seconds = statistics.median(result.seconds)
     result.tokens_per_second = num_tokens / seconds
     result.ms_per_token = 1000 * seconds / num_tokens
-    result.speedup = baseline_seconds / seconds
+    # paired: a repeat's methods ran interleaved prompt by prompt, so the ratio within a repeat
+    # cancels the machine's drift between repeats; a ratio of the two medians would not (the
+    # medians can come from different repeats)
+    result.speedup_per_repeat = [b / s for b, s in zip(baseline_seconds, result.seconds)]
+    result.speedup = statistics.median(result.speedup_per_repeat)
     if metrics.num_drafted:
         result.acceptance_rate = metrics.acceptance_rate
         result.token_acceptance = metrics.token_acceptance

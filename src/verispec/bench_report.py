@@ -150,11 +150,13 @@ def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
     for temperature, results in all_results.items():
         title = "greedy" if temperature == 0 else "seeded sampling"
         lines += [f"**Temperature {temperature:g} ({title})**", "",
-                  "| method | tok/s | speedup | a | tokens / target call | c | v | theory | "
-                  "achieved / theory | = plain |", "|---" * 10 + "|"]
+                  "| method | tok/s | speedup | repeats | a | tokens / target call | c | v | "
+                  "theory | achieved / theory | = plain |", "|---" * 11 + "|"]
         for r in results:
             same = _matches_column(r)
-            lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {_fmt(r.speedup)} | "
+            spread = (f"{min(r.speedup_per_repeat):.2f}-{max(r.speedup_per_repeat):.2f}"
+                      if r.speedup_per_repeat else "-")
+            lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {_fmt(r.speedup)} | {spread} | "
                          f"{_fmt(r.token_acceptance)} | {_fmt(r.mean_accepted_length)} | "
                          f"{_fmt(r.cost_ratio)} | {_fmt(r.verify_cost)} | "
                          f"{_fmt(r.theoretical_speedup)} | {_fmt(r.achieved_over_theoretical)} | "

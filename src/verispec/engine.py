@@ -172,7 +172,7 @@ class DecodingRun:
         stats = self._record(k, [n for n, is_active in zip(num_accepted, active) if is_active],
                              draft_time, target_time, verify_time,
                              time.perf_counter() - started, chunk)
-        if self.policy is not None and k > 0:
+        if self.policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             self.num_draft_tokens = self.policy.next_num_draft_tokens(stats)
         return chunk
 

@@ -5,6 +5,8 @@
         --json benchmarks/results/target_gap_1thread.json
     OMP_WAIT_POLICY=ACTIVE .venv/bin/python benchmarks/target_gap.py \
         --json benchmarks/results/target_gap_omp_active.json   # OpenMP threads never sleep
+    .venv/bin/python benchmarks/target_gap.py \
+        --json benchmarks/results/target_gap_loaded.json       # the 05:10 run, a busier hour
 
 The speedup formula charges one verification pass over k + 1 tokens as one plain step. This
 script measures the target's pass alone (the demo pair's target through verispec's fast path,

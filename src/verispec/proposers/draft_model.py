@@ -1,6 +1,7 @@
 """A draft language model as a proposer: k autoregressive steps over its own rewindable cache.
 
-Legend: B batch, K draft tokens, V vocabulary, u unfed committed tokens (1 to 3).
+Legend: B batch, K draft tokens, V vocabulary, u unfed committed tokens (1 to 3, plus one per
+round without a proposal, as when an adaptive policy runs plain rounds).
 
 Cache bookkeeping. The draft cache lags the committed sequence by ``u`` tokens (``unfed``). A
 proposal of k tokens feeds the unfed tokens plus d_1 .. d_{k-1} (d_k is sampled, never fed).

@@ -104,7 +104,7 @@ def test_compare_measures_against_plain_decoding(model_dirs, expected_completion
     assert json.loads(out)["comparison"]["same_tokens"] is None  # sampled: not comparable
 
 
-@pytest.mark.parametrize("policy", ["goodput", "threshold"])
+@pytest.mark.parametrize("policy", ["goodput", "goodput-plain", "threshold"])
 def test_adaptive_depth_keeps_the_greedy_output(model_dirs, expected_completion, policy, capsys):
     status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
                                "--adaptive", policy, "--k", "2", "--json"], capsys)

@@ -257,6 +257,7 @@ def test_named_policies():
 
     assert named_policy(None) is None
     assert named_policy("goodput") == GoodputPolicyConfig()
+    assert named_policy("goodput-plain") == GoodputPolicyConfig(min_num_draft_tokens=0)
     assert named_policy("threshold") == ThresholdPolicyConfig()
     with pytest.raises(ConfigError, match="adaptive='fastest'"):
         named_policy("fastest")

@@ -309,15 +309,18 @@ def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:
     return t0 if d1 == d0 else t0 + (t1 - t0) * (k - d0) / (d1 - d0)
 
 
-POLICY_NAMES = ("goodput", "threshold")  # the names the CLI and the server accept
+# the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
+POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 
 
 def named_policy(name: str | None) -> AdaptivePolicyConfig | None:
-    """A policy config with default settings by name ("goodput", "threshold"); None: fixed k."""
+    """A policy config with default settings by name (see POLICY_NAMES); None: fixed k."""
     if name is None:
         return None
     if name == "goodput":
         return GoodputPolicyConfig()
+    if name == "goodput-plain":
+        return GoodputPolicyConfig(min_num_draft_tokens=0)
     if name == "threshold":
         return ThresholdPolicyConfig()
     raise ConfigError(f"adaptive={name!r} is invalid: expected one of {', '.join(POLICY_NAMES)}, "

@@ -45,7 +45,8 @@ class ServerSettings:
                                      "request may override it with num_draft_tokens",
                                      flag="--k", metavar="N")
     adaptive: str | None = _setting(None, "adapt k between rounds, starting at --k: goodput "
-                                    "measures which depth is fastest here, threshold follows "
+                                    "measures which depth is fastest here, goodput-plain may "
+                                    "also choose plain rounds (k = 0), threshold follows "
                                     "acceptance (default: a fixed k)", choices=POLICY_NAMES,
                                     value_type=str)
     threads: int | None = _setting(None, "torch intra-op threads of the server process "

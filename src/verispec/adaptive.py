@@ -213,19 +213,25 @@ class GoodputPolicy(AdaptivePolicy):
         not make shallow depths look free), above the highest it grows by the least-squares
         slope of all timings (>= 0). One measured depth gives a flat T, the formula's model.
         """
-        model = self._target_call_model()
-        if model is None or self._draft_steps <= 1e-9:
-            return None
-        recent, slope = model
-        draft_step = self._draft_step_time / self._draft_steps
-        return [k * draft_step + _piecewise(recent, k, slope)
-                for k in range(1, self.config.max_num_draft_tokens + 1)]
+        return self._measured_costs()[0]
 
     def plain_cost(self) -> float | None:
         """Measured seconds of a plain round (k = 0): T(0), flat below the lowest measured depth
         (as in :meth:`round_costs`); None until anything is timed."""
+        return self._measured_costs()[1]
+
+    def _measured_costs(self) -> tuple[list[float] | None, float | None]:
+        """(round_costs, plain_cost) from one fit of the target-call timings."""
         model = self._target_call_model()
-        return None if model is None else _piecewise(model[0], 0, model[1])
+        if model is None:
+            return None, None
+        recent, slope = model
+        plain = _piecewise(recent, 0, slope)
+        if self._draft_steps <= 1e-9:
+            return None, plain
+        draft_step = self._draft_step_time / self._draft_steps
+        return [k * draft_step + _piecewise(recent, k, slope)
+                for k in range(1, self.config.max_num_draft_tokens + 1)], plain
 
     def _target_call_model(self) -> tuple[list[tuple[int, float]], float] | None:
         """(recent (depth, mean T) points, least-squares slope of T over depth), from the
@@ -248,7 +254,7 @@ class GoodputPolicy(AdaptivePolicy):
     def next_num_draft_tokens(self, stats: RoundStats) -> int:
         self._observe(stats)
         rates = self.acceptance_estimates()
-        costs, plain_cost = self.round_costs(), self.plain_cost()
+        costs, plain_cost = self._measured_costs()
         if costs is None or plain_cost is None:  # in target calls: k draft steps + one call
             c = self.cost_ratio()
             costs = [k * c + 1.0 for k in range(1, self.config.max_num_draft_tokens + 1)]

@@ -173,15 +173,14 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     token equals the target's argmax; the next token (recovered or bonus) is the target's
     argmax where the accepted prefix stops. Equal to :func:`verify` on such inputs for every
     generator (tests/test_verify.py checks it); on targets that are not point masses it is not
-    a valid verifier: it is for temperature 0 only (where the engine calls its token form,
-    :func:`verify_greedy_tokens`). Shapes as in :func:`verify`.
+    a valid verifier: it is for temperature 0 only (where the engine calls its host form,
+    :func:`verify_greedy_rows`). Shapes as in :func:`verify`.
     """
     _check_draft_tokens(draft_tokens)
-    num_draft = _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)
-    num_draft, valid = _proposed_mask(num_draft, draft_tokens.shape[1], draft_tokens.device)
-    _check_token_range(draft_tokens, valid, target_probs.shape[-1])
+    _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)  # shapes, finiteness
     target_tokens = target_probs.argmax(dim=-1)  # [B, K+1] the target's token at each position
-    return _verify_point_masses(draft_tokens, target_tokens, num_draft, valid)
+    return verify_greedy_tokens(draft_tokens, target_tokens, target_probs.shape[-1],
+                                num_draft_tokens)
 
 
 def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
@@ -192,7 +191,8 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     Shapes: draft_tokens [B, K] int64; target_tokens [B, K+1] int64, sampling.greedy_tokens of
     the target logits: the argmax :func:`verify_greedy` would take of to_probs at temperature
     0, without building the [B, K+1, V] one-hot rows; num_draft_tokens [B] or None (all K).
-    vocab_size: V, the range every token must lie in. What the engine calls at temperature 0.
+    vocab_size: V, the range every token must lie in. The engine calls its host form,
+    :func:`verify_greedy_rows`.
     """
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     if (not isinstance(target_tokens, torch.Tensor) or target_tokens.dtype != torch.int64

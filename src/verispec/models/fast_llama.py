@@ -229,8 +229,9 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor | None, start: int, num_new: int, used: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [B, n, 1, D] for positions [B, n]; [1, n, 1, D] for start .. start + n - 1
-        when positions is None (uniform rows). ``used`` bounds every position (grows the table)."""
+        """cos, signed sin [B, n, 1, D] for positions [B, n]; [1, n, 1, D] for start ..
+        start + n - 1 when positions is None (uniform rows). ``used`` bounds every position
+        (grows the table)."""
         if used > self.cos.shape[0]:
             self._grow(max(used, 2 * self.cos.shape[0], 256))
         if positions is None:

@@ -45,13 +45,13 @@ class DraftModelSession:
         self.session = session
         self.sampling = sampling
         session.start([list(p[:-1]) for p in prompts])
-        self.unfed = torch.tensor([[p[-1]] for p in prompts], dtype=torch.int64)  # [B, u]
+        self.unfed = [[p[-1]] for p in prompts]  # B host rows of u ids, fed by the next propose
         self._proposal: torch.Tensor | None = None  # draft tokens [B, K] of this round
 
     def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
         """Sample k tokens per row; draft_probs are the exact distributions sampled from."""
         assert num_draft_tokens >= 1
-        inputs = self.unfed
+        inputs = torch.tensor(self.unfed, dtype=torch.int64)  # [B, u]
         draft_tokens, draft_probs = [], []
         for _ in range(num_draft_tokens):
             logits = self.session.extend(inputs)[:, -1]  # [B, V]
@@ -69,14 +69,12 @@ class DraftModelSession:
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
-        unfed = self.unfed.tolist()
         if self._proposal is None:  # a round without a proposal: the cache did not move
-            rows = [row + [token] for row, token in zip(unfed, next_tokens)]
+            self.unfed = [row + [token] for row, token in zip(self.unfed, next_tokens)]
         else:
             proposal, self._proposal = self._proposal.tolist(), None
             num_draft_tokens = len(proposal[0])
             self.session.rewind([num_draft_tokens - n for n in num_accepted])
             # the committed token before next_tokens: d_n if n > 0, else the last unfed token
-            rows = [[(row[-1:] + drafted)[n], token] for row, drafted, n, token
-                    in zip(unfed, proposal, num_accepted, next_tokens)]
-        self.unfed = torch.tensor(rows, dtype=torch.int64)  # [B, u]
+            self.unfed = [[(row[-1:] + drafted)[n], token] for row, drafted, n, token
+                          in zip(self.unfed, proposal, num_accepted, next_tokens)]

@@ -48,7 +48,7 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
     names = [r["name"] for r in greedy]
     assert names == ["verispec plain", "hf generate (target)", "hf assisted (defaults)",
                      "hf assisted k=1", "hf assisted k=3", "verispec k=1", "verispec k=3",
-                     "verispec threshold", "verispec goodput"]
+                     "verispec threshold", "verispec goodput", "verispec goodput carry-over"]
     assert [r["name"] for r in sampled] == names
     assert all(r["matches_baseline"] is True for r in greedy), [
         r["name"] for r in greedy if not r["matches_baseline"]]

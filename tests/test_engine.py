@@ -24,6 +24,7 @@ from verispec import (
     optimal_num_draft_tokens,
 )
 from verispec.adaptive import RoundStats
+from verispec.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -559,3 +560,62 @@ def test_adaptive_runs_respect_max_new_tokens_and_metrics(temperature):
         assert [len(row) for row in result.token_ids] == [33] * len(PROMPTS)
         assert len(result.metrics.per_position_acceptance) <= adaptive.max_num_draft_tokens
         assert result.metrics.num_emitted == 33 * len(PROMPTS)
+
+
+# --- carry-over of adaptive state between generations ----------------------------------------
+
+
+def test_policies_resume_from_a_copy_of_the_previous_generations_state():
+    for config in (ThresholdPolicyConfig(max_num_draft_tokens=8, window=1, carry_over=True),
+                   GoodputPolicyConfig(cost_ratio=0.02, max_num_draft_tokens=8,
+                                       carry_over=True)):
+        first = config.build(2)
+        for _ in range(10):
+            first.next_num_draft_tokens(_stats(first.num_draft_tokens, 200, 1.0))
+        assert first.num_draft_tokens == 8
+        resumed = config.build(2, previous=first)
+        assert resumed is not first and resumed.num_draft_tokens == 8  # initial k not used
+        resumed.next_num_draft_tokens(_stats(8, 200, 0.0))  # the copy learns alone
+        assert first.num_draft_tokens == 8
+        assert config.build(2).num_draft_tokens == 2  # without previous: fresh
+    with pytest.raises(ConfigError, match="same config"):
+        GoodputPolicyConfig(carry_over=True).build(2, previous=GoodputPolicyConfig().build(2))
+
+
+def test_carry_over_through_the_engine_starts_where_the_last_generation_ended():
+    # a perfect draft: goodput (fixed cost ratio) climbs from k = 1 to its maximum in the first
+    # generation; with carry_over the second starts there, without it it starts again at 1
+    target = _target(order=2, seed=9)
+    decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(target.table.clone(), 2))
+    plain = [_plain_greedy(target, p, 40) for p in PROMPTS]
+
+    def first_round_k(adaptive):
+        config = GenerationConfig(max_new_tokens=40, num_draft_tokens=1, sampling=GREEDY,
+                                  seed=0, adaptive=adaptive)
+        run = decoder.stream(PROMPTS, config)
+        chunks = list(run)
+        assert run.result().token_ids == plain  # any k: the target's greedy output
+        return max(len(row) for row in chunks[0].token_ids), run.num_draft_tokens
+
+    carried = GoodputPolicyConfig(cost_ratio=0.05, max_num_draft_tokens=12, carry_over=True)
+    fresh = replace(carried, carry_over=False)
+    assert first_round_k(carried) == (2, 12)  # k = 1 first: 1 accepted + the bonus
+    assert first_round_k(carried) == (13, 12)  # resumed at k = 12: 12 accepted + the bonus
+    assert first_round_k(fresh) == (2, 12)
+    assert first_round_k(fresh) == (2, 12)
+    # state is kept per policy config, sampling settings and batch size
+    assert first_round_k(replace(carried, max_num_draft_tokens=11)) == (2, 11)
+    assert len(decoder.carried_policies) == 2
+
+
+@pytest.mark.parametrize("adaptive", [ThresholdPolicyConfig(), GoodputPolicyConfig(cost_ratio=0.1)])
+def test_a_seed_fixes_sampled_output_under_policies_that_depend_on_the_request_alone(adaptive):
+    # threshold and goodput with a given cost ratio choose k from acceptance counts only, so a
+    # seeded sampled request is reproducible; with carry-over its k, and so the random numbers
+    # it uses, depend on earlier requests (goodput with measured costs: on wall-clock timings)
+    decoder, _ = _decoder(order=2)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, seed=11, adaptive=adaptive,
+                              sampling=SamplingConfig(temperature=1.0))
+    first = decoder.generate(PROMPTS, config)
+    assert decoder.generate(PROMPTS, config).token_ids == first.token_ids
+    assert decoder.generate(PROMPTS, replace(config, seed=12)).token_ids != first.token_ids

@@ -259,5 +259,14 @@ def test_named_policies():
     assert named_policy("goodput") == GoodputPolicyConfig()
     assert named_policy("goodput-plain") == GoodputPolicyConfig(min_num_draft_tokens=0)
     assert named_policy("threshold") == ThresholdPolicyConfig()
+    assert named_policy("goodput", carry_over=True) == GoodputPolicyConfig(carry_over=True)
     with pytest.raises(ConfigError, match="adaptive='fastest'"):
         named_policy("fastest")
+    with pytest.raises(ConfigError, match="carry_over=True needs an adaptive policy"):
+        named_policy(None, carry_over=True)
+
+
+@pytest.mark.parametrize("config_type", [ThresholdPolicyConfig, GoodputPolicyConfig])
+def test_bad_carry_over(config_type):
+    with pytest.raises(ConfigError, match="carry_over=1 is invalid"):
+        config_type(carry_over=1)

@@ -24,6 +24,7 @@ from verispec.errors import ConfigError
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
 from verispec.server.prompts import ChatMessage, ChatPrompt, render_chat, render_plain_chat
+from verispec.server.run import adaptive_policy
 from verispec.server.settings import add_settings_arguments
 
 from tiny_models import build_tokenizer, save_model, tiny_llama
@@ -476,9 +477,10 @@ def test_serve_flags_come_from_the_settings():
     args = cli.build_parser().parse_args(
         ["serve", "--target", "t", "--draft", "d", "--port", "0", "--k", "3", "--api-key", "s",
          "--max-queue", "5", "--max-tokens-limit", "7", "--model-name", "m",
-         "--adaptive", "goodput"])
+         "--adaptive", "goodput", "--carry-over"])
     settings = ServerSettings.from_args(args)
-    assert settings.adaptive == "goodput"
+    assert settings.adaptive == "goodput" and settings.carry_over
+    assert adaptive_policy(settings) == verispec.GoodputPolicyConfig(carry_over=True)
     assert (settings.num_draft_tokens, settings.port, settings.api_key, settings.max_queue,
             settings.max_tokens_limit, settings.model_name) == (3, 0, "s", 5, 7, "m")
     assert settings.host == "127.0.0.1"
@@ -488,7 +490,8 @@ def test_serve_flags_come_from_the_settings():
 @pytest.mark.parametrize("kwargs", [dict(draft="d"), dict(target="t"), dict(max_queue=0),
                                     dict(num_draft_tokens=33), dict(port=70000),
                                     dict(api_key=""), dict(adaptive="fastest"),
-                                    dict(target="t", no_draft=True, adaptive="goodput")])
+                                    dict(target="t", no_draft=True, adaptive="goodput"),
+                                    dict(carry_over=True)])
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
         ServerSettings(**kwargs)

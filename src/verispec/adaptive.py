@@ -15,12 +15,20 @@ Two policies:
     depth, every ``probe_every`` rounds one round runs at a neighbour of the best k.
 
 Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
-one generation, so no state leaks between requests. Policies never change the output law: any k
-gives exact samples; they only change speed.
+one generation, so by default no state passes between requests. With ``carry_over=True`` the
+engine hands ``build`` the policy of the previous generation on the same decoder (same policy
+config, sampling settings and batch size) and the new one starts from a copy of what that one had
+learned: a short request then runs at the learned depth from its first round instead of spending
+its rounds on the priors. Policies never change the output law: any k gives exact samples; they
+only change speed. They do change which random numbers a sampled request uses, so a seed fixes
+the tokens only where k is a function of the request alone: a fixed k, the threshold policy, or
+goodput with a given cost_ratio, each without carry-over. Goodput with measured costs picks k
+from wall-clock timings, and carry-over from earlier requests.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -59,10 +67,13 @@ class AdaptivePolicy:
 
 @dataclass(frozen=True)
 class AdaptivePolicyConfig:
-    """Base of the adaptive policy configs: the bounds k stays within."""
+    """Base of the adaptive policy configs: the bounds k stays within, and whether a generation
+    starts from what the previous one on the same decoder learned (``carry_over``; see the
+    module docstring)."""
 
     min_num_draft_tokens: int = 1
     max_num_draft_tokens: int = 16
+    carry_over: bool = False
     # the lowest min_num_draft_tokens a policy accepts: 0 lets it choose plain decoding rounds
     LOWEST_MIN: ClassVar[int] = 1
 
@@ -73,12 +84,24 @@ class AdaptivePolicyConfig:
             raise ConfigError(
                 f"min_num_draft_tokens={lo!r}, max_num_draft_tokens={hi!r} are invalid: expected "
                 f"integers with {self.LOWEST_MIN} <= min <= max <= 32 and max >= 1.")
+        if not isinstance(self.carry_over, bool):
+            raise ConfigError(f"carry_over={self.carry_over!r} is invalid: expected True or False.")
 
     def clamp(self, k: int) -> int:
         return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))
 
-    def build(self, initial_num_draft_tokens: int) -> AdaptivePolicy:  # pragma: no cover
+    def build(self, initial_num_draft_tokens: int,
+              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:  # pragma: no cover
+        """A policy for one generation: fresh at the (clamped) initial k, or, given the
+        ``previous`` generation's policy from this same config, a copy of its state that goes
+        on from the depth it had reached (the initial k is then not used)."""
         raise NotImplementedError
+
+    def _resume(self, previous: AdaptivePolicy) -> AdaptivePolicy:
+        if getattr(previous, "config", None) != self:
+            raise ConfigError("carry-over needs the previous policy of the same config; got "
+                              f"{type(previous).__name__} from another one.")
+        return copy.deepcopy(previous)  # the copy shares only the frozen config
 
 
 @dataclass(frozen=True)
@@ -101,7 +124,10 @@ class ThresholdPolicyConfig(AdaptivePolicyConfig):
         if not (isinstance(self.window, int) and self.window >= 1):
             raise ConfigError(f"window={self.window!r} is invalid: expected an integer >= 1.")
 
-    def build(self, initial_num_draft_tokens: int) -> ThresholdPolicy:
+    def build(self, initial_num_draft_tokens: int,
+              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
+        if previous is not None:
+            return self._resume(previous)
         return ThresholdPolicy(self, self.clamp(initial_num_draft_tokens))
 
 
@@ -167,7 +193,10 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
             raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
                               ">= 0 (0 never probes).")
 
-    def build(self, initial_num_draft_tokens: int) -> GoodputPolicy:
+    def build(self, initial_num_draft_tokens: int,
+              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
+        if previous is not None:
+            return self._resume(previous)
         return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
 
 
@@ -319,15 +348,18 @@ def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:
 POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 
 
-def named_policy(name: str | None) -> AdaptivePolicyConfig | None:
+def named_policy(name: str | None, carry_over: bool = False) -> AdaptivePolicyConfig | None:
     """A policy config with default settings by name (see POLICY_NAMES); None: fixed k."""
     if name is None:
+        if carry_over:
+            raise ConfigError("carry_over=True needs an adaptive policy (one of "
+                              f"{', '.join(POLICY_NAMES)}); a fixed k has nothing to carry.")
         return None
     if name == "goodput":
-        return GoodputPolicyConfig()
+        return GoodputPolicyConfig(carry_over=carry_over)
     if name == "goodput-plain":
-        return GoodputPolicyConfig(min_num_draft_tokens=0)
+        return GoodputPolicyConfig(min_num_draft_tokens=0, carry_over=carry_over)
     if name == "threshold":
-        return ThresholdPolicyConfig()
+        return ThresholdPolicyConfig(carry_over=carry_over)
     raise ConfigError(f"adaptive={name!r} is invalid: expected one of {', '.join(POLICY_NAMES)}, "
                       "or none for a fixed k.")

@@ -164,6 +164,10 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float)
                                         settings, temperature, ThresholdPolicyConfig()))
         methods.append(_verispec_method(decoder, "verispec goodput", "adaptive", 4, True,
                                         settings, temperature, GoodputPolicyConfig()))
+        # the serving case: every prompt resumes from the estimates the previous ones left
+        methods.append(_verispec_method(decoder, "verispec goodput carry-over", "adaptive", 4,
+                                        True, settings, temperature,
+                                        GoodputPolicyConfig(carry_over=True)))
     return methods
 
 

@@ -65,8 +65,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           help="plain target decoding through the same code path")
     sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
                           help="adapt k between rounds, starting at --k: 'goodput' measures "
-                          "which depth is fastest here, 'goodput-plain' may also choose plain "
-                          "rounds (k = 0), 'threshold' follows acceptance")
+                          "which depth is fastest here (so sampled tokens vary with timings even "
+                          "with --seed), 'goodput-plain' may also choose plain rounds (k = 0), "
+                          "'threshold' follows acceptance")
 
 
 def build_parser() -> argparse.ArgumentParser:

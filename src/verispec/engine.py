@@ -68,6 +68,9 @@ class SpeculativeDecoder:
                 "(the same tokenizer).")
         self.target = target
         self.proposer = proposer
+        # adaptive policies with carry_over=True: the latest generation's policy per (policy
+        # config, sampling settings, batch size); a new generation resumes from a copy of it
+        self.carried_policies: dict[tuple[object, ...], AdaptivePolicy] = {}
 
     @classmethod
     def from_draft_model(cls, target: LanguageModel, draft: LanguageModel) -> SpeculativeDecoder:
@@ -97,11 +100,17 @@ class DecodingRun:
         self.target = TargetScorer(decoder.target.new_session(), prompts)
         self.proposer: ProposerSession | None = None
         self.policy: AdaptivePolicy | None = None
+        self._decoder = decoder
+        self._carry_key: tuple[object, ...] | None = None
         if speculative:
             assert decoder.proposer is not None
             self.proposer = decoder.proposer.start(prompts, config.sampling)
             if config.adaptive is not None:
-                self.policy = config.adaptive.build(config.num_draft_tokens)
+                self._carry_key = None if not config.adaptive.carry_over else (
+                    config.adaptive, config.sampling, len(prompts))
+                self.policy = config.adaptive.build(
+                    config.num_draft_tokens,
+                    decoder.carried_policies.get(self._carry_key) if self._carry_key else None)
         self.num_draft_tokens = 0 if not speculative else (
             config.num_draft_tokens if self.policy is None  # a policy clamps k to its bounds
             else self.policy.num_draft_tokens)
@@ -174,6 +183,8 @@ class DecodingRun:
                              time.perf_counter() - started, chunk)
         if self.policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             self.num_draft_tokens = self.policy.next_num_draft_tokens(stats)
+            if self._carry_key is not None:  # the next generation resumes from a copy of this
+                self._decoder.carried_policies[self._carry_key] = self.policy
         return chunk
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:

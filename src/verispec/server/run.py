@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from ..adaptive import named_policy
+from ..adaptive import AdaptivePolicyConfig, named_policy
 from ..errors import UnsupportedFeatureError
 from .settings import ServerSettings
+
+
+def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
+    """The depth policy every request uses by default: --adaptive NAME [--carry-over]."""
+    return named_policy(settings.adaptive, settings.carry_over)
 
 
 def load_decoder(settings: ServerSettings):
@@ -18,7 +23,7 @@ def load_decoder(settings: ServerSettings):
         target, draft = pair.target, pair.draft
     return load(target, None if settings.no_draft else draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
-                adaptive=named_policy(settings.adaptive))
+                adaptive=adaptive_policy(settings))
 
 
 def serve(settings: ServerSettings) -> int:

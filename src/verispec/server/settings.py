@@ -49,6 +49,10 @@ class ServerSettings:
                                     "also choose plain rounds (k = 0), threshold follows "
                                     "acceptance (default: a fixed k)", choices=POLICY_NAMES,
                                     value_type=str)
+    carry_over: bool = _setting(False, "with --adaptive: each request starts from the depth "
+                                "estimates the previous requests left (same sampling settings) "
+                                "instead of from priors; a seeded sampled request's tokens then "
+                                "depend on earlier requests")
     threads: int | None = _setting(None, "torch intra-op threads of the server process "
                                    "(default: torch's choice, one per core)", metavar="N",
                                    value_type=int)
@@ -81,6 +85,8 @@ class ServerSettings:
                f"one of {', '.join(POLICY_NAMES)}, or none for a fixed k")
         _check(not (self.adaptive and self.no_draft), "adaptive", self.adaptive,
                "no --adaptive with --no-draft (there is no draft depth to adapt)")
+        _check(not self.carry_over or bool(self.adaptive), "carry_over", self.carry_over,
+               "--carry-over only with --adaptive (a fixed k has nothing to carry over)")
         _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
         _check(self.threads is None or self.threads >= 1, "threads", self.threads,
                "an integer >= 1, or no --threads for torch's default")
@@ -116,7 +122,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "no_draft", "device", "dtype", "num_draft_tokens",
-                           "adaptive", "threads"})
+                           "adaptive", "carry_over", "threads"})
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

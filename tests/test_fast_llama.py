@@ -107,6 +107,20 @@ def test_backend_selection():
         wrap_model(gpt2, VOCAB, "fast")
 
 
+def test_a_llama_with_a_non_linear_projection_takes_the_transformers_path():
+    # e.g. a layer that keeps GGUF's quantized blocks and unpacks them in its own forward: the
+    # flat forward reads .weight directly and would skip that, so it must not claim the model
+    class UnpackingLinear(torch.nn.Linear):
+        pass
+
+    llama = tiny_llama(VOCAB, seed=1)
+    down = llama.model.layers[1].mlp.down_proj
+    llama.model.layers[1].mlp.down_proj = UnpackingLinear(down.in_features, down.out_features,
+                                                          bias=False)
+    assert not supports(llama)
+    assert isinstance(wrap_model(llama, VOCAB, "auto"), TransformersLM)
+
+
 def test_vocabulary_restriction_narrows_the_head():
     model = tiny_llama(VOCAB + 3, seed=4)
     lm = FastLlamaLM(model, vocab_size=VOCAB)

@@ -67,6 +67,9 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
+    A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
+    file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra).
+
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
     ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward

@@ -36,10 +36,10 @@ def _int(text: str) -> int:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     models = parser.add_argument_group("models")
-    models.add_argument("--target", metavar="DIR", help="target model directory (default: the "
-                        "shipped demo target)")
-    models.add_argument("--draft", metavar="DIR", help="draft model directory (default: the "
-                        "shipped demo draft when --target is not given)")
+    models.add_argument("--target", metavar="PATH", help="target model directory or .gguf file "
+                        "(default: the shipped demo target)")
+    models.add_argument("--draft", metavar="PATH", help="draft model directory or .gguf file "
+                        "(default: the shipped demo draft when --target is not given)")
     models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: float32)")
@@ -122,7 +122,7 @@ def _check_model_choice(args: argparse.Namespace) -> None:
         raise ConfigError("--draft was given without --target; pass both, or neither for the "
                           "shipped demo pair.")
     if args.target is not None and args.draft is None and not args.no_draft:
-        raise ConfigError("--target was given without --draft; pass --draft DIR, or --no-draft "
+        raise ConfigError("--target was given without --draft; pass --draft PATH, or --no-draft "
                           "for plain decoding.")
 
 

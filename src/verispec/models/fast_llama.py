@@ -41,7 +41,20 @@ def supports(model: PreTrainedModel) -> bool:
             and getattr(rotary, "rope_type", None) == "default"
             and getattr(config, "hidden_act", None) == "silu"
             and getattr(config, "pretraining_tp", 1) == 1
-            and getattr(config, "sliding_window", None) is None)
+            and getattr(config, "sliding_window", None) is None
+            and _plain_float_linears(model))
+
+
+def _plain_float_linears(model: PreTrainedModel) -> bool:
+    """Every projection an ordinary nn.Linear with float weights (not, e.g., a module that keeps
+    GGUF's quantized blocks and unpacks them in its own forward, which this path would skip)."""
+    linears = [model.get_output_embeddings()] + [
+        module for layer in model.model.layers
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                       layer.mlp.down_proj)]
+    return all(type(linear) is torch.nn.Linear and linear.weight.is_floating_point()
+               for linear in linears)
 
 
 class FastLlamaLM:

@@ -1,8 +1,13 @@
 """Loading transformers models and tokenizers from local paths, offline, with typed errors.
 
 verispec never reaches a model hub: a source is a local directory (config.json + safetensors or
-bin weights), an id already in the local Hugging Face cache, or an already-constructed
+bin weights), a local ``.gguf`` file (llama.cpp's format: config, weights and tokenizer in one
+file), an id already in the local Hugging Face cache, or an already-constructed
 ``PreTrainedModel``. Anything else is a :class:`ModelLoadError` that says how to pass a path.
+
+GGUF goes through transformers' own GGUF loader (it needs ``accelerate``: the ``gguf`` extra).
+Quantized tensors (Q8_0, Q4_K, ...) are dequantized into ``dtype`` on load, so a GGUF target is
+verified in full precision of its dequantized weights: exactness is with respect to that model.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..errors import ConfigError, IncompatibleModelsError, ModelLoadError
+from ..errors import ConfigError, IncompatibleModelsError, ModelLoadError, UnsupportedFeatureError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +52,34 @@ def _offline_hint(source: str, role: str) -> str:
             f"pass the directory (for example --{role} /path/to/model), or pre-populate the cache.")
 
 
+def is_gguf(source: object) -> bool:
+    """Whether ``source`` names a GGUF file (by its .gguf suffix)."""
+    return isinstance(source, (str, Path)) and str(source).lower().endswith(".gguf")
+
+
+def _gguf_location(source: str, role: str) -> tuple[str, str]:
+    """(directory, file name) of an existing GGUF file: from_pretrained's two arguments."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"{role} GGUF file {source!r} does not exist; pass the path of an "
+                             "existing .gguf file.")
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
+    except ModuleNotFoundError:
+        raise UnsupportedFeatureError(
+            f"loading the {role} from a GGUF file needs the gguf extra (accelerate is not "
+            "installed): pip install 'verispec[gguf]'.") from None
+    return str(path.parent), path.name
+
+
+def _location(source: str, role: str, need_config: bool) -> dict[str, str]:
+    """from_pretrained's keyword arguments naming ``source``: a GGUF file, a directory or an id."""
+    if is_gguf(source):
+        directory, file_name = _gguf_location(source, role)
+        return {"pretrained_model_name_or_path": directory, "gguf_file": file_name}
+    return {"pretrained_model_name_or_path": _local_or_cached(source, role, need_config)}
+
+
 def _local_or_cached(source: str, role: str, need_config: bool) -> str:
     """The string to hand to from_pretrained; raises ModelLoadError for a missing local path."""
     path = Path(source).expanduser()
@@ -74,11 +107,12 @@ def load_model(source: str | Path | PreTrainedModel, *, device: torch.device, dt
     """A causal LM on ``device`` in ``dtype``, in eval mode. ``role`` names it in errors."""
     if isinstance(source, PreTrainedModel):
         return source.to(device=device, dtype=dtype).eval()
-    name = _local_or_cached(str(source), role, need_config=True)
     hf_logging.disable_progress_bar()  # loading bars would interleave with streamed CLI output
+    location = _location(str(source), role, need_config=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        model = AutoModelForCausalLM.from_pretrained(**location, dtype=dtype,
+                                                     local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise _load_failure(str(source), role, "model", exc) from exc
     return model.to(device).eval()
 
@@ -86,9 +120,9 @@ def load_model(source: str | Path | PreTrainedModel, *, device: torch.device, dt
 def load_tokenizer(source: str | Path, role: str, model_dir: bool = False
                    ) -> PreTrainedTokenizerBase:
     """The tokenizer at ``source``; ``model_dir`` says it is also a model directory."""
-    name = _local_or_cached(str(source), role, need_config=model_dir)
+    location = _location(str(source), role, need_config=model_dir)
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(**location, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise _load_failure(str(source), role, "tokenizer", exc) from exc
 

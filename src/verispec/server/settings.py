@@ -33,10 +33,10 @@ def _setting(default: object, help: str, *, flag: str | None = None, metavar: st
 class ServerSettings:
     """How ``verispec serve`` loads its models and which requests it accepts."""
 
-    target: str | None = _setting(None, "target model directory (default: the shipped demo "
-                                  "target)", metavar="DIR")
-    draft: str | None = _setting(None, "draft model directory (default: the shipped demo draft "
-                                 "when --target is not given)", metavar="DIR")
+    target: str | None = _setting(None, "target model directory or .gguf file (default: the "
+                                  "shipped demo target)", metavar="PATH")
+    draft: str | None = _setting(None, "draft model directory or .gguf file (default: the "
+                                 "shipped demo draft when --target is not given)", metavar="PATH")
     no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
                               "code path")
     device: str = _setting("cpu", "cpu, cuda or cuda:N")
@@ -77,7 +77,7 @@ class ServerSettings:
             raise ConfigError("--draft was given without --target; pass both, or neither for "
                               "the shipped demo pair.")
         if self.target is not None and self.draft is None and not self.no_draft:
-            raise ConfigError("--target was given without --draft; pass --draft DIR, or "
+            raise ConfigError("--target was given without --draft; pass --draft PATH, or "
                               "--no-draft to serve plain decoding.")
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "k", self.num_draft_tokens,
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")

@@ -491,10 +491,29 @@ def test_serve_flags_come_from_the_settings():
                                     dict(num_draft_tokens=33), dict(port=70000),
                                     dict(api_key=""), dict(adaptive="fastest"),
                                     dict(target="t", no_draft=True, adaptive="goodput"),
-                                    dict(carry_over=True)])
+                                    dict(carry_over=True), dict(ngram=True, no_draft=True),
+                                    dict(target="t", draft="d", ngram=True)])
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
         ServerSettings(**kwargs)
+
+
+def test_serve_ngram_flag_and_a_server_drafting_by_prompt_lookup():
+    args = cli.build_parser().parse_args(["serve", "--ngram", "--k", "2"])
+    settings = ServerSettings.from_args(args)
+    assert settings.ngram and settings.draft is None
+    from verispec.server.run import load_decoder
+
+    decoder = load_decoder(settings)  # the demo target, no draft model
+    assert decoder.draft is None and decoder.ngram is not None
+    prompt = "def f(x):\n    return x\ndef f(x):"
+    expected = decoder.generate(prompt, max_new_tokens=24, speculative=False).text
+    with ServerThread(create_app(decoder, settings)) as running:
+        out = httpx.post(running.url + "/v1/completions", timeout=60,
+                         json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["text"] == expected
+    assert out.json()["speculation"]["num_draft_tokens"] == 2
 
 
 def test_settings_are_frozen():

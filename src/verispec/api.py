@@ -33,6 +33,7 @@ from .models.loading import (
 from .models import fast_llama
 from .models.transformers import TransformersLM, output_width
 from .proposers.draft_model import DraftModelProposer
+from .proposers.ngram import NgramDraft, NgramProposer
 
 ModelSource = str | Path | PreTrainedModel
 BACKENDS = ("auto", "fast", "transformers")
@@ -61,7 +62,7 @@ class Completion:
                 "metrics": self.metrics.to_dict()}
 
 
-def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
+def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | None = None, *,
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
          num_draft_tokens: int = 4, tokenizer: str | Path | None = None,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None) -> Decoder:
@@ -69,6 +70,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
     file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra).
+    ``draft=NgramDraft()`` drafts by prompt lookup instead of a model (no draft model at all;
+    with no target, the demo target).
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
@@ -78,11 +81,11 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
     which k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is
     then where it starts. None: a fixed k.
     """
-    if target is None and draft is None:
+    if target is None and (draft is None or isinstance(draft, NgramDraft)):
         from .demo import demo_pair  # the shipped assets; imported only when used
 
         pair = demo_pair()
-        target, draft = pair.target, pair.draft
+        target, draft = pair.target, pair.draft if draft is None else draft
     elif target is None:
         raise ConfigError("draft was given without target; pass target=... as well (or neither "
                           "to use the shipped demo pair).")
@@ -92,8 +95,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | None = None, *,
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
     target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
-    draft_model = None
-    if draft is not None:
+    draft_model = draft if isinstance(draft, NgramDraft) else None
+    if draft is not None and draft_model is None:
         draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
@@ -114,16 +117,21 @@ class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
     def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
-                 None = None, num_draft_tokens: int = 4, backend: str = "auto",
+                 NgramDraft | None = None, num_draft_tokens: int = 4, backend: str = "auto",
                  adaptive: AdaptivePolicyConfig | None = None) -> None:
+        ngram = draft_model if isinstance(draft_model, NgramDraft) else None
+        draft_model = None if ngram is not None else draft_model
         widths = [output_width(target_model)]
         if draft_model is not None:
             widths.append(output_width(draft_model))
         vocab_size = common_vocab_size(tokenizer, *widths)
         self.tokenizer = tokenizer
         self.target = wrap_model(target_model, vocab_size, backend)
+        # the draft model's adapter; None with no draft or an n-gram one (self.ngram)
         self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend)
-        proposer = None if self.draft is None else DraftModelProposer(self.draft)
+        self.ngram = ngram
+        proposer = (NgramProposer(vocab_size, ngram) if ngram is not None else
+                    None if self.draft is None else DraftModelProposer(self.draft))
         self.engine = SpeculativeDecoder(self.target, proposer)
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
@@ -152,9 +160,9 @@ class Decoder:
         through the same code path. ``num_draft_tokens`` and ``adaptive`` override the
         decoder's defaults for this call (k is the starting depth under a policy).
         """
-        if speculative and self.draft is None:
-            raise ConfigError("speculative=True needs a draft model, and none is loaded; pass "
-                              "draft=... to verispec.load, or speculative=False.")
+        if speculative and self.engine.proposer is None:
+            raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
+                              "(a model, or NgramDraft()) to verispec.load, or speculative=False.")
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         eos = self.tokenizer.eos_token_id
         config = GenerationConfig(
@@ -188,7 +196,8 @@ class Decoder:
         """prompt + max_new_tokens (+ k when drafting) must fit every model's window."""
         k = config.num_draft_tokens if speculative else 0
         needed = num_prompt_tokens + config.max_new_tokens + k
-        models = [("target", self.target)] + ([("draft", self.draft)] if speculative else [])
+        models = [("target", self.target)] + (
+            [("draft", self.draft)] if speculative and self.draft is not None else [])
         for role, lm in models:
             if lm.max_positions is not None and needed > lm.max_positions:
                 raise ContextLengthExceeded(

@@ -38,7 +38,9 @@ import torch
 from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
 from .api import Decoder
 from .config import GenerationConfig, SamplingConfig
+from .engine import SpeculativeDecoder
 from .metrics import GenerationMetrics
+from .proposers.ngram import NgramDraft, NgramProposer
 from .verify import theoretical_speedup
 
 
@@ -52,6 +54,8 @@ class BenchSettings:
     seed: int = 0
     include_hf: bool = True
     include_adaptive: bool = True
+    # n-gram (prompt lookup) drafting on the same target, and HF prompt lookup matched to it
+    ngram_ks: tuple[int, ...] = (1, 2, 3)
 
 
 @dataclass
@@ -60,7 +64,7 @@ class MethodResult:
     totals, the speedup the median of per-repeat ratios to the baseline."""
 
     name: str
-    kind: str  # "baseline", "hf", "verispec", "adaptive"
+    kind: str  # "baseline", "hf", "verispec", "adaptive", "ngram"
     num_draft_tokens: int | None
     tokens_per_second: float = 0.0
     ms_per_token: float = 0.0
@@ -99,19 +103,22 @@ class _Method:
 
 def _verispec_method(decoder: Decoder, name: str, kind: str, k: int, speculative: bool,
                      settings: BenchSettings, temperature: float,
-                     adaptive=None) -> _Method:
+                     adaptive=None, engine: SpeculativeDecoder | None = None) -> _Method:
+    engine = decoder.engine if engine is None else engine
+
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], GenerationMetrics]:
         config = GenerationConfig(
             max_new_tokens=settings.max_new_tokens, num_draft_tokens=k,
             sampling=SamplingConfig(temperature=temperature), seed=seed, adaptive=adaptive)
-        result = decoder.engine.generate([prompt_ids], config, speculative=speculative)
+        result = engine.generate([prompt_ids], config, speculative=speculative)
         return result.token_ids[0], result.metrics
 
     return _Method(name, kind, k if speculative else None, run)
 
 
 def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, matched: bool,
-               settings: BenchSettings, temperature: float) -> _Method:
+               settings: BenchSettings, temperature: float,
+               prompt_lookup: bool = False) -> _Method:
     target = decoder.target.model
     draft = decoder.draft.model if decoder.draft is not None else None
     sampling = ({"do_sample": False} if temperature == 0 else
@@ -124,6 +131,8 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
 
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], None]:
         kwargs: dict[str, object] = {"generation_config": generation_config}
+        if prompt_lookup:  # transformers' own n-gram drafting, k tokens a round
+            kwargs["prompt_lookup_num_tokens"] = k
         if assisted:
             kwargs["assistant_model"] = draft
             config = draft.generation_config
@@ -159,6 +168,15 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float)
     for k in settings.ks:
         methods.append(_verispec_method(decoder, f"verispec k={k}", "verispec", k, True,
                                         settings, temperature))
+    if settings.ngram_ks:
+        ngram = SpeculativeDecoder(decoder.target,
+                                   NgramProposer(decoder.target.vocab_size, NgramDraft()))
+        for k in settings.ngram_ks:
+            if settings.include_hf:
+                methods.append(_hf_method(decoder, f"hf prompt lookup k={k}", k, False, False,
+                                          settings, temperature, prompt_lookup=True))
+            methods.append(_verispec_method(decoder, f"verispec ngram k={k}", "ngram", k, True,
+                                            settings, temperature, engine=ngram))
     if settings.include_adaptive:
         methods.append(_verispec_method(decoder, "verispec threshold", "adaptive", 4, True,
                                         settings, temperature, ThresholdPolicyConfig()))
@@ -236,6 +254,8 @@ def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int
         result.cost_ratio = (metrics.draft_time / metrics.num_draft_steps) / plain_step
         # v: one verification pass over k + 1 tokens, in plain target steps (the formula takes 1)
         result.verify_cost = (metrics.target_time / metrics.num_target_calls) / plain_step
+        if result.kind == "ngram":  # k varies per round (0 without a match): no fixed-k theory
+            return
         k = result.num_draft_tokens if result.kind == "verispec" else round(
             metrics.mean_num_draft_tokens)
         result.theoretical_speedup = theoretical_speedup(

@@ -38,6 +38,9 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
                        help="torch intra-op threads (default: torch's choice)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
     bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive policies")
+    bench.add_argument("--ngram-ks", type=int, nargs="*", default=[1, 2, 3], metavar="K",
+                       help="k values for n-gram (prompt lookup) drafting on the same target, "
+                       "and for HF prompt lookup matched to them; none to skip")
     bench.add_argument("--seed", type=int, default=0, metavar="S")
     bench.add_argument("--json", metavar="FILE", help="write all results as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="speedup versus k, with the theory")
@@ -85,7 +88,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              hf_ks=tuple(args.ks if args.hf_ks is None else args.hf_ks),
                              temperatures=tuple(args.temperatures),
                              seed=args.seed, include_hf=not args.no_hf,
-                             include_adaptive=not args.no_adaptive)
+                             include_adaptive=not args.no_adaptive,
+                             ngram_ks=tuple(args.ngram_ks))
     console = Console(stderr=True)
     env = environment()
     console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "

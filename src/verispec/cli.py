@@ -61,6 +61,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--seed", type=_int, default=None, metavar="S")
     sampling.add_argument("--stop", nargs="+", default=None, metavar="STR",
                           help="stop strings (excluded from the output)")
+    sampling.add_argument("--ngram", action="store_true",
+                          help="draft by prompt lookup (tokens that followed the latest earlier "
+                          "occurrence of the last 1-3 tokens) instead of a draft model")
     sampling.add_argument("--no-draft", action="store_true",
                           help="plain target decoding through the same code path")
     sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
@@ -115,15 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_model_choice(args: argparse.Namespace) -> None:
-    """Neither model: the demo pair. A target alone only with --no-draft. A draft needs a target."""
+    """Neither model: the demo pair. A target alone only with --no-draft or --ngram. A draft
+    needs a target."""
     from .errors import ConfigError
 
+    if args.ngram and (args.draft is not None or args.no_draft):
+        option = "--draft" if args.draft is not None else "--no-draft"
+        raise ConfigError(f"--ngram drafts by prompt lookup instead of a draft model; drop "
+                          f"{option}.")
     if args.draft is not None and args.target is None:
         raise ConfigError("--draft was given without --target; pass both, or neither for the "
                           "shipped demo pair.")
-    if args.target is not None and args.draft is None and not args.no_draft:
-        raise ConfigError("--target was given without --draft; pass --draft PATH, or --no-draft "
-                          "for plain decoding.")
+    if args.target is not None and args.draft is None and not (args.no_draft or args.ngram):
+        raise ConfigError("--target was given without --draft; pass --draft PATH, --ngram for "
+                          "prompt-lookup drafting, or --no-draft for plain decoding.")
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -138,6 +146,7 @@ def _read_prompt(prompt: str | None) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     from .api import load
+    from .proposers.ngram import NgramDraft
 
     prompt = _read_prompt(args.prompt)
     _check_model_choice(args)
@@ -147,8 +156,8 @@ def _generate(args: argparse.Namespace) -> int:
         option = "--compare" if args.compare else "--adaptive"
         raise ConfigError(f"{option} needs a draft (it is about speculative decoding); drop "
                           "--no-draft.")
-    decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
-                   num_draft_tokens=args.k, backend=args.backend,
+    decoder = load(args.target, NgramDraft() if args.ngram else args.draft, device=args.device,
+                   dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
                    adaptive=named_policy(args.adaptive))
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -151,6 +151,7 @@ class DecodingRun:
         # 1. propose
         draft_started = time.perf_counter()
         draft_tokens, draft_probs = self._propose(k)
+        k = draft_tokens.shape[1]  # a proposer may find fewer (an n-gram lookup: maybe none)
         draft_time = _synced_elapsed(draft_started, draft_tokens)
         # 2. score: one target pass over the pending token and the k draft tokens
         target_started = time.perf_counter()

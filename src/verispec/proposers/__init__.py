@@ -2,5 +2,7 @@
 
 from .base import Proposal, Proposer, ProposerSession
 from .draft_model import DraftModelProposer
+from .ngram import NgramDraft, NgramProposer
 
-__all__ = ["Proposal", "Proposer", "ProposerSession", "DraftModelProposer"]
+__all__ = ["Proposal", "Proposer", "ProposerSession", "DraftModelProposer", "NgramDraft",
+           "NgramProposer"]

@@ -32,7 +32,10 @@ class ProposerSession(Protocol):
     """One generation's proposer state, synchronised with the committed sequence."""
 
     def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
-        """Draft ``num_draft_tokens`` >= 1 tokens per row after the committed sequence."""
+        """Draft up to ``num_draft_tokens`` >= 1 tokens per row after the committed sequence:
+        a [B, K] proposal with K <= num_draft_tokens, the same K for every row (a draft model
+        always gives all of them; an n-gram lookup may find fewer, K = 0 making the round a
+        plain decoding step)."""
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended;

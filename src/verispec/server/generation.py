@@ -51,7 +51,7 @@ class GenerationService:
         self.settings = settings
         self.worker = worker
         self.metrics = metrics
-        self.speculative = decoder.draft is not None
+        self.speculative = decoder.engine.proposer is not None  # a draft model or n-grams
 
     def num_draft_tokens(self, params: GenerationParams) -> int:
         """The k a request runs with; 0 when the server decodes without a draft."""
@@ -95,7 +95,8 @@ class GenerationService:
         """max_tokens when the request omits it: what fits after the prompt (and k draft
         positions), at most --max-tokens-limit; at least 1, so an overlong prompt still gets
         the library's ContextLengthExceeded."""
-        models = [self.decoder.target] + ([self.decoder.draft] if self.speculative else [])
+        models = [self.decoder.target] + (
+            [self.decoder.draft] if self.decoder.draft is not None else [])
         windows = [lm.max_positions for lm in models if lm.max_positions is not None]
         limit = self.settings.max_tokens_limit
         if windows:

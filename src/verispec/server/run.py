@@ -16,12 +16,14 @@ def load_decoder(settings: ServerSettings):
     """The decoder the settings describe: the demo pair when no --target is given."""
     from ..api import load
     from ..demo import demo_pair
+    from ..proposers.ngram import NgramDraft
 
     target, draft = settings.target, settings.draft
     if target is None:
         pair = demo_pair()
         target, draft = pair.target, pair.draft
-    return load(target, None if settings.no_draft else draft, device=settings.device,
+    draft = NgramDraft() if settings.ngram else None if settings.no_draft else draft
+    return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings))
 

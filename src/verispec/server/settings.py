@@ -37,6 +37,8 @@ class ServerSettings:
                                   "shipped demo target)", metavar="PATH")
     draft: str | None = _setting(None, "draft model directory or .gguf file (default: the "
                                  "shipped demo draft when --target is not given)", metavar="PATH")
+    ngram: bool = _setting(False, "draft by prompt lookup (n-grams of each request's prompt and "
+                           "output) instead of a draft model")
     no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
                               "code path")
     device: str = _setting("cpu", "cpu, cuda or cuda:N")
@@ -76,9 +78,13 @@ class ServerSettings:
         if self.draft is not None and self.target is None:
             raise ConfigError("--draft was given without --target; pass both, or neither for "
                               "the shipped demo pair.")
-        if self.target is not None and self.draft is None and not self.no_draft:
-            raise ConfigError("--target was given without --draft; pass --draft PATH, or "
-                              "--no-draft to serve plain decoding.")
+        if self.ngram and (self.draft is not None or self.no_draft):
+            raise ConfigError("--ngram drafts by prompt lookup instead of a draft model; drop "
+                              f"{'--draft' if self.draft is not None else '--no-draft'}.")
+        if self.target is not None and self.draft is None and not (self.no_draft or self.ngram):
+            raise ConfigError("--target was given without --draft; pass --draft PATH, --ngram "
+                              "for prompt-lookup drafting, or --no-draft to serve plain "
+                              "decoding.")
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "k", self.num_draft_tokens,
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")
         _check(self.adaptive is None or self.adaptive in POLICY_NAMES, "adaptive", self.adaptive,
@@ -121,8 +127,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                            help=meta["help"] + shown)
 
 
-_MODEL_FIELDS = frozenset({"target", "draft", "no_draft", "device", "dtype", "num_draft_tokens",
-                           "adaptive", "carry_over", "threads"})
+_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "no_draft", "device", "dtype",
+                           "num_draft_tokens", "adaptive", "carry_over", "threads"})
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

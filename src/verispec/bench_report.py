@@ -183,6 +183,10 @@ def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> N
         fixed = [r for r in results if r.kind == "verispec"]
         ks = [r.num_draft_tokens for r in fixed]
         ax.plot(ks, [r.speedup for r in fixed], "o-", label="verispec (measured)")
+        ngram = [r for r in results if r.kind == "ngram"]
+        if ngram:
+            ax.plot([r.num_draft_tokens for r in ngram], [r.speedup for r in ngram], "^-",
+                    label="verispec n-gram (measured)")
         drafted = [r for r in fixed if r.token_acceptance is not None]
         if drafted:
             a = sum(r.token_acceptance for r in drafted) / len(drafted)

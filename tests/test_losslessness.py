@@ -154,16 +154,25 @@ def _generate(pair: Pair, k: int, temperature: float, seed: int,
     return np.array(result.token_ids, dtype=np.int64), result.metrics
 
 
-def _check_law(pair: Pair, tokens: np.ndarray, sampling: SamplingConfig) -> list:
-    """G-tests of (x1, x2) and, when k >= 2, of (x_k, x_{k+1}); returns the results."""
+def _check_law(target, tokens: np.ndarray, sampling: SamplingConfig,
+               prompt: list[int] = PROMPT) -> list:
+    """G-tests of (x1, x2) and, when k >= 2, of (x_k, x_{k+1}) of tokens [N, k+1] generated
+    after ``prompt`` against ``target``'s law; returns the (label, result) pairs."""
     num_new = tokens.shape[1]
     results = [("x1,x2", g_test(pair_counts(tokens, 0, VOCAB_SIZE),
-                                first_two_law(pair.target, PROMPT, sampling)))]
+                                first_two_law(target, prompt, sampling)))]
     if num_new > 2:
         results.append((f"x{num_new - 1},x{num_new}",
                         g_test(pair_counts(tokens, num_new - 2, VOCAB_SIZE),
-                               pair_law(pair.target, PROMPT, sampling, num_new))))
+                               pair_law(target, prompt, sampling, num_new))))
     return results
+
+
+def _assert_target_law(tag: str, results: list) -> None:
+    """Print the p-values (grep PVALUE in the log) and require each G-test to pass at ALPHA."""
+    print(f"PVALUE {tag}: " + "; ".join(f"{label} {r}" for label, r in results))
+    for label, result in results:
+        assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
 
 
 # --- the harness itself ----------------------------------------------------------------------
@@ -204,11 +213,8 @@ def test_engine_output_law_equals_target_law(pair_name, k, temperature, seed):
         assert metrics.acceptance_rate == 1.0
     if pair_name == "disjoint":
         assert metrics.acceptance_rate == 0.0
-    results = _check_law(pair, tokens, pair.sampling(temperature))
-    print(f"PVALUE real {pair_name} k={k} T={temperature}: "
-          + "; ".join(f"{label} {r}" for label, r in results))
-    for label, result in results:
-        assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
+    _assert_target_law(f"real {pair_name} k={k} T={temperature}",
+                       _check_law(pair.target, tokens, pair.sampling(temperature)))
 
 
 # Batch 1 costs a full engine call per sample (~3-6 ms on 2 busy cores), so two cases with the
@@ -229,11 +235,8 @@ def test_batch_one_calls_have_the_target_law(pair_name, k, temperature):
     num_samples = 3_000
     tokens = np.array([decoder.generate([PROMPT], replace(config, seed=50_000 + i)).token_ids[0]
                        for i in range(num_samples)], dtype=np.int64)
-    results = _check_law(pair, tokens, pair.sampling(temperature))
-    print(f"PVALUE batch1 {pair_name} k={k} T={temperature}: "
-          + "; ".join(f"{label} {r}" for label, r in results))
-    for label, result in results:
-        assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
+    _assert_target_law(f"batch1 {pair_name} k={k} T={temperature}",
+                       _check_law(pair.target, tokens, pair.sampling(temperature)))
 
 
 # --- negative controls: the same harness must reject broken acceptance rules -----------------
@@ -306,7 +309,7 @@ def _controlled_results(monkeypatch, accept, recover, pair_name, seed):
     monkeypatch.setattr(verispec.engine, "verify", _rule_verify(accept, recover))
     pair = _pair(pair_name)
     tokens, _ = _generate(pair, CONTROL_K, 1.0, seed)
-    return _check_law(pair, tokens, pair.sampling(1.0))
+    return _check_law(pair.target, tokens, pair.sampling(1.0))
 
 
 @pytest.mark.slow
@@ -314,10 +317,8 @@ def _controlled_results(monkeypatch, accept, recover, pair_name, seed):
 def test_injected_exact_rule_passes(monkeypatch, pair_name):
     # The positive control for the negative controls: the injected code path with the correct
     # rule is accepted, so a rejection below is due to the rule, not to the injection.
-    results = _controlled_results(monkeypatch, _exact_accept, _residual, pair_name, seed=777)
-    print(f"PVALUE injected-exact {pair_name}: " + "; ".join(f"{l} {r}" for l, r in results))
-    for label, result in results:
-        assert result.p_value > ALPHA, f"{label}: {result}"
+    _assert_target_law(f"injected-exact {pair_name}", _controlled_results(
+        monkeypatch, _exact_accept, _residual, pair_name, seed=777))
 
 
 @pytest.mark.slow

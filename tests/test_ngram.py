@@ -13,8 +13,17 @@ import torch
 
 import verispec
 import verispec.engine
-from helpers_stats import first_two_law, g_test, pair_counts, pair_law
-from test_losslessness import _accept_all, _exact_accept, _residual, _rule_verify, _target
+from test_losslessness import (
+    CONTROL_ALPHA,
+    VOCAB_SIZE,
+    _accept_all,
+    _assert_target_law,
+    _check_law,
+    _exact_accept,
+    _residual,
+    _rule_verify,
+    _target,
+)
 from tiny_models import save_untied_pair
 from verispec import (
     GenerationConfig,
@@ -31,7 +40,6 @@ from verispec.errors import ConfigError
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 GREEDY = SamplingConfig(temperature=0)
-VOCAB_SIZE = 8
 
 
 def _session(prompts, config=NgramDraft()):
@@ -116,7 +124,6 @@ def test_greedy_output_equals_plain_decoding(k):
 
 PROMPT = [3, 5, 3, 5, 2, 3]  # repeats: the first round already proposes (5, 2, 3, ...)
 NUM_SAMPLES = 20_000
-ALPHA, CONTROL_ALPHA = 1e-3, 1e-6
 
 
 def _law_results(k: int, temperature: float, seed: int) -> tuple[list, verispec.GenerationMetrics]:
@@ -127,12 +134,7 @@ def _law_results(k: int, temperature: float, seed: int) -> tuple[list, verispec.
                               seed=seed)
     result = decoder.generate([PROMPT] * NUM_SAMPLES, config)
     tokens = np.array(result.token_ids, dtype=np.int64)
-    results = [("x1,x2", g_test(pair_counts(tokens, 0, VOCAB_SIZE),
-                                first_two_law(target, PROMPT, sampling)))]
-    if k >= 2:
-        results.append((f"x{k},x{k + 1}", g_test(pair_counts(tokens, k - 1, VOCAB_SIZE),
-                                                 pair_law(target, PROMPT, sampling, k + 1))))
-    return results, result.metrics
+    return _check_law(target, tokens, sampling, prompt=PROMPT), result.metrics
 
 
 @pytest.mark.slow
@@ -141,10 +143,8 @@ def _law_results(k: int, temperature: float, seed: int) -> tuple[list, verispec.
                                                   (4, 0.7, 40_005)])
 def test_sampled_output_has_the_target_law(k, temperature, seed):
     results, metrics = _law_results(k, temperature, seed)
-    print(f"PVALUE ngram k={k} T={temperature}: " + "; ".join(f"{l} {r}" for l, r in results))
     assert metrics.num_drafted > 0 and 0 < metrics.num_accepted < metrics.num_drafted
-    for label, result in results:
-        assert result.p_value > ALPHA, f"{label}: {result}"
+    _assert_target_law(f"ngram k={k} T={temperature}", results)
 
 
 @pytest.mark.slow

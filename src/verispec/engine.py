@@ -100,7 +100,7 @@ class DecodingRun:
         self.target = TargetScorer(decoder.target.new_session(), prompts)
         self.proposer: ProposerSession | None = None
         self.policy: AdaptivePolicy | None = None
-        self._decoder = decoder
+        self._carried = decoder.carried_policies  # where carry-over leaves this run's policy
         self._carry_key: tuple[object, ...] | None = None
         if speculative:
             assert decoder.proposer is not None
@@ -110,7 +110,7 @@ class DecodingRun:
                     config.adaptive, config.sampling, len(prompts))
                 self.policy = config.adaptive.build(
                     config.num_draft_tokens,
-                    decoder.carried_policies.get(self._carry_key) if self._carry_key else None)
+                    self._carried.get(self._carry_key) if self._carry_key else None)
         self.num_draft_tokens = 0 if not speculative else (
             config.num_draft_tokens if self.policy is None  # a policy clamps k to its bounds
             else self.policy.num_draft_tokens)
@@ -185,7 +185,7 @@ class DecodingRun:
         if self.policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             self.num_draft_tokens = self.policy.next_num_draft_tokens(stats)
             if self._carry_key is not None:  # the next generation resumes from a copy of this
-                self._decoder.carried_policies[self._carry_key] = self.policy
+                self._carried[self._carry_key] = self.policy
         return chunk
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -168,6 +168,25 @@ def _check_law(target, tokens: np.ndarray, sampling: SamplingConfig,
     return results
 
 
+def _proposer_law(target, proposer, k: int, temperature: float, seed: int,
+                  prompt: list[int]) -> tuple[list, verispec.GenerationMetrics]:
+    """_check_law of NUM_SAMPLES rows of k + 1 tokens that ``proposer`` drafts for ``target``
+    after ``prompt`` (one batch: the first round drafts k for every row), and the metrics."""
+    sampling = SamplingConfig(temperature=temperature)
+    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
+                              seed=seed)
+    result = SpeculativeDecoder(target, proposer).generate([prompt] * NUM_SAMPLES, config)
+    tokens = np.array(result.token_ids, dtype=np.int64)
+    return _check_law(target, tokens, sampling, prompt=prompt), result.metrics
+
+
+def _assert_control_rejected(tag: str, results: list) -> None:
+    """A broken rule's (x1, x2) G-test must fail far beyond chance (p < CONTROL_ALPHA)."""
+    print(f"PVALUE control {tag}: " + "; ".join(f"{l} {r}" for l, r in results))
+    assert results[0][1].p_value < CONTROL_ALPHA, (
+        f"the G-test failed to reject {tag}: {results[0][1]}")
+
+
 def _assert_target_law(tag: str, results: list) -> None:
     """Print the p-values (grep PVALUE in the log) and require each G-test to pass at ALPHA."""
     print(f"PVALUE {tag}: " + "; ".join(f"{label} {r}" for label, r in results))
@@ -329,10 +348,8 @@ def test_injected_exact_rule_passes(monkeypatch, pair_name):
 ])
 @pytest.mark.parametrize("pair_name", [CONTROL_PAIR])
 def test_negative_control_is_rejected(monkeypatch, control, accept, recover, pair_name):
-    results = _controlled_results(monkeypatch, accept, recover, pair_name, seed=778)
-    print(f"PVALUE control {control} {pair_name}: " + "; ".join(f"{l} {r}" for l, r in results))
-    assert results[0][1].p_value < CONTROL_ALPHA, (
-        f"the G-test failed to reject {control}: {results[0][1]}")
+    _assert_control_rejected(f"{control} {pair_name}", _controlled_results(
+        monkeypatch, accept, recover, pair_name, seed=778))
 
 
 # --- greedy: token-for-token equality with plain decoding ------------------------------------

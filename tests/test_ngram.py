@@ -1,29 +1,17 @@
 """proposers/ngram.py: prompt-lookup drafting, its lookup rules, and exactness through the engine.
 
-Three layers: the lookup on hand-made sequences; greedy equality with plain decoding on fixture
-Markov chains and on a tiny real Llama (library, CLI); and the output law at temperature > 0 by
-the same G-test harness as test_losslessness.py, with negative controls that must fail.
+Two layers here: the lookup on hand-made sequences; greedy equality with plain decoding on
+fixture Markov chains and on a tiny real Llama (library, CLI). The third, the output law at
+temperature > 0 with negative controls that must fail, is in test_hybrid.py, which runs it for
+n-gram drafting alone and for the hybrid with the same harness.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 import verispec
-import verispec.engine
-from test_losslessness import (
-    CONTROL_ALPHA,
-    VOCAB_SIZE,
-    _accept_all,
-    _assert_target_law,
-    _check_law,
-    _exact_accept,
-    _residual,
-    _rule_verify,
-    _target,
-)
+from test_losslessness import VOCAB_SIZE
 from tiny_models import save_untied_pair
 from verispec import (
     GenerationConfig,
@@ -118,46 +106,6 @@ def test_greedy_output_equals_plain_decoding(k):
     assert metrics.num_accepted > 0 and metrics.num_rounds < plain.metrics.num_rounds
     for prompt, expected in zip(prompts, plain.token_ids):  # batch 1 too
         assert decoder.generate([prompt], config).token_ids == [expected]
-
-
-# --- the output law at temperature > 0 -------------------------------------------------------
-
-PROMPT = [3, 5, 3, 5, 2, 3]  # repeats: the first round already proposes (5, 2, 3, ...)
-NUM_SAMPLES = 20_000
-
-
-def _law_results(k: int, temperature: float, seed: int) -> tuple[list, verispec.GenerationMetrics]:
-    target = _repetitive_target(11)
-    sampling = SamplingConfig(temperature=temperature)
-    decoder = SpeculativeDecoder(target, NgramProposer(VOCAB_SIZE))
-    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                              seed=seed)
-    result = decoder.generate([PROMPT] * NUM_SAMPLES, config)
-    tokens = np.array(result.token_ids, dtype=np.int64)
-    return _check_law(target, tokens, sampling, prompt=PROMPT), result.metrics
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("k, temperature, seed", [(1, 1.0, 40_001), (2, 1.0, 40_002),
-                                                  (4, 1.0, 40_003), (2, 0.7, 40_004),
-                                                  (4, 0.7, 40_005)])
-def test_sampled_output_has_the_target_law(k, temperature, seed):
-    results, metrics = _law_results(k, temperature, seed)
-    assert metrics.num_drafted > 0 and 0 < metrics.num_accepted < metrics.num_drafted
-    _assert_target_law(f"ngram k={k} T={temperature}", results)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("control, accept, recover", [
-    ("accept_everything", _accept_all, _residual),
-    ("resample_from_target", _exact_accept, _target),
-])
-def test_broken_point_mass_rules_are_rejected(monkeypatch, control, accept, recover):
-    # the losslessness module's injected verify with a broken rule, on n-gram point masses
-    monkeypatch.setattr(verispec.engine, "verify", _rule_verify(accept, recover))
-    results, _ = _law_results(2, 1.0, 40_100)
-    print(f"PVALUE ngram control {control}: " + "; ".join(f"{l} {r}" for l, r in results))
-    assert results[0][1].p_value < CONTROL_ALPHA, f"{control} not rejected: {results[0][1]}"
 
 
 # --- real models: library and CLI ------------------------------------------------------------

@@ -492,20 +492,26 @@ def test_serve_flags_come_from_the_settings():
                                     dict(api_key=""), dict(adaptive="fastest"),
                                     dict(target="t", no_draft=True, adaptive="goodput"),
                                     dict(carry_over=True), dict(ngram=True, no_draft=True),
-                                    dict(target="t", draft="d", ngram=True)])
+                                    dict(target="t", draft="d", ngram=True),
+                                    dict(hybrid=True, ngram=True), dict(hybrid=True, no_draft=True),
+                                    dict(target="t", hybrid=True)])
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
         ServerSettings(**kwargs)
 
 
-def test_serve_ngram_flag_and_a_server_drafting_by_prompt_lookup():
-    args = cli.build_parser().parse_args(["serve", "--ngram", "--k", "2"])
+@pytest.mark.parametrize("flag", ["--ngram", "--hybrid"])
+def test_serve_lookup_flags_and_a_server_drafting_by_lookup(flag):
+    args = cli.build_parser().parse_args(["serve", flag, "--k", "2"])
     settings = ServerSettings.from_args(args)
-    assert settings.ngram and settings.draft is None
+    assert (settings.ngram, settings.hybrid) == (flag == "--ngram", flag == "--hybrid")
     from verispec.server.run import load_decoder
 
-    decoder = load_decoder(settings)  # the demo target, no draft model
-    assert decoder.draft is None and decoder.ngram is not None
+    decoder = load_decoder(settings)  # the demo target; its draft model only with --hybrid
+    if flag == "--ngram":
+        assert decoder.draft is None and decoder.ngram is not None
+    else:
+        assert decoder.draft is not None and decoder.hybrid is not None
     prompt = "def f(x):\n    return x\ndef f(x):"
     expected = decoder.generate(prompt, max_new_tokens=24, speculative=False).text
     with ServerThread(create_app(decoder, settings)) as running:

@@ -22,7 +22,7 @@ from .errors import (
 )
 from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
-from .proposers import DraftModelProposer, NgramDraft, NgramProposer, Proposal
+from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
 from .sampling import greedy_tokens, make_generator, sample, to_probs
 from .verify import (
     VerifyResult,
@@ -58,8 +58,8 @@ __all__ = [
     "TokenOutOfRangeError", "UnsupportedFeatureError", "VerispecError",
     "GenerationConfig", "SamplingConfig", "ThresholdPolicyConfig", "GoodputPolicyConfig",
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
-    "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "NgramDraft", "NgramProposer",
-    "Proposal",
+    "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
+    "NgramProposer", "Proposal",
     "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_greedy",
     "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",

@@ -33,6 +33,7 @@ from .models.loading import (
 from .models import fast_llama
 from .models.transformers import TransformersLM, output_width
 from .proposers.draft_model import DraftModelProposer
+from .proposers.hybrid import HYBRID_LOOKUP, HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
 
 ModelSource = str | Path | PreTrainedModel
@@ -65,13 +66,17 @@ class Completion:
 def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | None = None, *,
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
          num_draft_tokens: int = 4, tokenizer: str | Path | None = None,
-         backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None) -> Decoder:
+         backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
+         hybrid: bool | NgramDraft = False) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
     file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra).
     ``draft=NgramDraft()`` drafts by prompt lookup instead of a model (no draft model at all;
-    with no target, the demo target).
+    with no target, the demo target). ``hybrid=True`` with a draft model drafts by lookup (of
+    the last 2-3 tokens; ``hybrid=NgramDraft(...)`` sets other lengths) in rounds where every
+    row's history has a match, and by the draft model otherwise (no target, no draft: the demo
+    pair).
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
@@ -81,6 +86,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     which k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is
     then where it starts. None: a fixed k.
     """
+    _hybrid_lookup(hybrid, draft, target)  # checked before anything loads
     if target is None and (draft is None or isinstance(draft, NgramDraft)):
         from .demo import demo_pair  # the shipped assets; imported only when used
 
@@ -101,7 +107,22 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
     return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                   adaptive)
+                   adaptive, hybrid)
+
+
+def _hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft | None:
+    """The lookup settings of a hybrid proposer (None: not hybrid), checked against the draft."""
+    if hybrid is False or hybrid is None:
+        return None
+    if not (hybrid is True or isinstance(hybrid, NgramDraft)):
+        raise ConfigError(f"hybrid={hybrid!r} is invalid: expected True, False or "
+                          "NgramDraft(...) (the lookup's settings).")
+    if isinstance(draft, NgramDraft) or (draft is None and target is not None):
+        given = "draft=NgramDraft()" if draft is not None else "no draft"
+        raise ConfigError(f"hybrid falls back on a draft model where lookup finds nothing, and "
+                          f"{given} was given; pass a draft model (or drop hybrid for lookup "
+                          "only: draft=NgramDraft()).")
+    return HYBRID_LOOKUP if hybrid is True else hybrid
 
 
 def _tokenizer_for(source: ModelSource, tokenizer: str | Path | None, role: str):
@@ -118,8 +139,10 @@ class Decoder:
 
     def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
                  NgramDraft | None = None, num_draft_tokens: int = 4, backend: str = "auto",
-                 adaptive: AdaptivePolicyConfig | None = None) -> None:
+                 adaptive: AdaptivePolicyConfig | None = None,
+                 hybrid: bool | NgramDraft = False) -> None:
         ngram = draft_model if isinstance(draft_model, NgramDraft) else None
+        hybrid = _hybrid_lookup(hybrid, draft_model, target_model)
         draft_model = None if ngram is not None else draft_model
         widths = [output_width(target_model)]
         if draft_model is not None:
@@ -130,8 +153,11 @@ class Decoder:
         # the draft model's adapter; None with no draft or an n-gram one (self.ngram)
         self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend)
         self.ngram = ngram
+        self.hybrid = hybrid  # lookup settings, n-grams first, then self.draft; None: not hybrid
         proposer = (NgramProposer(vocab_size, ngram) if ngram is not None else
                     None if self.draft is None else DraftModelProposer(self.draft))
+        if hybrid is not None:
+            proposer = HybridProposer(proposer, hybrid)
         self.engine = SpeculativeDecoder(self.target, proposer)
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive

@@ -40,6 +40,8 @@ from .api import Decoder
 from .config import GenerationConfig, SamplingConfig
 from .engine import SpeculativeDecoder
 from .metrics import GenerationMetrics
+from .proposers.draft_model import DraftModelProposer
+from .proposers.hybrid import HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
 from .verify import theoretical_speedup
 
@@ -56,6 +58,8 @@ class BenchSettings:
     include_adaptive: bool = True
     # n-gram (prompt lookup) drafting on the same target, and HF prompt lookup matched to it
     ngram_ks: tuple[int, ...] = (1, 2, 3)
+    # n-gram lookup first, the draft model where there is no match (needs a draft model)
+    hybrid_ks: tuple[int, ...] = (2, 3)
 
 
 @dataclass
@@ -64,7 +68,7 @@ class MethodResult:
     totals, the speedup the median of per-repeat ratios to the baseline."""
 
     name: str
-    kind: str  # "baseline", "hf", "verispec", "adaptive", "ngram"
+    kind: str  # "baseline", "hf", "verispec", "adaptive", "ngram", "hybrid"
     num_draft_tokens: int | None
     tokens_per_second: float = 0.0
     ms_per_token: float = 0.0
@@ -177,6 +181,12 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float)
                                           settings, temperature, prompt_lookup=True))
             methods.append(_verispec_method(decoder, f"verispec ngram k={k}", "ngram", k, True,
                                             settings, temperature, engine=ngram))
+    if settings.hybrid_ks and decoder.draft is not None:
+        hybrid = SpeculativeDecoder(decoder.target,
+                                    HybridProposer(DraftModelProposer(decoder.draft)))
+        for k in settings.hybrid_ks:
+            methods.append(_verispec_method(decoder, f"verispec hybrid k={k}", "hybrid", k, True,
+                                            settings, temperature, engine=hybrid))
     if settings.include_adaptive:
         methods.append(_verispec_method(decoder, "verispec threshold", "adaptive", 4, True,
                                         settings, temperature, ThresholdPolicyConfig()))
@@ -254,7 +264,7 @@ def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int
         result.cost_ratio = (metrics.draft_time / metrics.num_draft_steps) / plain_step
         # v: one verification pass over k + 1 tokens, in plain target steps (the formula takes 1)
         result.verify_cost = (metrics.target_time / metrics.num_target_calls) / plain_step
-        if result.kind == "ngram":  # k varies per round (0 without a match): no fixed-k theory
+        if result.kind in ("ngram", "hybrid"):  # k varies per round (0 without a match): no fixed-k theory
             return
         k = result.num_draft_tokens if result.kind == "verispec" else round(
             metrics.mean_num_draft_tokens)

@@ -41,6 +41,9 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
     bench.add_argument("--ngram-ks", type=int, nargs="*", default=[1, 2, 3], metavar="K",
                        help="k values for n-gram (prompt lookup) drafting on the same target, "
                        "and for HF prompt lookup matched to them; none to skip")
+    bench.add_argument("--hybrid-ks", type=int, nargs="*", default=[2, 3], metavar="K",
+                       help="k values for hybrid drafting (n-gram lookup first, the draft model "
+                       "where there is no match); none to skip")
     bench.add_argument("--seed", type=int, default=0, metavar="S")
     bench.add_argument("--json", metavar="FILE", help="write all results as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="speedup versus k, with the theory")
@@ -89,7 +92,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              temperatures=tuple(args.temperatures),
                              seed=args.seed, include_hf=not args.no_hf,
                              include_adaptive=not args.no_adaptive,
-                             ngram_ks=tuple(args.ngram_ks))
+                             ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks))
     console = Console(stderr=True)
     env = environment()
     console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
@@ -183,10 +186,12 @@ def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> N
         fixed = [r for r in results if r.kind == "verispec"]
         ks = [r.num_draft_tokens for r in fixed]
         ax.plot(ks, [r.speedup for r in fixed], "o-", label="verispec (measured)")
-        ngram = [r for r in results if r.kind == "ngram"]
-        if ngram:
-            ax.plot([r.num_draft_tokens for r in ngram], [r.speedup for r in ngram], "^-",
-                    label="verispec n-gram (measured)")
+        for kind, marker, label in (("ngram", "^-", "verispec n-gram (measured)"),
+                                    ("hybrid", "D-", "verispec hybrid (measured)")):
+            rows = [r for r in results if r.kind == kind]
+            if rows:
+                ax.plot([r.num_draft_tokens for r in rows], [r.speedup for r in rows], marker,
+                        label=label)
         drafted = [r for r in fixed if r.token_acceptance is not None]
         if drafted:
             a = sum(r.token_acceptance for r in drafted) / len(drafted)

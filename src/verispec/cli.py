@@ -64,6 +64,10 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--ngram", action="store_true",
                           help="draft by prompt lookup (tokens that followed the latest earlier "
                           "occurrence of the last 1-3 tokens) instead of a draft model")
+    sampling.add_argument("--hybrid", action="store_true",
+                          help="draft by prompt lookup in rounds where it finds a match, by the "
+                          "draft model otherwise (needs a draft model: the demo pair's, or "
+                          "--draft)")
     sampling.add_argument("--no-draft", action="store_true",
                           help="plain target decoding through the same code path")
     sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
@@ -122,6 +126,10 @@ def _check_model_choice(args: argparse.Namespace) -> None:
     needs a target."""
     from .errors import ConfigError
 
+    if args.hybrid and (args.ngram or args.no_draft):
+        option = "--ngram" if args.ngram else "--no-draft"
+        raise ConfigError(f"--hybrid drafts by prompt lookup, then by the draft model; drop "
+                          f"{option}.")
     if args.ngram and (args.draft is not None or args.no_draft):
         option = "--draft" if args.draft is not None else "--no-draft"
         raise ConfigError(f"--ngram drafts by prompt lookup instead of a draft model; drop "
@@ -158,7 +166,8 @@ def _generate(args: argparse.Namespace) -> int:
                           "--no-draft.")
     decoder = load(args.target, NgramDraft() if args.ngram else args.draft, device=args.device,
                    dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
-                   adaptive=named_policy(args.adaptive))
+                   adaptive=named_policy(args.adaptive),
+                   hybrid=args.hybrid)
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, stop=args.stop, num_draft_tokens=args.k,

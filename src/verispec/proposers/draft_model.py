@@ -1,7 +1,8 @@
 """A draft language model as a proposer: k autoregressive steps over its own rewindable cache.
 
-Legend: B batch, K draft tokens, V vocabulary, u unfed committed tokens (1 to 3, plus one per
-round without a proposal, as when an adaptive policy runs plain rounds).
+Legend: B batch, K draft tokens, V vocabulary, u unfed committed tokens (1 or 2 after a round
+it proposed; more after rounds without its proposal: an adaptive policy's plain rounds, or a
+hybrid proposer's n-gram rounds, which may leave rows of a batch with different u).
 
 Cache bookkeeping. The draft cache lags the committed sequence by ``u`` tokens (``unfed``). A
 proposal of k tokens feeds the unfed tokens plus d_1 .. d_{k-1} (d_k is sampled, never fed).
@@ -51,10 +52,9 @@ class DraftModelSession:
     def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
         """Sample k tokens per row; draft_probs are the exact distributions sampled from."""
         assert num_draft_tokens >= 1
-        inputs = torch.tensor(self.unfed, dtype=torch.int64)  # [B, u]
         draft_tokens, draft_probs = [], []
-        for _ in range(num_draft_tokens):
-            logits = self.session.extend(inputs)[:, -1]  # [B, V]
+        for step in range(num_draft_tokens):
+            logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
             if self.sampling.is_greedy:
                 token = greedy_tokens(logits)  # deterministic: verified as a point mass
             else:
@@ -66,6 +66,30 @@ class DraftModelSession:
         self._proposal = torch.stack(draft_tokens, dim=1)  # [B, K]
         stacked_probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, K, V]
         return Proposal(self._proposal, stacked_probs)
+
+    def _feed_unfed(self) -> torch.Tensor:
+        """Feed every row's unfed tokens in one pass; the logits after each row's last [B, V].
+
+        Rows with fewer unfed tokens are padded on the right with copies of their last one, and
+        the padding is rewound at once (the cache is then exactly the committed sequence).
+        Worked example: unfed [[a], [b c d]] -> feed [[a a a], [b c d]], take row 0's logits
+        at position 0 and row 1's at 2, rewind [2, 0]."""
+        widths = [len(row) for row in self.unfed]
+        width = max(widths)
+        inputs = torch.tensor([row + row[-1:] * (width - len(row)) for row in self.unfed],
+                              dtype=torch.int64)  # [B, u]
+        logits = self.session.extend(inputs)  # [B, u, V]
+        if min(widths) == width:
+            return logits[:, -1]
+        last = logits[torch.arange(len(widths)), torch.tensor(widths) - 1]  # [B, V]
+        self.session.rewind([width - w for w in widths])
+        return last
+
+    def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
+        """Tokens committed in a round this session did not propose ([B][*] host ids): they
+        join the unfed tokens, fed by the next propose."""
+        assert self._proposal is None
+        self.unfed = [row + list(tokens) for row, tokens in zip(self.unfed, committed)]
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)

@@ -101,7 +101,14 @@ class NgramSession:
         """Up to ``num_draft_tokens`` per row (fewer, or none, where the history is short of a
         match); deterministic: draft_probs None. ``generator`` is not used."""
         assert num_draft_tokens >= 1
-        found = [row.lookup(num_draft_tokens) for row in self.rows]
+        return self.propose_found(self.lookup(num_draft_tokens))
+
+    def lookup(self, num_draft_tokens: int) -> list[list[int]]:
+        """Each row's match: up to num_draft_tokens host ids, [] where the history has none."""
+        return [row.lookup(num_draft_tokens) for row in self.rows]
+
+    def propose_found(self, found: list[list[int]]) -> Proposal:
+        """The proposal made of ``found`` (from :meth:`lookup`), short rows padded."""
         width = max(map(len, found))
         self._proposal = [match + [row.tokens[-1]] * (width - len(match))
                           for match, row in zip(found, self.rows)]
@@ -112,6 +119,11 @@ class NgramSession:
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
         proposal = self._proposal or [[] for _ in self.rows]
         self._proposal = None
-        for row, drafted, n, token in zip(self.rows, proposal, num_accepted, next_tokens):
-            for committed in drafted[:n] + [token]:
-                row.append(committed)
+        self.append_committed([drafted[:n] + [token] for drafted, n, token
+                               in zip(proposal, num_accepted, next_tokens)])
+
+    def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
+        """Index tokens committed without a proposal of this session's: [B][*] host ids."""
+        for row, tokens in zip(self.rows, committed):
+            for token in tokens:
+                row.append(token)

@@ -25,7 +25,8 @@ def load_decoder(settings: ServerSettings):
     draft = NgramDraft() if settings.ngram else None if settings.no_draft else draft
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
-                adaptive=adaptive_policy(settings))
+                adaptive=adaptive_policy(settings),
+                hybrid=settings.hybrid)
 
 
 def serve(settings: ServerSettings) -> int:

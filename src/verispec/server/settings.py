@@ -39,6 +39,8 @@ class ServerSettings:
                                  "shipped demo draft when --target is not given)", metavar="PATH")
     ngram: bool = _setting(False, "draft by prompt lookup (n-grams of each request's prompt and "
                            "output) instead of a draft model")
+    hybrid: bool = _setting(False, "draft by prompt lookup in rounds where it finds a match, "
+                            "by the draft model otherwise (needs a draft model)")
     no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
                               "code path")
     device: str = _setting("cpu", "cpu, cuda or cuda:N")
@@ -78,6 +80,9 @@ class ServerSettings:
         if self.draft is not None and self.target is None:
             raise ConfigError("--draft was given without --target; pass both, or neither for "
                               "the shipped demo pair.")
+        if self.hybrid and (self.ngram or self.no_draft):
+            raise ConfigError("--hybrid drafts by prompt lookup, then by the draft model; drop "
+                              f"{'--ngram' if self.ngram else '--no-draft'}.")
         if self.ngram and (self.draft is not None or self.no_draft):
             raise ConfigError("--ngram drafts by prompt lookup instead of a draft model; drop "
                               f"{'--draft' if self.draft is not None else '--no-draft'}.")
@@ -127,7 +132,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                            help=meta["help"] + shown)
 
 
-_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "no_draft", "device", "dtype",
+_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "device", "dtype",
                            "num_draft_tokens", "adaptive", "carry_over", "threads"})
 
 

@@ -17,7 +17,7 @@ import torch
 from tiny_models import save_untied_pair
 
 from verispec import cli
-from verispec.verify import theoretical_speedup
+from verispec.diagnostics import theoretical_speedup
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

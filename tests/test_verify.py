@@ -1,4 +1,5 @@
-"""verify.py: batched modified rejection sampling, its edge cases, and the diagnostics.
+"""verify.py, verify_greedy.py, diagnostics.py: batched modified rejection sampling, its
+temperature-0 forms, its edge cases, and the diagnostics.
 
 Three layers: exact spike cases (hand-built distributions whose outcome is certain), the batched
 op against a per-row Python reference given the same random numbers, and hypothesis properties.
@@ -33,10 +34,10 @@ from verispec import (
     verify_greedy_tokens,
 )
 from verispec.config import SamplingConfig
+from verispec.diagnostics import expected_acceptance
 from verispec.verify import (
     PAD_TOKEN,
     acceptance_probs,
-    expected_acceptance,
     point_mass,
     residual_probs,
     verify_with_randomness,

@@ -24,16 +24,9 @@ from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
 from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
 from .sampling import greedy_tokens, make_generator, sample, to_probs
-from .verify import (
-    VerifyResult,
-    expected_tokens_per_step,
-    optimal_num_draft_tokens,
-    theoretical_speedup,
-    verify,
-    verify_greedy,
-    verify_greedy_rows,
-    verify_greedy_tokens,
-)
+from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
+from .verify import VerifyResult, verify
+from .verify_greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 
 __version__ = "0.1.0"
 

@@ -43,7 +43,7 @@ from .metrics import GenerationMetrics
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
-from .verify import theoretical_speedup
+from .diagnostics import theoretical_speedup
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
 def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> None:
     import matplotlib
 
-    from .verify import theoretical_speedup
+    from .diagnostics import theoretical_speedup
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

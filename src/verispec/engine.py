@@ -8,7 +8,7 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched):
               processed by the same sampling.to_probs the draft used (at temperature 0 only
               their argmax, sampling.greedy_tokens, which to_probs' point mass sits on);
   3. verify:  verify.verify accepts a prefix per row and draws the recovered or bonus token
-              (verify.verify_greedy_rows at temperature 0: no random numbers, host ints);
+              (verify_greedy.verify_greedy_rows at temperature 0: no random numbers, host ints);
   4. commit:  both sides rewind to the accepted prefix and append the new token;
   5. emit:    each row's new tokens, cut at the first stop token and at max_new_tokens.
 Plain decoding is the same loop with k = 0 and no proposer: the "bonus" is an ordinary sample
@@ -34,7 +34,8 @@ from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
 from .proposers.draft_model import DraftModelProposer
 from .sampling import greedy_tokens, make_generator, to_probs
-from .verify import verify, verify_greedy_rows
+from .verify import verify
+from .verify_greedy import verify_greedy_rows
 
 
 @dataclass(frozen=True)

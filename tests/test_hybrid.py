@@ -32,12 +32,14 @@ from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
 from verispec import (
     DraftModelProposer,
     GenerationConfig,
+    GoodputPolicyConfig,
     HybridProposer,
     MarkovLM,
     NgramDraft,
     NgramProposer,
     SamplingConfig,
     SpeculativeDecoder,
+    ThresholdPolicyConfig,
     cli,
     make_generator,
 )
@@ -109,6 +111,26 @@ def test_greedy_output_equals_plain_decoding_with_both_kinds_of_round(k):
     ngram_rounds = sum(s.num_ngram_rounds for s in proposer.sessions)
     draft_rounds = sum(s.num_draft_rounds for s in proposer.sessions)
     assert ngram_rounds > 0 and draft_rounds > 0, (ngram_rounds, draft_rounds)
+
+
+@pytest.mark.parametrize("adaptive", [
+    ThresholdPolicyConfig(),
+    # a draft step priced like a target step: plain rounds (k = 0, no proposal at all) win
+    GoodputPolicyConfig(min_num_draft_tokens=0, cost_ratio=1.0),
+])
+def test_greedy_output_under_an_adaptive_policy(adaptive):
+    proposer = _CountingHybrid(DraftModelProposer(_markov(5, order=1)), NgramDraft(min_ngram=2))
+    decoder = SpeculativeDecoder(_markov(3), proposer)
+    prompts = [[3, 5, 3, 5, 2], [7, 7, 2, 0, 7, 7]]
+    config = GenerationConfig(max_new_tokens=50, num_draft_tokens=2, sampling=GREEDY, seed=0,
+                              adaptive=adaptive)
+    speculative = decoder.generate(prompts, config)
+    assert speculative.token_ids == decoder.generate(prompts, config, speculative=False).token_ids
+    session = proposer.sessions[0]
+    proposed = session.num_ngram_rounds + session.num_draft_rounds
+    assert proposed > 0
+    if adaptive.min_num_draft_tokens == 0:  # rounds without a proposal did happen
+        assert proposed < speculative.metrics.num_rounds
 
 
 # --- the output law at temperature > 0: n-gram drafting alone, and the hybrid ---------------

@@ -20,11 +20,11 @@ from .errors import (
     UnsupportedFeatureError,
     VerispecError,
 )
+from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
 from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
 from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
 from .sampling import greedy_tokens, make_generator, sample, to_probs
-from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
 from .verify import VerifyResult, verify
 from .verify_greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 

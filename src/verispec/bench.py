@@ -38,12 +38,12 @@ import torch
 from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
 from .api import Decoder
 from .config import GenerationConfig, SamplingConfig
+from .diagnostics import theoretical_speedup
 from .engine import SpeculativeDecoder
 from .metrics import GenerationMetrics
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
-from .diagnostics import theoretical_speedup
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,8 @@ def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int
         result.cost_ratio = (metrics.draft_time / metrics.num_draft_steps) / plain_step
         # v: one verification pass over k + 1 tokens, in plain target steps (the formula takes 1)
         result.verify_cost = (metrics.target_time / metrics.num_target_calls) / plain_step
-        if result.kind in ("ngram", "hybrid"):  # k varies per round (0 without a match): no fixed-k theory
+        # lookup proposals vary in length by round (none without a match): no fixed-k theory
+        if result.kind in ("ngram", "hybrid"):
             return
         k = result.num_draft_tokens if result.kind == "verispec" else round(
             metrics.mean_num_draft_tokens)

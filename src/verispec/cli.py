@@ -122,24 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_model_choice(args: argparse.Namespace) -> None:
-    """Neither model: the demo pair. A target alone only with --no-draft or --ngram. A draft
-    needs a target."""
-    from .errors import ConfigError
+    """The model flags' rules, the same as the server's (server.settings.check_model_flags)."""
+    from .server.settings import check_model_flags  # dataclasses only; no FastAPI import
 
-    if args.hybrid and (args.ngram or args.no_draft):
-        option = "--ngram" if args.ngram else "--no-draft"
-        raise ConfigError(f"--hybrid drafts by prompt lookup, then by the draft model; drop "
-                          f"{option}.")
-    if args.ngram and (args.draft is not None or args.no_draft):
-        option = "--draft" if args.draft is not None else "--no-draft"
-        raise ConfigError(f"--ngram drafts by prompt lookup instead of a draft model; drop "
-                          f"{option}.")
-    if args.draft is not None and args.target is None:
-        raise ConfigError("--draft was given without --target; pass both, or neither for the "
-                          "shipped demo pair.")
-    if args.target is not None and args.draft is None and not (args.no_draft or args.ngram):
-        raise ConfigError("--target was given without --draft; pass --draft PATH, --ngram for "
-                          "prompt-lookup drafting, or --no-draft for plain decoding.")
+    check_model_flags(args.target, args.draft, ngram=args.ngram, hybrid=args.hybrid,
+                      no_draft=args.no_draft)
 
 
 def _read_prompt(prompt: str | None) -> str:

@@ -94,7 +94,7 @@ class DraftModelSession:
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
         if self._proposal is None:  # a round without a proposal: the cache did not move
-            self.unfed = [row + [token] for row, token in zip(self.unfed, next_tokens)]
+            self.append_committed([[token] for token in next_tokens])
         else:
             proposal, self._proposal = self._proposal.tolist(), None
             num_draft_tokens = len(proposal[0])

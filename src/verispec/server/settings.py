@@ -21,6 +21,25 @@ from ..errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hybrid: bool,
+                      no_draft: bool) -> None:
+    """The model flags shared by ``verispec generate`` and ``verispec serve``: neither model is
+    the demo pair; a target alone only with --no-draft or --ngram; a draft needs a target;
+    --hybrid needs a draft model, --ngram replaces one. ConfigError names the flag to drop."""
+    if hybrid and (ngram or no_draft):
+        raise ConfigError("--hybrid drafts by prompt lookup, then by the draft model; drop "
+                          f"{'--ngram' if ngram else '--no-draft'}.")
+    if ngram and (draft is not None or no_draft):
+        raise ConfigError("--ngram drafts by prompt lookup instead of a draft model; drop "
+                          f"{'--draft' if draft is not None else '--no-draft'}.")
+    if draft is not None and target is None:
+        raise ConfigError("--draft was given without --target; pass both, or neither for the "
+                          "shipped demo pair.")
+    if target is not None and draft is None and not (no_draft or ngram):
+        raise ConfigError("--target was given without --draft; pass --draft PATH, --ngram for "
+                          "prompt-lookup drafting, or --no-draft for plain decoding.")
+
+
 def _setting(default: object, help: str, *, flag: str | None = None, metavar: str | None = None,
              choices: tuple[str, ...] | None = None, value_type: type | None = None):
     """A field whose metadata describes its flag; value_type only where the default cannot
@@ -77,19 +96,8 @@ class ServerSettings:
                                    metavar="N")
 
     def __post_init__(self) -> None:
-        if self.draft is not None and self.target is None:
-            raise ConfigError("--draft was given without --target; pass both, or neither for "
-                              "the shipped demo pair.")
-        if self.hybrid and (self.ngram or self.no_draft):
-            raise ConfigError("--hybrid drafts by prompt lookup, then by the draft model; drop "
-                              f"{'--ngram' if self.ngram else '--no-draft'}.")
-        if self.ngram and (self.draft is not None or self.no_draft):
-            raise ConfigError("--ngram drafts by prompt lookup instead of a draft model; drop "
-                              f"{'--draft' if self.draft is not None else '--no-draft'}.")
-        if self.target is not None and self.draft is None and not (self.no_draft or self.ngram):
-            raise ConfigError("--target was given without --draft; pass --draft PATH, --ngram "
-                              "for prompt-lookup drafting, or --no-draft to serve plain "
-                              "decoding.")
+        check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
+                          no_draft=self.no_draft)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "k", self.num_draft_tokens,
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")
         _check(self.adaptive is None or self.adaptive in POLICY_NAMES, "adaptive", self.adaptive,

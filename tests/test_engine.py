@@ -20,8 +20,11 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
+    DraftModelProposer,
     make_generator,
     optimal_num_draft_tokens,
+    sample,
+    to_probs,
 )
 from verispec.adaptive import RoundStats
 from verispec.errors import ConfigError
@@ -200,6 +203,35 @@ def test_same_seed_same_output_different_seed_different_output():
     assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
     assert a.metrics.num_accepted == b.metrics.num_accepted
     assert a.token_ids != c.token_ids
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8,
+                                                                       top_k=6, top_p=0.9)],
+                         ids=["t1", "truncated"])
+def test_a_sampling_draft_draws_each_token_from_the_probs_it_reports(sampling):
+    # the draft takes its round's uniforms in one draw; its tokens must be exactly those that
+    # one sampling.sample call per step, on the distributions it reports, gives from the same
+    # generator, and the generator must end where those calls leave it
+    target = _target(order=2)
+    draft = _noisy_draft(target)
+    session = DraftModelProposer(draft).start(PROMPTS, sampling)
+    committed = [list(prompt) for prompt in PROMPTS]
+    for round_index, k in enumerate((1, 3, 5, 2)):
+        generator = make_generator(round_index)
+        proposal = session.propose(k, generator)
+        drafted = proposal.draft_tokens.tolist()  # [B][K]
+        reference = make_generator(round_index)
+        for step in range(k):
+            probs = proposal.draft_probs[:, step]  # [B, V]
+            fresh_logits = torch.stack([draft.next_logits(history + row[:step])
+                                        for history, row in zip(committed, drafted)])
+            assert torch.equal(probs, to_probs(fresh_logits, sampling))
+            assert sample(probs, reference).tolist() == [row[step] for row in drafted]
+        assert torch.equal(generator.get_state(), reference.get_state())
+        num_accepted = [min(b, k) for b in range(len(PROMPTS))]  # ragged: 0, 1, 2
+        session.commit(num_accepted, [round_index] * len(PROMPTS))
+        for history, row, n in zip(committed, drafted, num_accepted):
+            history += row[:n] + [round_index]
 
 
 @pytest.mark.parametrize("seed", [0, None])

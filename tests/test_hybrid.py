@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import verispec
-import verispec.engine
 from test_losslessness import (
     VOCAB_SIZE,
     _accept_all,
@@ -27,6 +26,7 @@ from test_losslessness import (
     _residual,
     _rule_verify,
     _target,
+    inject_verify,
 )
 from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
 from verispec import (
@@ -170,7 +170,7 @@ def test_sampled_output_has_the_target_law(kind, k, temperature, seed):
 def test_broken_rules_are_rejected(monkeypatch, kind, seed, control, accept, recover):
     # the losslessness module's injected verify with a broken rule, on lookup point masses
     # (and, for the hybrid, the draft model's rounds too)
-    monkeypatch.setattr(verispec.engine, "verify", _rule_verify(accept, recover))
+    inject_verify(monkeypatch, _rule_verify(accept, recover))
     _assert_control_rejected(f"{kind} {control}", _law_results(kind, 2, 1.0, seed)[0])
 
 

@@ -8,7 +8,7 @@ G-test (helpers_stats.g_test: probability-0 cells must stay empty, cells with ex
 pooled). A case passes at p > ALPHA.
 
 The harness is shown to have teeth: the same engine, sample size and G-test with the acceptance
-rule swapped (monkeypatched into verispec.engine.verify) for three classic mistakes is rejected
+rule swapped (monkeypatched into verispec.engine.verify_rows) for three classic mistakes is rejected
 at p < 1e-6, while the same injected code with the correct rule passes.
 
 Deep positions. The engine never drafts past max_new_tokens (k = min(k, remaining - 1)), so a run
@@ -320,12 +320,24 @@ def _rule_verify(accept, recover):
     return rule_verify
 
 
+def inject_verify(monkeypatch, verify_fn) -> None:
+    """Make the engine verify with ``verify_fn`` (verify's signature and result) at temperature
+    > 0, where it calls verify.verify_rows: verify read back as host lists."""
+
+    def injected_verify_rows(draft_tokens, draft_probs, target_probs, generator):
+        result = verify_fn(draft_tokens, draft_probs, target_probs, generator)
+        return result.num_accepted.tolist(), result.output_tokens.tolist()
+
+    assert hasattr(verispec.engine, "verify_rows")  # the name the engine really calls
+    monkeypatch.setattr(verispec.engine, "verify_rows", injected_verify_rows)
+
+
 CONTROL_PAIR = "reversed"
 CONTROL_K = 2
 
 
 def _controlled_results(monkeypatch, accept, recover, pair_name, seed):
-    monkeypatch.setattr(verispec.engine, "verify", _rule_verify(accept, recover))
+    inject_verify(monkeypatch, _rule_verify(accept, recover))
     pair = _pair(pair_name)
     tokens, _ = _generate(pair, CONTROL_K, 1.0, seed)
     return _check_law(pair.target, tokens, pair.sampling(1.0))

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 from helpers_stats import g_test, pair_counts
+from test_losslessness import inject_verify
 from tiny_models import layer_dropped_draft, untied_llama
 
-import verispec.engine
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, to_probs
 from verispec.models.transformers import TransformersLM
 from verispec.verify import verify
@@ -144,7 +144,7 @@ def test_negative_control_wrong_verification_is_detected(models, engine, monkeyp
     sampling, k = SamplingConfig(temperature=1.0), 2
     target, _ = models
     law = exact_first_two_law(target, sampling)
-    monkeypatch.setattr(verispec.engine, "verify", accept_every_draft_token)
+    inject_verify(monkeypatch, accept_every_draft_token)
     tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=99)
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
     print(f"control: {result}, acceptance rate {acceptance_rate:.3f}")

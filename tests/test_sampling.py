@@ -19,7 +19,12 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec.sampling import sample_from_logprobs, sample_with_uniform
+from verispec.sampling import (
+    sample_from_logits,
+    sample_from_logprobs,
+    sample_with_host_uniforms,
+    sample_with_uniform,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -306,6 +311,14 @@ def test_sample_with_uniform_equals_the_tensor_reference(seed):
     as_float = uniforms.float()
     assert (sample_with_uniform(probs, as_float).tolist()
             == _reference_inverse_cdf(probs, as_float).tolist())
+    # one row at a time: the single-row path searches for a host float, no threshold tensor
+    for b in range(4):
+        for j in range(3):
+            assert sample_with_uniform(probs[b, j][None], uniforms[b, j][None]).tolist() == [
+                tokens[b, j].item()]
+            assert sample_with_uniform(probs[b, j], uniforms[b, j]).item() == tokens[b, j].item()
+    assert sample_with_host_uniforms(probs, uniforms.reshape(-1).tolist()).tolist() == (
+        tokens.tolist())
 
 
 def test_sample_with_uniform_checks_the_uniforms_shape():
@@ -313,3 +326,44 @@ def test_sample_with_uniform_checks_the_uniforms_shape():
         sample_with_uniform(torch.ones(2, 4), torch.zeros(3))
     with pytest.raises(NonFiniteError):
         sample_with_uniform(torch.zeros(1, 4), torch.zeros(1))
+
+
+def test_sample_with_host_uniforms_draws_an_empty_row_from_the_fallback():
+    probs = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.1, 0.0, 0.3, 0.6]])
+    fallback = torch.tensor([[0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    # row 0 has no mass: its token comes from fallback row 0; row 1 keeps its own probs
+    assert sample_with_host_uniforms(probs, [0.5, 0.95], fallback=fallback).tolist() == [2, 3]
+    with pytest.raises(NonFiniteError, match="total mass"):
+        sample_with_host_uniforms(probs, [0.5, 0.95])
+
+
+_LOGITS_SAMPLINGS = [SamplingConfig(), SamplingConfig(temperature=0.7),
+                     SamplingConfig(temperature=1.3, top_k=5), SamplingConfig(top_p=0.8),
+                     SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sampling", _LOGITS_SAMPLINGS,
+                         ids=["t1", "t0.7", "top_k", "top_p", "all_three"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_sample_from_logits_is_to_probs_then_the_inverse_cdf_draw(sampling, batch_size):
+    # the draft's step: the probabilities it reports are to_probs' bit for bit, and its tokens
+    # are sample_with_uniform's draws from exactly them
+    for seed in range(20):
+        logits = _logits(seed, (batch_size, 64))
+        uniforms = torch.rand(batch_size, generator=make_generator(seed), dtype=torch.float64)
+        probs, tokens = sample_from_logits(logits, sampling, uniforms.tolist())
+        expected_probs = to_probs(logits, sampling)
+        assert torch.equal(probs, expected_probs)
+        assert tokens.tolist() == sample_with_uniform(expected_probs, uniforms).tolist()
+        assert bool((probs.gather(-1, tokens[:, None]) > 0).all())
+
+
+@pytest.mark.parametrize("bad_row", [[0.0, float("nan"), 1.0], [0.0, INF, 1.0], [-INF, -INF, -INF]],
+                         ids=["nan", "plus_inf", "all_minus_inf"])
+@pytest.mark.parametrize("sampling", _LOGITS_SAMPLINGS[2:], ids=["top_k", "top_p", "all_three"])
+def test_sample_from_logits_raises_for_non_finite_logits(bad_row, sampling):
+    for logits in (torch.tensor([bad_row]), torch.tensor([[0.0, 1.0, 2.0], bad_row])):
+        with pytest.raises(NonFiniteError, match="NaN or \\+inf"):
+            sample_from_logits(logits, sampling, [0.5] * logits.shape[0])
+    with pytest.raises(NonFiniteError, match="NaN or \\+inf"):
+        sample_from_logits(torch.tensor([bad_row]), SamplingConfig(), [0.5])

@@ -40,6 +40,7 @@ from verispec.verify import (
     acceptance_probs,
     point_mass,
     residual_probs,
+    verify_rows,
     verify_with_randomness,
 )
 
@@ -365,14 +366,18 @@ def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
     return max(i for i, value in enumerate(values) if value > 0)
 
 
-@pytest.mark.parametrize("host_rows_max_batch", [8, 0], ids=["host_rows", "tensor_batched"])
-@pytest.mark.parametrize("point_mass_draft", [False, True], ids=["draft_probs", "point_mass"])
-def test_batched_verify_equals_per_row_reference(point_mass_draft, host_rows_max_batch,
-                                                 monkeypatch):
-    # both implementations behind verify_with_randomness: host decisions for small batches,
-    # tensor ops for large ones (batches here have 1 to 5 rows; 0 sends them all to tensors)
+@pytest.fixture(params=[8, 0], ids=["host_rows", "tensor_batched"])
+def verify_path(request, monkeypatch):
+    """Each implementation behind verify_with_randomness and verify_rows: host decisions for
+    small batches, tensor ops for large ones (batches here have 1 to 5 rows; a limit of 0 sends
+    them all to tensors)."""
     monkeypatch.setattr(importlib.import_module("verispec.verify"), "HOST_ROWS_MAX_BATCH",
-                        host_rows_max_batch)
+                        request.param)
+
+
+@pytest.mark.usefixtures("verify_path")
+@pytest.mark.parametrize("point_mass_draft", [False, True], ids=["draft_probs", "point_mass"])
+def test_batched_verify_equals_per_row_reference(point_mass_draft):
     num_rejections = num_bonus = 0
     for seed in range(400):
         case = random_case(seed, point_mass_draft)
@@ -402,6 +407,54 @@ def test_verify_draws_uniforms_then_next_uniforms_from_the_generator():
         got = verify(draft_tokens, draft_probs, target_probs, make_generator(1000 + seed),
                      num_draft)
         assert torch.equal(got.output_tokens, expected.output_tokens)
+
+
+def _full_case(seed: int, point_mass_draft: bool):
+    """random_case with every row proposing all K tokens (verify_rows' shape), drawn from the
+    draft's distributions."""
+    _, draft_probs, target_probs, _, _, _ = random_case(seed)
+    batch_size, max_k, vocab_size = draft_probs.shape
+    draft_tokens = torch.multinomial(draft_probs.reshape(-1, vocab_size), 1,
+                                     generator=make_generator(seed)).reshape(
+        batch_size, max_k) if max_k else torch.empty((batch_size, 0), dtype=torch.int64)
+    return draft_tokens, None if point_mass_draft else draft_probs, target_probs
+
+
+@pytest.mark.usefixtures("verify_path")
+@pytest.mark.parametrize("point_mass_draft", [False, True], ids=["draft_probs", "point_mass"])
+def test_verify_rows_equals_verify_read_back(point_mass_draft):
+    # the engine's form: the same random numbers in the same order, the result as host lists
+    num_rejections = 0
+    for seed in range(300):
+        draft_tokens, draft_probs, target_probs = _full_case(seed, point_mass_draft)
+        expected = verify(draft_tokens, draft_probs, target_probs, make_generator(seed))
+        generator = make_generator(seed)
+        num_accepted, output_tokens = verify_rows(draft_tokens, draft_probs, target_probs,
+                                                  generator)
+        assert num_accepted == expected.num_accepted.tolist(), f"seed {seed}"
+        assert output_tokens == expected.output_tokens.tolist(), f"seed {seed}"
+        # and it took exactly verify's random numbers: the generators are in the same state
+        assert torch.equal(generator.get_state(), _advanced(seed, draft_tokens.shape))
+        num_rejections += int((~expected.all_accepted).sum())
+    assert num_rejections > 100
+
+
+def _advanced(seed: int, shape: tuple[int, int]) -> torch.Tensor:
+    generator = make_generator(seed)
+    torch.rand(shape, generator=generator)
+    torch.rand(shape[:1], generator=generator, dtype=torch.float64)
+    return generator.get_state()
+
+
+def test_verify_rows_checks_its_inputs():
+    draft_tokens, draft_probs, target_probs = _full_case(3, False)
+    with pytest.raises(NonFiniteError):
+        verify_rows(draft_tokens, draft_probs, torch.full_like(target_probs, float("nan")),
+                    make_generator(0))
+    with pytest.raises(ShapeError):
+        verify_rows(draft_tokens, draft_probs, target_probs[:, :1], make_generator(0))
+    with pytest.raises(TokenOutOfRangeError):
+        verify_rows(torch.tensor([[5]]), None, torch.full((1, 2, 4), 0.25), make_generator(0))
 
 
 def test_seeded_reproducibility():

@@ -7,8 +7,9 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched):
   2. score:   the target runs ONE pass over [last committed token, d_1 .. d_k] -> k+1 logits,
               processed by the same sampling.to_probs the draft used (at temperature 0 only
               their argmax, sampling.greedy_tokens, which to_probs' point mass sits on);
-  3. verify:  verify.verify accepts a prefix per row and draws the recovered or bonus token
-              (verify_greedy.verify_greedy_rows at temperature 0: no random numbers, host ints);
+  3. verify:  verify.verify_rows (verify.verify, read back as host ints) accepts a prefix per
+              row and draws the recovered or bonus token (verify_greedy.verify_greedy_rows at
+              temperature 0: no random numbers);
   4. commit:  both sides rewind to the accepted prefix and append the new token;
   5. emit:    each row's new tokens, cut at the first stop token and at max_new_tokens.
 Plain decoding is the same loop with k = 0 and no proposer: the "bonus" is an ordinary sample
@@ -34,7 +35,7 @@ from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
 from .proposers.draft_model import DraftModelProposer
 from .sampling import greedy_tokens, make_generator, to_probs
-from .verify import verify
+from .verify import verify_rows
 from .verify_greedy import verify_greedy_rows
 
 
@@ -169,9 +170,8 @@ class DecodingRun:
             num_accepted, output_tokens = verify_greedy_rows(
                 draft_tokens.tolist(), target_out.tolist(), target_logits.shape[-1])
         else:
-            result = verify(draft_tokens, draft_probs, target_out, self.generator)
-            num_accepted, output_tokens = (result.num_accepted.tolist(),
-                                           result.output_tokens.tolist())
+            num_accepted, output_tokens = verify_rows(draft_tokens, draft_probs, target_out,
+                                                      self.generator)
         next_tokens = [row[n] for row, n in zip(output_tokens, num_accepted)]  # recovered/bonus
         # 4. commit / rewind both sides to the accepted prefix + the new token
         self.target.commit(num_accepted, next_tokens)

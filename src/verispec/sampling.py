@@ -11,6 +11,7 @@ One exact draw, batched, free of normalisation, never selecting a zero-probabili
 by an explicit ``torch.Generator`` (the global RNG is never touched): inverse CDF with one
 uniform per row and float64 cumulative sums (:func:`sample`, and :func:`sample_with_uniform`
 when the uniforms are given, as verification does so that tests can replay them).
+:func:`sample_from_logits` is to_probs and that draw in one call, for a sampling draft's step.
 
 Not here: models, caches, acceptance tests (see verify.py).
 """
@@ -40,10 +41,37 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
     """
     _check_floating("logits", logits)
-    logits = logits.float()
     if sampling.is_greedy:
-        tokens = greedy_tokens(logits)[..., None]
-        return torch.zeros_like(logits).scatter_(-1, tokens, 1.0)
+        tokens = greedy_tokens(logits.float())[..., None]
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, tokens, 1.0)
+    probs = _sampled_probs(logits, sampling)
+    # softmax turns NaN, +inf and all -inf rows into NaN, and any NaN makes the sum NaN: one
+    # reduction covers all three (cheaper than an elementwise isfinite pass).
+    if not math.isfinite(float(probs.sum())):
+        raise NonFiniteError(_NON_FINITE_LOGITS)
+    return probs
+
+
+def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms: list[float]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_probs and an inverse-CDF draw in one: what a sampling draft does at every step.
+
+    Shapes: logits [B, V], uniforms B host floats in [0, 1) -> (probs [B, V] fp32, tokens [B]).
+    probs is exactly to_probs(logits, sampling) and tokens is sample_with_uniform(probs,
+    uniforms): the distribution reported is the one drawn from. The finiteness check rides on
+    the draw's cumulative sum (NaN anywhere reaches a row's total), one reduction fewer than
+    to_probs then sample. Temperature > 0 only (a greedy draft calls greedy_tokens).
+    Raises NonFiniteError like to_probs.
+    """
+    _check_floating("logits", logits)
+    assert not sampling.is_greedy and logits.dim() == 2 and len(uniforms) == logits.shape[0]
+    probs = _sampled_probs(logits, sampling)  # [B, V] fp32
+    return probs, _inverse_cdf(probs, uniforms, _NON_FINITE_LOGITS)
+
+
+def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Temperature, top-k, softmax, top-p: [..., V] -> [..., V] fp32, not checked for NaN."""
+    logits = logits.float()
     if sampling.temperature != 1.0:  # dividing by 1.0 is the identity: skip the pass over V
         logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
@@ -52,10 +80,6 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if sampling.top_p is not None and sampling.top_p < 1.0:
         probs = _truncate_top_p(probs, sampling.top_p)
-    # softmax turns NaN, +inf and all -inf rows into NaN, and any NaN makes the sum NaN: one
-    # reduction covers all three (cheaper than an elementwise isfinite pass).
-    if not math.isfinite(float(probs.sum())):
-        raise NonFiniteError(_NON_FINITE_LOGITS)
     return probs
 
 
@@ -115,18 +139,47 @@ def sample_with_uniform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
         got = tuple(uniforms.shape) if isinstance(uniforms, torch.Tensor) else type(uniforms)
         raise ShapeError(f"uniforms must be a tensor of shape {tuple(probs.shape[:-1])} (one per "
                          f"row of probs {tuple(probs.shape)}); got {got}.")
+    return _inverse_cdf(probs, uniforms.reshape(-1).tolist(), _BAD_TOTAL_MASS)
+
+
+def sample_with_host_uniforms(probs: torch.Tensor, uniforms: list[float],
+                              fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`sample_with_uniform` with the uniforms as host floats, one per row (row-major).
+
+    Shapes: probs [..., V], fallback None or [..., V] -> tokens [...]. A row of probs with zero
+    total mass is drawn from the same row of ``fallback`` when one is given (verification's
+    residual of two equal distributions), else raises NonFiniteError.
+    """
+    assert len(uniforms) == probs[..., 0].numel()
+    return _inverse_cdf(probs, uniforms, _BAD_TOTAL_MASS, fallback)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: list[float], bad_total: str,
+                 fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse-CDF draw behind every sampler here; a bad row raises NonFiniteError(bad_total)
+    (see sample_with_host_uniforms for fallback)."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [..., V]
     # the per-row threshold is computed on the host: Python floats are IEEE float64, so u * total
     # and nextafter round exactly as the tensor ops would, and one transfer replaces ~8 tiny ops
     totals = cdf[..., -1].reshape(-1).tolist()
+    if fallback is not None and 0.0 in totals:
+        empty = torch.tensor([total == 0.0 for total in totals], device=probs.device)
+        return _inverse_cdf(torch.where(empty.reshape(*probs.shape[:-1], 1), fallback, probs),
+                            uniforms, bad_total)
     thresholds = []
-    for u, total in zip(uniforms.reshape(-1).tolist(), totals):
+    for u, total in zip(uniforms, totals):
         if not 0.0 < total < math.inf:  # NaN fails both comparisons
-            raise NonFiniteError("probs has a row with zero, NaN or infinite total mass; expected "
-                                 "non-negative finite probabilities with a positive sum per row.")
+            raise NonFiniteError(bad_total)
         thresholds.append(min(float(u) * total, math.nextafter(total, 0.0)))
+    if len(thresholds) == 1:  # one row: a Python float is searched for as is, no tensor built
+        return torch.searchsorted(cdf.reshape(-1), thresholds[0], right=True).reshape(
+            cdf.shape[:-1])
     threshold = torch.tensor(thresholds, dtype=torch.float64, device=cdf.device)
     return torch.searchsorted(cdf, threshold.reshape(*cdf.shape[:-1], 1), right=True).squeeze(-1)
+
+
+_BAD_TOTAL_MASS = ("probs has a row with zero, NaN or infinite total mass; expected non-negative "
+                   "finite probabilities with a positive sum per row.")
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

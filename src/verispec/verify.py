@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DraftContractError, NonFiniteError, ShapeError, TokenOutOfRangeError
-from .sampling import sample_with_uniform
+from .sampling import sample_with_host_uniforms, sample_with_uniform
 
 PAD_TOKEN = -1  # fills output_tokens after each row's emitted tokens
 
@@ -112,14 +112,42 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     :func:`verify_with_randomness` takes them explicitly. One uniform per row replaces V
     exponentials: at batch 1 over an 8192-token vocabulary that saves ~0.2 ms a round.
     """
+    uniforms, next_uniforms = _draw_uniforms(draft_tokens, generator, target_probs.device)
+    return verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms,
+                                  next_uniforms, num_draft_tokens)
+
+
+def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                target_probs: torch.Tensor, generator: torch.Generator
+                ) -> tuple[list[int], list[list[int]]]:
+    """:func:`verify` with its result as host lists: what the decoding loop uses at temperature > 0.
+
+    Shapes as in :func:`verify` (every row proposes all K tokens). Returns (num_accepted, B ints;
+    output_tokens, B rows of K+1 ints as in VerifyResult.output_tokens), equal to
+    ``verify(...).num_accepted.tolist()`` and ``.output_tokens.tolist()`` for the same generator
+    state: the same random numbers, drawn in the same order. Batches of up to
+    HOST_ROWS_MAX_BATCH rows never build the result tensors only to read them back.
+    """
+    uniforms, next_uniforms = _draw_uniforms(draft_tokens, generator, target_probs.device)
+    num_draft = _check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
+                                     next_uniforms, None)
+    if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
+        return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                            num_draft)
+    result = _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                             num_draft)
+    return result.num_accepted.tolist(), result.output_tokens.tolist()
+
+
+def _draw_uniforms(draft_tokens: torch.Tensor, generator: torch.Generator,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify's random numbers, in its fixed order: uniforms [B, K] fp32, next_uniforms [B] fp64.
+    Drawn where the generator lives, then moved (a no-op when both are on one device)."""
     batch_size, max_k = _check_draft_tokens(draft_tokens)
-    # drawn where the generator lives, then moved (a no-op when both are on one device)
     uniforms = torch.rand((batch_size, max_k), generator=generator, device=generator.device)
     next_uniforms = torch.rand((batch_size,), generator=generator, dtype=torch.float64,
                                device=generator.device)
-    return verify_with_randomness(draft_tokens, draft_probs, target_probs,
-                                  uniforms.to(target_probs.device),
-                                  next_uniforms.to(target_probs.device), num_draft_tokens)
+    return uniforms.to(device), next_uniforms.to(device)
 
 
 def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -135,17 +163,28 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     Batches of up to HOST_ROWS_MAX_BATCH rows decide on host ints, larger ones with tensor ops
     over the batch; both give the same result.
     """
+    num_draft = _check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
+                                     next_uniforms, num_draft_tokens)
+    if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
+        num_accepted, output_tokens = _verify_rows(draft_tokens, draft_probs, target_probs,
+                                                   uniforms, next_uniforms, num_draft)
+        return _result(num_accepted, output_tokens, num_draft, draft_tokens.device)
+    return _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                           num_draft)
+
+
+def _check_verify_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                         target_probs: torch.Tensor, uniforms: torch.Tensor,
+                         next_uniforms: torch.Tensor, num_draft_tokens: torch.Tensor | None
+                         ) -> list[int]:
+    """_check_inputs plus the random numbers' shapes; returns num_draft (B host ints)."""
     batch_size, max_k = _check_draft_tokens(draft_tokens)
     num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
     if tuple(uniforms.shape) != (batch_size, max_k) or tuple(next_uniforms.shape) != (batch_size,):
         raise ShapeError(f"uniforms must be [B, K] = [{batch_size}, {max_k}] and next_uniforms "
                          f"[B] = [{batch_size}]; got {tuple(uniforms.shape)} and "
                          f"{tuple(next_uniforms.shape)}.")
-    if batch_size <= HOST_ROWS_MAX_BATCH:
-        return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
-                            num_draft)
-    return _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
-                           num_draft)
+    return num_draft
 
 
 # At most this many rows, verify_with_randomness decides on the host (_verify_rows): at batch 1
@@ -158,8 +197,9 @@ HOST_ROWS_MAX_BATCH = 8
 
 def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                  target_probs: torch.Tensor, uniforms: torch.Tensor, next_uniforms: torch.Tensor,
-                 num_draft: list[int]) -> VerifyResult:
-    """verify_with_randomness for small batches: accept/reject and assembly on host ints."""
+                 num_draft: list[int]) -> tuple[list[int], list[list[int]]]:
+    """verify_with_randomness for small batches, on host ints: -> (num_accepted, B ints;
+    output_tokens, B rows of K+1 ints, padded with PAD_TOKEN)."""
     batch_size, max_k = draft_tokens.shape
     vocab_size = target_probs.shape[-1]
     draft_rows = draft_tokens.tolist()
@@ -167,15 +207,15 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         if not all(0 <= token < vocab_size for token in row[:n]):
             _raise_out_of_range(row[:n], vocab_size)
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
-        next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
-        return _result(draft_rows, [0] * batch_size, next_tokens.tolist(), num_draft,
-                       draft_tokens.device)
+        next_tokens = sample_with_host_uniforms(target_probs[:, 0], next_uniforms.tolist())
+        return [0] * batch_size, [[token] for token in next_tokens.tolist()]
 
     # 1. Acceptance test. The ratios p_target / p_draft at the proposed tokens are fp32 tensor
     # ops; the comparisons with the uniforms and the accepted prefix are host ints and floats
-    # (comparing two floats is exact in any precision). Positions past a row's num_draft_tokens
-    # may hold any id: clamped into range, their ratios are never looked at.
-    safe_tokens = draft_tokens.clamp(0, vocab_size - 1)[..., None]  # [B, K, 1]
+    # (comparing two floats is exact in any precision). Positions past a ragged row's
+    # num_draft_tokens may hold any id: clamped into range, their ratios are never looked at.
+    ragged = any(n < max_k for n in num_draft)
+    safe_tokens = (draft_tokens.clamp(0, vocab_size - 1) if ragged else draft_tokens)[..., None]
     target_at_draft = target_probs[:, :max_k].gather(-1, safe_tokens).squeeze(-1)  # [B, K]
     if draft_probs is None:  # point mass: q(x) = 1
         ratios = target_at_draft.tolist()
@@ -197,27 +237,30 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
 
     # 2. The next token: residual at the first rejection, or the bonus distribution after the
     # accepted prefix. Rows are picked by host index; the residual is only built if some row
-    # was rejected.
+    # was rejected, and left unnormalised (the inverse-CDF draw scales by each row's total; a
+    # row whose residual is all zero, p == q, is drawn from the target, see the docstring).
     next_target = _rows_at(target_probs, num_accepted)  # [B, V]
     rejected = [n < k for n, k in zip(num_accepted, num_draft)]
     if any(rejected):
-        if draft_probs is None:
-            next_draft = point_mass(torch.tensor(  # rows not rejected: any id, unused
-                [row[n] if is_rejected else 0
-                 for row, n, is_rejected in zip(draft_rows, num_accepted, rejected)],
-                device=target_probs.device), vocab_size)
+        if draft_probs is None:  # max(0, p - one_hot(x)) is p with x zeroed
+            residual = next_target.clone()
+            for b, (row, n) in enumerate(zip(draft_rows, num_accepted)):
+                if rejected[b]:
+                    residual[b, row[n]] = 0.0
         else:
             next_draft = _rows_at(draft_probs, [min(n, max_k - 1) for n in num_accepted])
-        residual = residual_probs(next_draft, next_target)  # [B, V]
+            residual = (next_target - next_draft).clamp_min_(0.0)  # [B, V]
         next_probs = residual if all(rejected) else torch.where(
             torch.tensor(rejected, device=target_probs.device)[:, None], residual, next_target)
     else:
         next_probs = next_target
-    next_tokens = sample_with_uniform(next_probs, next_uniforms)  # [B]
+    next_tokens = sample_with_host_uniforms(next_probs, next_uniforms.tolist(),
+                                            fallback=next_target).tolist()  # B ints
 
     # 3. Assemble: accepted prefix, then the next token, then padding.
-    return _result(draft_rows, num_accepted, next_tokens.tolist(), num_draft,
-                   draft_tokens.device)
+    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
+                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
+    return num_accepted, output_tokens
 
 
 def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -281,17 +324,15 @@ def _rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
     return torch.stack([probs[b, n] for b, n in enumerate(positions)])
 
 
-def _result(draft_rows: list[list[int]], num_accepted: list[int], next_tokens: list[int],
-            num_draft: list[int], device: torch.device) -> VerifyResult:
+def _result(num_accepted: list[int], output_tokens: list[list[int]], num_draft: list[int],
+            device: torch.device) -> VerifyResult:
     """A :class:`VerifyResult` built from host ints (rows as in :func:`_assemble`)."""
-    max_k = len(draft_rows[0]) if draft_rows else 0
-    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
-                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
     accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)
+    max_k = len(output_tokens[0]) - 1 if output_tokens else 0
     return VerifyResult(
         num_accepted=accepted,
         output_tokens=torch.tensor(output_tokens, dtype=torch.int64,
-                                   device=device).reshape(len(draft_rows), max_k + 1),
+                                   device=device).reshape(len(output_tokens), max_k + 1),
         num_emitted=accepted + 1, first_rejection=accepted,
         all_accepted=torch.tensor([n == k for n, k in zip(num_accepted, num_draft)],
                                   dtype=torch.bool, device=device))

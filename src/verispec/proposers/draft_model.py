@@ -24,7 +24,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import LanguageModel, LMSession, as_ints
-from ..sampling import greedy_tokens, sample, to_probs
+from ..sampling import greedy_tokens, sample_from_logits
 from .base import Proposal
 
 
@@ -53,13 +53,17 @@ class DraftModelSession:
         """Sample k tokens per row; draft_probs are the exact distributions sampled from."""
         assert num_draft_tokens >= 1
         draft_tokens, draft_probs = [], []
+        if not self.sampling.is_greedy:
+            # the round's uniforms in one draw, step-major: the same numbers, in the same order,
+            # as one sampling.sample call per step would take from the generator
+            uniforms = torch.rand((num_draft_tokens, len(self.unfed)), generator=generator,
+                                  dtype=torch.float64, device=generator.device).tolist()
         for step in range(num_draft_tokens):
             logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
             if self.sampling.is_greedy:
                 token = greedy_tokens(logits)  # deterministic: verified as a point mass
-            else:
-                probs = to_probs(logits, self.sampling)  # [B, V] fp32, what token is drawn from
-                token = sample(probs, generator)
+            else:  # probs [B, V] fp32: to_probs(logits), exactly what token is drawn from
+                probs, token = sample_from_logits(logits, self.sampling, uniforms[step])
                 draft_probs.append(probs)
             draft_tokens.append(token)
             inputs = token[:, None]

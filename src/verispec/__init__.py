@@ -25,7 +25,7 @@ from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
 from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
 from .sampling import greedy_tokens, make_generator, sample, to_probs
-from .verify import VerifyResult, verify
+from .verify import VerifyResult, verify, verify_rows
 from .verify_greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 
 __version__ = "0.1.0"
@@ -53,7 +53,7 @@ __all__ = [
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal",
-    "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_greedy",
+    "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_rows", "verify_greedy",
     "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

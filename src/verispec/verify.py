@@ -25,19 +25,25 @@ Edge cases, made explicit:
   * NaN or inf in any probability -> NonFiniteError; never a silent sample.
 
 Not here: models, caches, sampling settings (see sampling.py), the decoding loop (engine.py),
-the temperature-0 forms that need no random numbers (verify_greedy.py), and the formulas for
-expected acceptance and speedup (diagnostics.py).
+the temperature-0 forms that need no random numbers (verify_greedy.py), the input checks
+(verify_checks.py), and the formulas for expected acceptance and speedup (diagnostics.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .errors import DraftContractError, NonFiniteError, ShapeError, TokenOutOfRangeError
+from .errors import DraftContractError
 from .sampling import sample_with_host_uniforms, sample_with_uniform
+from .verify_checks import (
+    check_draft_tokens,
+    check_token_range,
+    check_verify_inputs,
+    proposed_mask,
+    raise_out_of_range,
+)
 
 PAD_TOKEN = -1  # fills output_tokens after each row's emitted tokens
 
@@ -129,7 +135,7 @@ def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     HOST_ROWS_MAX_BATCH rows never build the result tensors only to read them back.
     """
     uniforms, next_uniforms = _draw_uniforms(draft_tokens, generator, target_probs.device)
-    num_draft = _check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
+    num_draft = check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
                                      next_uniforms, None)
     if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
         return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
@@ -143,7 +149,7 @@ def _draw_uniforms(draft_tokens: torch.Tensor, generator: torch.Generator,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """verify's random numbers, in its fixed order: uniforms [B, K] fp32, next_uniforms [B] fp64.
     Drawn where the generator lives, then moved (a no-op when both are on one device)."""
-    batch_size, max_k = _check_draft_tokens(draft_tokens)
+    batch_size, max_k = check_draft_tokens(draft_tokens)
     uniforms = torch.rand((batch_size, max_k), generator=generator, device=generator.device)
     next_uniforms = torch.rand((batch_size,), generator=generator, dtype=torch.float64,
                                device=generator.device)
@@ -163,7 +169,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     Batches of up to HOST_ROWS_MAX_BATCH rows decide on host ints, larger ones with tensor ops
     over the batch; both give the same result.
     """
-    num_draft = _check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
+    num_draft = check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
                                      next_uniforms, num_draft_tokens)
     if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
         num_accepted, output_tokens = _verify_rows(draft_tokens, draft_probs, target_probs,
@@ -171,20 +177,6 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         return _result(num_accepted, output_tokens, num_draft, draft_tokens.device)
     return _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
                            num_draft)
-
-
-def _check_verify_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                         target_probs: torch.Tensor, uniforms: torch.Tensor,
-                         next_uniforms: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                         ) -> list[int]:
-    """_check_inputs plus the random numbers' shapes; returns num_draft (B host ints)."""
-    batch_size, max_k = _check_draft_tokens(draft_tokens)
-    num_draft = _check_inputs(draft_tokens, draft_probs, target_probs, num_draft_tokens)
-    if tuple(uniforms.shape) != (batch_size, max_k) or tuple(next_uniforms.shape) != (batch_size,):
-        raise ShapeError(f"uniforms must be [B, K] = [{batch_size}, {max_k}] and next_uniforms "
-                         f"[B] = [{batch_size}]; got {tuple(uniforms.shape)} and "
-                         f"{tuple(next_uniforms.shape)}.")
-    return num_draft
 
 
 # At most this many rows, verify_with_randomness decides on the host (_verify_rows): at batch 1
@@ -205,15 +197,31 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     draft_rows = draft_tokens.tolist()
     for row, n in zip(draft_rows, num_draft):  # every proposed token is an id in [0, V)
         if not all(0 <= token < vocab_size for token in row[:n]):
-            _raise_out_of_range(row[:n], vocab_size)
+            raise_out_of_range(row[:n], vocab_size)
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
         next_tokens = sample_with_host_uniforms(target_probs[:, 0], next_uniforms.tolist())
         return [0] * batch_size, [[token] for token in next_tokens.tolist()]
+    # 1. acceptance test, 2. the recovered or bonus token
+    num_accepted = _accept_rows(draft_tokens, draft_probs, target_probs, uniforms, num_draft)
+    next_tokens = _next_tokens_rows(draft_rows, draft_probs, target_probs, next_uniforms,
+                                    num_accepted, num_draft)
+    # 3. Assemble: accepted prefix, then the next token, then padding.
+    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
+                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
+    return num_accepted, output_tokens
 
-    # 1. Acceptance test. The ratios p_target / p_draft at the proposed tokens are fp32 tensor
-    # ops; the comparisons with the uniforms and the accepted prefix are host ints and floats
-    # (comparing two floats is exact in any precision). Positions past a ragged row's
-    # num_draft_tokens may hold any id: clamped into range, their ratios are never looked at.
+
+def _accept_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                 target_probs: torch.Tensor, uniforms: torch.Tensor, num_draft: list[int]
+                 ) -> list[int]:
+    """The accepted prefix's length per row (B host ints), for drafts of K >= 1 tokens.
+
+    The ratios p_target / p_draft at the proposed tokens are fp32 tensor ops; the comparisons
+    with the uniforms and the accepted prefix are host ints and floats (comparing two floats is
+    exact in any precision). Positions past a ragged row's num_draft_tokens may hold any id:
+    clamped into range, their ratios are never looked at.
+    """
+    max_k, vocab_size = draft_tokens.shape[1], target_probs.shape[-1]
     ragged = any(n < max_k for n in num_draft)
     safe_tokens = (draft_tokens.clamp(0, vocab_size - 1) if ragged else draft_tokens)[..., None]
     target_at_draft = target_probs[:, :max_k].gather(-1, safe_tokens).squeeze(-1)  # [B, K]
@@ -234,11 +242,20 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         while accepted < n and uniform_row[accepted] < min(ratio_row[accepted], 1.0):
             accepted += 1
         num_accepted.append(accepted)
+    return num_accepted
 
-    # 2. The next token: residual at the first rejection, or the bonus distribution after the
-    # accepted prefix. Rows are picked by host index; the residual is only built if some row
-    # was rejected, and left unnormalised (the inverse-CDF draw scales by each row's total; a
-    # row whose residual is all zero, p == q, is drawn from the target, see the docstring).
+
+def _next_tokens_rows(draft_rows: list[list[int]], draft_probs: torch.Tensor | None,
+                      target_probs: torch.Tensor, next_uniforms: torch.Tensor,
+                      num_accepted: list[int], num_draft: list[int]) -> list[int]:
+    """Each row's recovered token (residual at the first rejection) or bonus token (the target
+    after the accepted prefix), as B host ints.
+
+    Rows are picked by host index; the residual is only built if some row was rejected, and
+    left unnormalised (the inverse-CDF draw scales by each row's total; a row whose residual is
+    all zero, p == q, is drawn from the target, see the module docstring).
+    """
+    max_k = len(draft_rows[0])
     next_target = _rows_at(target_probs, num_accepted)  # [B, V]
     rejected = [n < k for n, k in zip(num_accepted, num_draft)]
     if any(rejected):
@@ -254,13 +271,8 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
             torch.tensor(rejected, device=target_probs.device)[:, None], residual, next_target)
     else:
         next_probs = next_target
-    next_tokens = sample_with_host_uniforms(next_probs, next_uniforms.tolist(),
-                                            fallback=next_target).tolist()  # B ints
-
-    # 3. Assemble: accepted prefix, then the next token, then padding.
-    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
-                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
-    return num_accepted, output_tokens
+    return sample_with_host_uniforms(next_probs, next_uniforms.tolist(),
+                                     fallback=next_target).tolist()
 
 
 def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -269,8 +281,8 @@ def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
     """verify_with_randomness as tensor ops over the whole batch: the path for large batches."""
     max_k = draft_tokens.shape[1]
     vocab_size = target_probs.shape[-1]
-    num_draft, valid = _proposed_mask(num_draft_list, max_k, draft_tokens.device)
-    _check_token_range(draft_tokens, valid, vocab_size)
+    num_draft, valid = proposed_mask(num_draft_list, max_k, draft_tokens.device)
+    check_token_range(draft_tokens, valid, vocab_size)
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
         next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
         return _assemble(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
@@ -353,72 +365,3 @@ def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token
     return VerifyResult(num_accepted=num_accepted, output_tokens=output_tokens,
                         num_emitted=num_accepted + 1, first_rejection=num_accepted,
                         all_accepted=num_accepted == num_draft)
-
-
-def _check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2 or (
-            draft_tokens.dtype != torch.int64):
-        shape = tuple(draft_tokens.shape) if isinstance(draft_tokens, torch.Tensor) else None
-        raise ShapeError(f"draft_tokens must be an int64 tensor [B, K]; got shape {shape}.")
-    return draft_tokens.shape[0], draft_tokens.shape[1]
-
-
-def _check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                  target_probs: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                  ) -> list[int]:
-    """Validate shapes and finiteness; return num_draft, each row's number of proposed tokens
-    (see :func:`_check_num_draft`). The token range is checked by each verification path."""
-    batch_size, max_k = draft_tokens.shape
-    if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (batch_size, max_k + 1):
-        raise ShapeError(f"target_probs must be [B, K+1, V] = [{batch_size}, {max_k + 1}, V] "
-                         f"for draft_tokens {tuple(draft_tokens.shape)}; got "
-                         f"{tuple(target_probs.shape)}.")
-    vocab_size = target_probs.shape[-1]
-    if draft_probs is not None and tuple(draft_probs.shape) != (batch_size, max_k, vocab_size):
-        raise ShapeError(f"draft_probs must be [B, K, V] = [{batch_size}, {max_k}, {vocab_size}]"
-                         f"; got {tuple(draft_probs.shape)}. Draft and target must share a "
-                         "vocabulary.")
-    num_draft = _check_num_draft(draft_tokens, num_draft_tokens)
-    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
-        if probs is not None and not math.isfinite(float(probs.sum())):  # NaN/inf -> sum not finite
-            raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
-                                 "from verispec.sampling.to_probs.")
-    return num_draft
-
-
-def _check_num_draft(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
-                     ) -> list[int]:
-    """num_draft_tokens as host ints in [0, K], one per row (all K when None)."""
-    batch_size, max_k = draft_tokens.shape
-    if num_draft_tokens is None:
-        return [max_k] * batch_size
-    as_tensor = torch.as_tensor(num_draft_tokens, dtype=torch.int64)
-    num_draft = as_tensor.tolist()
-    if as_tensor.shape != (batch_size,) or not all(0 <= n <= max_k for n in num_draft):
-        raise ShapeError(f"num_draft_tokens must be [B] = [{batch_size}] with values in "
-                         f"[0, {max_k}]; got {num_draft}.")
-    return num_draft
-
-
-def _proposed_mask(num_draft: list[int], max_k: int, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """num_draft as a [B] int64 tensor, and valid [B, K]: which positions each row proposed."""
-    num_draft_tensor = torch.tensor(num_draft, dtype=torch.int64, device=device)
-    valid = torch.arange(max_k, device=device)[None, :] < num_draft_tensor[:, None]
-    return num_draft_tensor, valid
-
-
-def _check_token_range(draft_tokens: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
-    """Every proposed token (valid [B, K]) is an id in [0, V)."""
-    if draft_tokens.numel() == 0:
-        return
-    out_of_range = valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))
-    if bool(out_of_range.any()):
-        _raise_out_of_range(draft_tokens[out_of_range].tolist(), vocab_size)
-
-
-def _raise_out_of_range(tokens: list[int], vocab_size: int) -> None:
-    """Raise TokenOutOfRangeError for the first id in tokens outside [0, V)."""
-    bad = next(token for token in tokens if not 0 <= token < vocab_size)
-    raise TokenOutOfRangeError(f"draft token id {bad} is outside the vocabulary [0, "
-                               f"{vocab_size}); draft and target must share a tokenizer.")

@@ -17,15 +17,13 @@ from __future__ import annotations
 import torch
 
 from .errors import ShapeError, TokenOutOfRangeError
-from .verify import (
-    PAD_TOKEN,
-    VerifyResult,
-    _assemble,
-    _check_draft_tokens,
-    _check_inputs,
-    _check_num_draft,
-    _check_token_range,
-    _proposed_mask,
+from .verify import PAD_TOKEN, VerifyResult, _assemble
+from .verify_checks import (
+    check_draft_tokens,
+    check_inputs,
+    check_num_draft,
+    check_token_range,
+    proposed_mask,
 )
 
 
@@ -42,8 +40,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     a valid verifier: it is for temperature 0 only (where the engine calls its host form,
     :func:`verify_greedy_rows`). Shapes as in :func:`verify`.
     """
-    _check_draft_tokens(draft_tokens)
-    _check_inputs(draft_tokens, None, target_probs, num_draft_tokens)  # shapes, finiteness
+    check_draft_tokens(draft_tokens)
+    check_inputs(draft_tokens, None, target_probs, num_draft_tokens)  # shapes, finiteness
     target_tokens = target_probs.argmax(dim=-1)  # [B, K+1] the target's token at each position
     return verify_greedy_tokens(draft_tokens, target_tokens, target_probs.shape[-1],
                                 num_draft_tokens)
@@ -60,7 +58,7 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     vocab_size: V, the range every token must lie in. The engine calls its host form,
     :func:`verify_greedy_rows`.
     """
-    batch_size, max_k = _check_draft_tokens(draft_tokens)
+    batch_size, max_k = check_draft_tokens(draft_tokens)
     if (not isinstance(target_tokens, torch.Tensor) or target_tokens.dtype != torch.int64
             or tuple(target_tokens.shape) != (batch_size, max_k + 1)):
         shape = tuple(target_tokens.shape) if isinstance(target_tokens, torch.Tensor) else None
@@ -76,9 +74,9 @@ def verify_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     if bool(((target_tokens < 0) | (target_tokens >= vocab_size)).any()):
         raise TokenOutOfRangeError(f"target_tokens hold an id outside the vocabulary "
                                    f"[0, {vocab_size}): {target_tokens.tolist()}.")
-    num_draft, valid = _proposed_mask(_check_num_draft(draft_tokens, num_draft_tokens), max_k,
+    num_draft, valid = proposed_mask(check_num_draft(draft_tokens, num_draft_tokens), max_k,
                                       draft_tokens.device)
-    _check_token_range(draft_tokens, valid, vocab_size)
+    check_token_range(draft_tokens, valid, vocab_size)
     return _verify_point_masses(draft_tokens, target_tokens, num_draft, valid)
 
 

@@ -53,7 +53,7 @@ __all__ = [
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal",
-    "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_rows", "verify_greedy",
-    "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
+    "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_rows",
+    "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

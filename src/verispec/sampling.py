@@ -41,9 +41,10 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
     """
     _check_floating("logits", logits)
+    logits = logits.float()
     if sampling.is_greedy:
-        tokens = greedy_tokens(logits.float())[..., None]
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, tokens, 1.0)
+        tokens = greedy_tokens(logits)[..., None]
+        return torch.zeros_like(logits).scatter_(-1, tokens, 1.0)
     probs = _sampled_probs(logits, sampling)
     # softmax turns NaN, +inf and all -inf rows into NaN, and any NaN makes the sum NaN: one
     # reduction covers all three (cheaper than an elementwise isfinite pass).
@@ -71,7 +72,7 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms:
 
 def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Temperature, top-k, softmax, top-p: [..., V] -> [..., V] fp32, not checked for NaN."""
-    logits = logits.float()
+    logits = logits.float()  # a no-op for fp32 logits (to_probs has converted them already)
     if sampling.temperature != 1.0:  # dividing by 1.0 is the identity: skip the pass over V
         logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:

@@ -46,6 +46,10 @@ from .verify_checks import (
 )
 
 PAD_TOKEN = -1  # fills output_tokens after each row's emitted tokens
+_DRAFT_GAVE_ZERO = (
+    "the draft proposed a token to which its own reported distribution gives probability 0; "
+    "draft_probs must be exactly the distributions the draft tokens were sampled from (or None "
+    "for a deterministic proposal).")
 
 
 @dataclass(frozen=True)
@@ -231,10 +235,7 @@ def _accept_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
         draft_at_draft = draft_probs.gather(-1, safe_tokens).squeeze(-1)  # [B, K]
         draft_values = draft_at_draft.tolist()
         if any(value <= 0 for row, n in zip(draft_values, num_draft) for value in row[:n]):
-            raise DraftContractError(
-                "the draft proposed a token to which its own reported distribution gives "
-                "probability 0; draft_probs must be exactly the distributions the draft tokens "
-                "were sampled from (or None for a deterministic proposal).")
+            raise DraftContractError(_DRAFT_GAVE_ZERO)
         ratios = (target_at_draft / draft_at_draft).tolist()
     num_accepted = []
     for ratio_row, uniform_row, n in zip(ratios, uniforms.tolist(), num_draft):
@@ -296,10 +297,7 @@ def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
     else:
         draft_at_draft = draft_probs.gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, K]
         if bool((valid & (draft_at_draft <= 0)).any()):
-            raise DraftContractError(
-                "the draft proposed a token to which its own reported distribution gives "
-                "probability 0; draft_probs must be exactly the distributions the draft tokens "
-                "were sampled from (or None for a deterministic proposal).")
+            raise DraftContractError(_DRAFT_GAVE_ZERO)
     draft_at_draft = torch.where(valid, draft_at_draft, torch.ones_like(draft_at_draft))
     accepted = valid & (uniforms < (target_at_draft / draft_at_draft).clamp(max=1.0))
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # length of the accepted prefix [B]

@@ -26,6 +26,7 @@ from verispec import (
     ConfigError,
     EmptyPromptError,
     IncompatibleModelsError,
+    InputError,
     ModelLoadError,
 )
 
@@ -266,6 +267,14 @@ def test_empty_prompt(decoder):
             decoder.generate(prompt)
         with pytest.raises(EmptyPromptError):
             decoder.stream(prompt)
+
+
+def test_prompt_with_a_lone_surrogate_is_an_input_error(decoder):
+    """What bytes that are not UTF-8 become in Python text; the tokenizer would raise a bare
+    TypeError. Valid text with the same letters still generates."""
+    with pytest.raises(InputError, match=r"'\\udcff' at character 2"):
+        decoder.generate("ab\udcffc", max_new_tokens=2)
+    assert decoder.generate("ab\u00ffc", max_new_tokens=2).token_ids
 
 
 def test_speculative_without_draft(model_dirs):

@@ -72,11 +72,47 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
     assert markdown.count("| verispec k=3 |") == 2 and "**Temperature 0 (greedy)**" in markdown
 
 
-def test_bench_rejects_bad_settings_with_one_line(model_dirs, capsys):
-    status = cli.main(["bench", "--target", model_dirs[0], "--draft", model_dirs[1],
-                       "--repeats", "0"])
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and "--repeats" in err
+BAD_ARGS = {  # name -> (argv, with {tmp} for a fresh folder, text the one line must hold)
+    "repeats-0": (["--repeats", "0"], "--repeats"),
+    "threads-0": (["--threads", "0"], "--threads 0"),
+    "ks-0": (["--ks", "1", "0"], "--ks 0"),
+    "ks-33": (["--ks", "33"], "--ks 33"),
+    "hf-ks-0": (["--hf-ks", "0"], "--hf-ks 0"),
+    "ngram-ks-0": (["--ngram-ks", "0"], "--ngram-ks 0"),
+    "hybrid-ks-40": (["--hybrid-ks", "40"], "--hybrid-ks 40"),
+    "ks-repeated": (["--ks", "1", "2", "1"], "--ks lists 1 twice"),
+    "temperature-negative": (["--temperatures", "0", "-1"], "temperature=-1"),
+    "temperature-repeated": (["--temperatures", "0", "1", "0"], "--temperatures lists 0"),
+    "prompts-missing": (["--prompts", "{tmp}/none.txt"], "cannot be read"),
+    "prompts-folder": (["--prompts", "{tmp}"], "cannot be read"),
+    "prompts-not-utf8": (["--prompts", "{tmp}/latin1.txt"], "UTF-8"),
+    "prompts-empty": (["--prompts", "{tmp}/empty.txt"], "is empty"),
+    "prompts-json-not-strings": (["--prompts", "{tmp}/numbers.json"], "JSON list of strings"),
+    "prompts-json-empty-string": (["--prompts", "{tmp}/blank.json"], "prompt 1 is empty"),
+    "prompts-json-lone-surrogate": (["--prompts", "{tmp}/surrogate.json"], "not valid Unicode"),
+    "json-folder-missing": (["--json", "{tmp}/no/such/dir/out.json"], "does not exist"),
+    "plot-is-a-folder": (["--plot", "{tmp}"], "is a folder"),
+    "markdown-folder-missing": (["--markdown", "{tmp}/no/out.md"], "--markdown"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_bench_rejects_bad_arguments_before_loading_in_one_line(case, tmp_path, capsys):
+    """Exit 2 with one line, and before the models load: the model paths given do not exist,
+    so an error naming the argument (not the path) shows it was checked first. A bad output
+    path must not cost a whole run before it is found."""
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "numbers.json").write_text("[1, 2]")
+    (tmp_path / "blank.json").write_text('["x = 1", " "]')
+    (tmp_path / "surrogate.json").write_text('["x = \\ud800"]')
+    argv, expected = BAD_ARGS[case]
+    status = cli.main(["bench", "--target", "/nonexistent/t", "--draft", "/nonexistent/d",
+                       *(arg.replace("{tmp}", str(tmp_path)) for arg in argv)])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and "Traceback" not in err, (status, err)
+    assert len(err.splitlines()) == 1 and err.startswith("verispec: error: "), err
+    assert expected in err and "/nonexistent" not in err, err
 
 
 def test_target_gap_script_measures_every_pattern(tmp_path, capsys):

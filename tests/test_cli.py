@@ -169,6 +169,8 @@ BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dir
     "device-bogus": (["x", "{models}", "--device", "tpu"], "device='tpu'"),
     "context-overflow": (["x", "{models}", "--max-new-tokens", "100000"], "context window"),
     "stop-empty": (["x", "{models}", "--stop", ""], "stop="),
+    # argv bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)
+    "prompt-not-utf8": (["ab\udcffc", "{models}"], "not valid Unicode"),
     "compare-without-draft": (["x", "--target", "{target}", "--no-draft", "--compare"],
                               "--compare"),
     "adaptive-without-draft": (["x", "--target", "{target}", "--no-draft", "--adaptive",
@@ -208,6 +210,15 @@ def test_empty_stdin_prompt(model_dirs, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     status, out, err = run_main(["generate", "-", *models(model_dirs)], capsys)
     assert_one_line_error(status, out, err, "prompt")
+
+
+def test_stdin_that_is_not_utf8(model_dirs, capsys, monkeypatch):
+    """A strict locale's stdin raises on bytes that are not UTF-8 (others hand over surrogates,
+    the prompt-not-utf8 case above)."""
+    strict = io.TextIOWrapper(io.BytesIO(b"x = '\xff'\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdin", strict)
+    status, out, err = run_main(["generate", "-", *models(model_dirs)], capsys)
+    assert_one_line_error(status, out, err, "stdin is not UTF-8")
 
 
 def test_no_command(capsys):
@@ -295,3 +306,23 @@ def test_console_script_on_demo_pair(console_runs):
     assert len(run.stderr.splitlines()) == 1, run.stderr
     assert "16 tokens" in run.stderr or "tokens in" in run.stderr
     assert "acceptance rate" in run.stderr
+
+
+def test_console_script_stops_quietly_when_the_reader_goes_away(model_dirs):
+    """`verispec generate ... | head -c 5`: once the pipe's reader has gone, the next write
+    fails; the command stops there with 141 (128 + SIGPIPE, as a shell reports for
+    `yes | head`) and no traceback. The read end is closed before the models even load, so the
+    first write always meets a closed pipe."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    process = subprocess.Popen([str(CONSOLE_SCRIPT), "generate", PROMPT, *models(model_dirs),
+                                "--max-new-tokens", "12"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    process.stdout.close()
+    try:
+        err = process.stderr.read().decode()
+        assert process.wait(timeout=SUBPROCESS_TIMEOUT_S) == cli.EXIT_BROKEN_PIPE, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -8,6 +8,7 @@ Tiny random models saved to a temporary directory keep it fast; the greedy compa
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -351,6 +352,12 @@ BAD_REQUESTS = {
     "empty_prompt": ("/v1/completions", {**GOOD, "prompt": ""}, None, 400, "empty_prompt"),
     "empty_messages": ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400,
                        "empty_prompt"),
+    # a JSON \\ud800 escape decodes to a lone surrogate, which tokenizers reject (was a 500)
+    "lone_surrogate_prompt": ("/v1/completions", b'{"prompt": "x\\ud800y", "max_tokens": 2}',
+                              None, 400, "invalid_input"),
+    "lone_surrogate_message": ("/v1/chat/completions",
+                               b'{"messages": [{"role": "user", "content": "\\udcff"}]}', None,
+                               400, "invalid_input"),
     "token_out_of_range": ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, None, 400,
                            "invalid_input"),
     "context_overflow": ("/v1/completions", {**GOOD, "prompt": [5] * 60, "max_tokens": 2000},
@@ -531,3 +538,68 @@ def test_settings_are_frozen():
     assert settings == ServerSettings()
     with pytest.raises(AttributeError):
         settings.port = 1  # type: ignore[misc]
+
+
+# --- `verispec serve` itself: the address is bound first, then the models load ------------
+
+
+def _serve_error(argv: list[str], capsys) -> str:
+    """Run ``verispec serve`` in-process; assert exit 2 with one line; return the line."""
+    capsys.readouterr()
+    status = cli.main(["serve", *argv])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and "Traceback" not in err, (status, out, err)
+    assert len(err.splitlines()) == 1 and err.startswith("verispec: error: "), err
+    return err
+
+
+def test_serve_reports_a_held_port_and_a_bad_host(capsys):
+    missing = ["--target", "/nonexistent/t", "--draft", "/nonexistent/d"]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = _serve_error(["--port", str(port), *missing], capsys)
+    assert f"127.0.0.1:{port}" in err and "--port" in err
+    err = _serve_error(["--host", "no-such-host.invalid", "--port", "0", *missing], capsys)
+    assert "host='no-such-host.invalid'" in err and "does not resolve" in err
+
+
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["foreground", "background-job"])
+def test_serve_command_serves_on_the_port_it_prints(model_dirs, sigint_ignored):
+    """The console script end to end: --port 0 binds a free port, the startup line names it,
+    the openai client gets the library's completion there, and Ctrl-C (SIGINT) shuts it down
+    gracefully with status 0, whether or not the process started with SIGINT ignored (a
+    background job's, as under `make test &`)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("verispec")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    process = subprocess.Popen(
+        [str(script), "serve", "--target", str(model_dirs[0]), "--draft", str(model_dirs[1]),
+         "--port", "0", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
+        else None)
+    try:
+        line = process.stdout.readline()  # printed once the models are loaded
+        assert line.startswith("verispec: serving 'verispec' on http://127.0.0.1:"), (
+            line, process.stderr.read() if process.poll() is not None else "")
+        url = line.split(" on ")[1].split()[0]
+        assert not url.endswith(":0")
+        demo = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=3, timeout=60)
+        out = demo.completions.create(model="verispec", prompt=PROMPT, max_tokens=8,
+                                      temperature=0)
+        expected = verispec.load(*model_dirs).generate(PROMPT, max_new_tokens=8)
+        assert out.choices[0].text == expected.text
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        err = process.stderr.read()
+        assert "Traceback" not in err and "Application shutdown complete" in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

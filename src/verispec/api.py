@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .adaptive import AdaptivePolicyConfig
-from .config import GenerationConfig, SamplingConfig
+from .config import GenerationConfig, SamplingConfig, check_text
 from .engine import DecodingRun, SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from .metrics import GenerationMetrics
@@ -206,6 +206,7 @@ class Decoder:
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPromptError("prompt is empty; pass some text or token ids.")
+            check_text(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):

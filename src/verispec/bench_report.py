@@ -7,11 +7,14 @@ The measuring lives in bench.py; this module only presents it (rich, matplotlib 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from .config import MAX_NUM_DRAFT_TOKENS, SamplingConfig, check_text
+from .errors import ConfigError, UnsupportedFeatureError
 
 if TYPE_CHECKING:  # the measuring side pulls in torch and transformers: imported when run
     from .bench import MethodResult
@@ -58,7 +61,13 @@ def _load_prompts(path: str | None, num_prompts: int) -> list[str]:
 
         prompts = heldout_prompts()
     else:
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"--prompts {path!r} cannot be read ({reason}); pass a UTF-8 "
+                              "text file with one prompt per line, or a JSON list of "
+                              "strings.") from None
         try:
             prompts = json.loads(text)
         except json.JSONDecodeError:
@@ -66,12 +75,73 @@ def _load_prompts(path: str | None, num_prompts: int) -> list[str]:
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ConfigError(f"--prompts {path!r}: expected a JSON list of strings or one "
                               "prompt per line.")
+        for i, prompt in enumerate(prompts):
+            if not prompt.strip():
+                raise ConfigError(f"--prompts {path!r}: prompt {i} is empty; remove it.")
+            check_text(prompt, f"--prompts {path!r}, prompt {i},")
     if not prompts:
         raise ConfigError("no prompts to benchmark; --prompts FILE is empty.")
     return prompts[:num_prompts]
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Fail before the run, not after it: the file's folder exists and is writable, and the
+    path is not a folder itself."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path!r} is a folder; pass a file path inside it.")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path!r}: the folder {str(folder)!r} does not exist; create "
+                          "it first or pass a path in an existing folder.")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{flag} {path!r} is not writable; pass a path you can write to.")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument checked before the models load (a bad one costs a second, not a load)."""
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--repeats, --num-prompts and --max-new-tokens must be >= 1.")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} is invalid: expected an integer >= 1, or no "
+                          "--threads for torch's default.")
+    for flag, ks in (("--ks", args.ks), ("--hf-ks", args.hf_ks or []),
+                     ("--ngram-ks", args.ngram_ks), ("--hybrid-ks", args.hybrid_ks)):
+        bad = [k for k in ks if not 1 <= k <= MAX_NUM_DRAFT_TOKENS]
+        if bad:
+            raise ConfigError(f"{flag} {bad[0]} is invalid: expected k from 1 to "
+                              f"{MAX_NUM_DRAFT_TOKENS}.")
+        _check_distinct(flag, ks)
+    for temperature in args.temperatures:
+        SamplingConfig(temperature=temperature)  # ConfigError names the bad value
+    _check_distinct("--temperatures", args.temperatures)
+    for flag, path in (("--json", args.json), ("--plot", args.plot),
+                       ("--markdown", args.markdown)):
+        _check_output(flag, path)
+    _require_extra("rich")
+    if args.plot:
+        _require_extra("matplotlib")
+
+
+def _check_distinct(flag: str, values: list) -> None:
+    """Each method's row is named by its k (each table by its temperature): no repeats."""
+    repeated = [v for i, v in enumerate(values) if v in values[:i]]
+    if repeated:
+        raise ConfigError(f"{flag} lists {repeated[0]:g} twice; list each value once.")
+
+
+def _require_extra(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise UnsupportedFeatureError(f"verispec bench needs the bench extra ({module} is not "
+                                      "installed): pip install 'verispec[bench]'.")
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
+    _check_args(args)
+    texts = _load_prompts(args.prompts, args.num_prompts)
+
     import torch
     from rich.console import Console
     from rich.progress import Progress
@@ -79,13 +149,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .api import load
     from .bench import BenchSettings, environment, run_bench, to_json
 
-    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--repeats, --num-prompts and --max-new-tokens must be >= 1.")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
                    backend=args.backend)
-    prompts = [decoder.tokenizer.encode(p) for p in _load_prompts(args.prompts, args.num_prompts)]
+    prompts = [decoder.tokenizer.encode(p) for p in texts]
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              ks=tuple(args.ks),
                              hf_ks=tuple(args.ks if args.hf_ks is None else args.hf_ks),

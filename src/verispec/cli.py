@@ -17,6 +17,7 @@ from .adaptive import POLICY_NAMES, named_policy
 from .errors import VerispecError
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -119,6 +120,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`verispec generate ... | head`): stop quietly
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _check_model_choice(args: argparse.Namespace) -> None:
@@ -133,7 +146,13 @@ def _read_prompt(prompt: str | None) -> str:
     from .errors import EmptyPromptError
 
     if prompt == "-":
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as exc:  # a strict locale; others hand check_text surrogates
+            from .errors import InputError
+
+            raise InputError(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start}); pass "
+                             "the prompt as UTF-8.") from None
     if not prompt:
         raise EmptyPromptError("no prompt given; pass PROMPT, or '-' to read it from stdin.")
     return prompt

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from .adaptive import AdaptivePolicyConfig
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 MAX_NUM_DRAFT_TOKENS = 32
 
@@ -19,6 +19,19 @@ MAX_NUM_DRAFT_TOKENS = 32
 def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.")
+
+
+def check_text(text: str, field_name: str) -> None:
+    """Text a tokenizer can encode: no lone surrogates. Those are what bytes that are not UTF-8
+    become when Python decodes argv or a POSIX-locale stdin (errors="surrogateescape"), and what
+    a JSON escape such as \\ud800 decodes to; tokenizers reject them with a bare TypeError.
+    InputError names the field, the character and its position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{field_name} holds {text[exc.start]!r} at character {exc.start}, which "
+                         "is not valid Unicode (a lone surrogate: bytes that were not UTF-8, or a "
+                         "JSON \\ud800-style escape); pass UTF-8 text.") from None
 
 
 def _is_int(value: object) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..config import check_text
 from ..errors import EmptyPromptError
 
 
@@ -31,6 +32,7 @@ class TextPrompt:
     def __post_init__(self) -> None:
         if not self.text:
             raise EmptyPromptError("prompt is empty; pass some text or token ids.")
+        check_text(self.text, "prompt")
 
     def encode(self, tokenizer) -> list[int]:
         return list(tokenizer.encode(self.text))
@@ -49,6 +51,10 @@ class TokenPrompt:
 class ChatMessage:
     role: str
     content: str
+
+    def __post_init__(self) -> None:
+        check_text(self.role, "messages[].role")
+        check_text(self.content, "messages[].content")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,16 @@
-"""``verispec serve``: load the models the settings name, build the app, run uvicorn."""
+"""``verispec serve``: bind the address, load the models the settings name, build the app, run
+uvicorn on the bound socket.
+
+The address is bound before the models load, so a port in use or a host that does not resolve
+is reported in one line at once, not after the load and not as uvicorn's log and exit code.
+"""
 
 from __future__ import annotations
 
+import socket
+
 from ..adaptive import AdaptivePolicyConfig, named_policy
-from ..errors import UnsupportedFeatureError
+from ..errors import ConfigError, UnsupportedFeatureError
 from .settings import ServerSettings
 
 
@@ -30,23 +37,56 @@ def load_decoder(settings: ServerSettings):
 
 
 def serve(settings: ServerSettings) -> int:
-    """Serve until interrupted (Ctrl-C); returns the exit status."""
-    import torch
-
+    """Serve until interrupted: Ctrl-C is a graceful shutdown and returns 0 (SIGTERM shuts down
+    as gracefully, then uvicorn re-raises it, so the process ends with status 143)."""
+    listener = bind_address(settings.host, settings.port)  # first: it is quick to fail
     try:
-        import uvicorn
+        import torch
 
-        from .app import create_app
-    except ModuleNotFoundError as exc:
-        raise UnsupportedFeatureError(f"verispec serve needs the serve extra ({exc.name} is not "
-                                      "installed): pip install 'verispec[serve]'.") from None
+        try:
+            import uvicorn
 
-    if settings.threads is not None:  # process-wide, so set here, by the process's entry point
-        torch.set_num_threads(settings.threads)
-    app = create_app(load_decoder(settings), settings)
-    auth = "required" if settings.api_key else "not required"
-    print(f"verispec: serving {settings.model_name!r} on http://{settings.host}:{settings.port} "
-          f"(API key {auth}; OpenAI routes under /v1)", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=5)
+            from .app import create_app
+        except ModuleNotFoundError as exc:
+            raise UnsupportedFeatureError(
+                f"verispec serve needs the serve extra ({exc.name} is not installed): pip "
+                "install 'verispec[serve]'.") from None
+        if settings.threads is not None:  # process-wide, so set here, by the entry point
+            torch.set_num_threads(settings.threads)
+        app = create_app(load_decoder(settings), settings)
+        host, port = listener.getsockname()[:2]  # the port the OS chose for --port 0
+        auth = "required" if settings.api_key else "not required"
+        url_host = f"[{host}]" if listener.family == socket.AF_INET6 else host
+        print(f"verispec: serving {settings.model_name!r} on http://{url_host}:{port} "
+              f"(API key {auth}; OpenAI routes under /v1)", flush=True)
+        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[listener])
+        except KeyboardInterrupt:
+            # uvicorn re-raises the Ctrl-C it shut down on, unless SIGINT was ignored when the
+            # process started (a background job): either way the shutdown was graceful, so 0
+            pass
+    finally:
+        listener.close()
     return 0
+
+
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening: until the server starts, connections
+    are refused rather than left waiting). ConfigError names the address, the reason and the fix
+    when the host does not resolve or the port cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"host={host!r} is invalid: it does not resolve ({exc}); pass an "
+                          "address such as 127.0.0.1, 0.0.0.0 or ::1.") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass another "
+                          "--port (0 picks a free one) or stop what holds it.") from None
+    return listener

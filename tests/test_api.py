@@ -277,6 +277,34 @@ def test_prompt_with_a_lone_surrogate_is_an_input_error(decoder):
     assert decoder.generate("ab\u00ffc", max_new_tokens=2).token_ids
 
 
+def test_prompt_token_ids_as_a_list_numpy_ints_or_a_tensor(decoder):
+    numpy = pytest.importorskip("numpy")
+    expected = decoder.generate([5, 6, 7], max_new_tokens=3).token_ids
+    assert decoder.generate((5, 6, 7), max_new_tokens=3).token_ids == expected
+    assert decoder.generate([numpy.int64(5), 6, 7], max_new_tokens=3).token_ids == expected
+    assert decoder.generate(torch.tensor([5, 6, 7]), max_new_tokens=3).token_ids == expected
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    (b"def f():", "bytes"),  # used to be read as token ids 100, 101, 102, ...
+    (torch.zeros(2, 2, dtype=torch.int64), "1-D"),
+    (torch.tensor([1.0, 2.0]), "1-D of integer"),
+    ([1, "a"], r"prompt\[1\]='a'"),
+    ([True, 2], r"prompt\[0\]=True"),
+    (None, "NoneType"),
+])
+def test_prompt_of_the_wrong_kind_is_an_input_error(decoder, prompt, expected):
+    with pytest.raises(InputError, match=expected):
+        decoder.generate(prompt, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(stop=5), "stop="), (dict(stop=[5]), "stop="),
+                                           (dict(speculative="no"), "speculative=")])
+def test_generate_arguments_of_the_wrong_type_are_config_errors(decoder, kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        decoder.generate("x", max_new_tokens=2, **kwargs)
+
+
 def test_speculative_without_draft(model_dirs):
     target_only = verispec.load(model_dirs[0])
     with pytest.raises(ConfigError, match="draft"):

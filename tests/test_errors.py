@@ -206,6 +206,20 @@ def test_prompt_errors_are_raised_by_stream_before_any_work():
         _decoder().stream([1, 2, 3], GenerationConfig(max_new_tokens=2, seed=0))
 
 
+@pytest.mark.parametrize("config", [None, {"max_new_tokens": 2}, SamplingConfig()])
+def test_engine_config_of_the_wrong_type(config):
+    """A ConfigError naming config, not an AttributeError from deep inside the run."""
+    with pytest.raises(ConfigError, match="config=.*GenerationConfig"):
+        _decoder().generate([[1, 2]], config)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "0"])
+def test_make_generator_rejects_seeds_torch_would_wrap_or_refuse(seed):
+    # torch.Generator().manual_seed(-1) is accepted and means 2**64 - 1: a surprise
+    with pytest.raises(ConfigError, match="seed="):
+        make_generator(seed)
+
+
 # --- models ----------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verispec import (
+    ConfigError,
     DraftContractError,
     NonFiniteError,
     ShapeError,
@@ -694,11 +695,44 @@ def test_theoretical_speedup_at_full_acceptance():
     assert theoretical_speedup(1.0, 0, 0.25) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("a, k, c", [(-0.1, 2, 0.1), (1.1, 2, 0.1), (0.5, -1, 0.1),
-                                     (0.5, 2, -0.1)])
-def test_theoretical_speedup_rejects_bad_arguments(a, k, c):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("a, k, c, field", [
+    (-0.1, 2, 0.1, "acceptance_rate"), (1.1, 2, 0.1, "acceptance_rate"),
+    (math.nan, 2, 0.1, "acceptance_rate"), (0.5, -1, 0.1, "num_draft_tokens"),
+    (0.5, 2.5, 0.1, "num_draft_tokens"), (0.5, True, 0.1, "num_draft_tokens"),
+    (0.5, 2, -0.1, "cost_ratio"), (0.5, 2, math.inf, "cost_ratio"),
+    (0.5, 2, math.nan, "cost_ratio")])
+def test_theoretical_speedup_rejects_bad_arguments(a, k, c, field):
+    """A ConfigError (still a ValueError) naming the argument; 2.5 draft tokens used to be
+    truncated to 2 silently, and an infinite cost ratio gave a speedup of 0."""
+    with pytest.raises(ConfigError, match=f"^{field}="):
         theoretical_speedup(a, k, c)
+
+
+def test_theoretical_speedup_takes_numpy_integers():
+    numpy = pytest.importorskip("numpy")
+    assert theoretical_speedup(0.7, numpy.int64(2), 0.3) == theoretical_speedup(0.7, 2, 0.3)
+
+
+@pytest.mark.parametrize("rates", [[0.5, 1.5], [-0.1], [math.nan]])
+def test_expected_tokens_per_step_rejects_rates_outside_0_1(rates):
+    with pytest.raises(ConfigError, match="acceptance_rates"):
+        expected_tokens_per_step(rates)
+
+
+def test_optimal_num_draft_tokens_rejects_a_bad_bound():
+    for bound in (0, -3, 2.0):
+        with pytest.raises(ConfigError, match="max_num_draft_tokens"):
+            optimal_num_draft_tokens(0.7, 0.3, bound)
+
+
+@pytest.mark.parametrize("generator", [None, 0, "seed"])
+def test_verify_needs_an_explicit_generator(generator):
+    """No silent fallback to the global RNG: a ConfigError, not an AttributeError."""
+    draft_tokens, probs = torch.tensor([[1]]), torch.full((1, 1, 4), 0.25)
+    target_probs = torch.full((1, 2, 4), 0.25)
+    for verify_fn in (verify, verify_rows):
+        with pytest.raises(ConfigError, match="torch.Generator"):
+            verify_fn(draft_tokens, probs, target_probs, generator)
 
 
 @pytest.mark.parametrize("a", [0.1, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0])

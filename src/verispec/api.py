@@ -10,6 +10,7 @@ detokenisation; the engine below it sees token ids only.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,8 @@ class Decoder:
         through the same code path. ``num_draft_tokens`` and ``adaptive`` override the
         decoder's defaults for this call (k is the starting depth under a policy).
         """
+        if not isinstance(speculative, bool):
+            raise ConfigError(f"speculative={speculative!r} is invalid: expected True or False.")
         if speculative and self.engine.proposer is None:
             raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
                               "(a model, or NgramDraft()) to verispec.load, or speculative=False.")
@@ -208,12 +211,8 @@ class Decoder:
                 raise EmptyPromptError("prompt is empty; pass some text or token ids.")
             check_text(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
         else:
-            raise InputError(f"prompt must be a string or a list of token ids; got "
-                             f"{type(prompt).__name__}.")
+            ids = _token_ids(prompt)
         if not ids:
             raise EmptyPromptError("prompt encodes to no tokens; pass some text or token ids.")
         return ids
@@ -234,9 +233,39 @@ class Decoder:
                     "lower max_new_tokens.")
 
 
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt given as token ids: a list or tuple of ints (numpy integers too) or a 1-D
+    integer tensor. Bytes are refused rather than read as ids (b"hi" would be [104, 105])."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise InputError("prompt is bytes; decode it to text first (prompt.decode('utf-8')) or "
+                         "pass a list of token ids.")
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or (
+                prompt.dtype == torch.bool):
+            raise InputError(f"prompt as a tensor must be 1-D of integer token ids; got shape "
+                             f"{tuple(prompt.shape)} and dtype {prompt.dtype}.")
+        return prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise InputError(f"prompt must be a string or a list of token ids; got "
+                         f"{type(prompt).__name__}.")
+    ids = []
+    for position, token in enumerate(prompt):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            ids.append(operator.index(token))
+        except TypeError:
+            raise InputError(f"prompt[{position}]={token!r:.40} is not a token id; pass text, or "
+                             "a list of ints.") from None
+    return ids
+
+
 def _check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
+    if not isinstance(stop, (str, Sequence)):
+        raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
+                          "non-empty strings.")
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stops):
         raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+import operator
+
 import torch
+
+from .errors import ConfigError
 
 
 def expected_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -31,6 +36,9 @@ def expected_tokens_per_step(acceptance_rates: Sequence[float] | torch.Tensor) -
     Example: rates (0.8, 0.5) -> 1 + 0.8 + 0.8 * 0.5 = 2.2.
     """
     rates = torch.as_tensor(acceptance_rates, dtype=torch.float64).reshape(-1)
+    if not bool(((rates >= 0) & (rates <= 1)).all()):  # NaN fails both comparisons
+        raise ConfigError(f"acceptance_rates={rates.tolist()!r:.80} is invalid: expected "
+                          "probabilities in [0, 1].")
     return float(1.0 + torch.cumprod(rates, dim=0).sum())
 
 
@@ -40,11 +48,16 @@ def theoretical_speedup(acceptance_rate: float, num_draft_tokens: int, cost_rati
     acceptance_rate a (per-token, assumed i.i.d.), k = num_draft_tokens, c = draft step time /
     target step time. At a = 1 the limit (k + 1) / (k c + 1) is used.
     """
-    a, k, c = float(acceptance_rate), int(num_draft_tokens), float(cost_ratio)
+    a, k, c = float(acceptance_rate), _count(num_draft_tokens), float(cost_ratio)
     if not 0.0 <= a <= 1.0:
-        raise ValueError(f"acceptance_rate={a} must be in [0, 1]")
-    if k < 0 or c < 0:
-        raise ValueError(f"num_draft_tokens={k} and cost_ratio={c} must be >= 0")
+        raise ConfigError(f"acceptance_rate={acceptance_rate!r} is invalid: expected a "
+                          "probability in [0, 1].")
+    if k is None or k < 0:
+        raise ConfigError(f"num_draft_tokens={num_draft_tokens!r} is invalid: expected an "
+                          "integer >= 0.")
+    if not (0.0 <= c < math.inf):
+        raise ConfigError(f"cost_ratio={cost_ratio!r} is invalid: expected a finite number >= 0 "
+                          "(draft step time / target step time).")
     expected_tokens = k + 1.0 if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
     return expected_tokens / (k * c + 1.0)
 
@@ -52,6 +65,19 @@ def theoretical_speedup(acceptance_rate: float, num_draft_tokens: int, cost_rati
 def optimal_num_draft_tokens(acceptance_rate: float, cost_ratio: float,
                              max_num_draft_tokens: int = 32) -> tuple[int, float]:
     """The k in [1, max] maximising :func:`theoretical_speedup`, and that speedup."""
+    if (_count(max_num_draft_tokens) or 0) < 1:
+        raise ConfigError(f"max_num_draft_tokens={max_num_draft_tokens!r} is invalid: expected "
+                          "an integer >= 1.")
     best = max(range(1, max_num_draft_tokens + 1),
                key=lambda k: theoretical_speedup(acceptance_rate, k, cost_ratio))
     return best, theoretical_speedup(acceptance_rate, best, cost_ratio)
+
+
+def _count(value: object) -> int | None:
+    """value as an int when it is an integer (numpy's too, not bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -29,7 +29,13 @@ import torch
 
 from .adaptive import AdaptivePolicy, RoundStats
 from .config import GenerationConfig
-from .errors import EmptyPromptError, IncompatibleModelsError, InputError, TokenOutOfRangeError
+from .errors import (
+    ConfigError,
+    EmptyPromptError,
+    IncompatibleModelsError,
+    InputError,
+    TokenOutOfRangeError,
+)
 from .metrics import GenerationMetrics, MetricsRecorder
 from .models.base import LanguageModel, TargetScorer
 from .proposers.base import Proposer, ProposerSession
@@ -81,6 +87,9 @@ class SpeculativeDecoder:
     def stream(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                speculative: bool = True) -> DecodingRun:
         """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow."""
+        if not isinstance(config, GenerationConfig):
+            raise ConfigError(f"config={config!r:.60} is invalid: expected a verispec."
+                              "GenerationConfig, e.g. GenerationConfig(max_new_tokens=32).")
         return DecodingRun(self, _check_prompts(prompts, self.target.vocab_size), config,
                            speculative and self.proposer is not None)
 

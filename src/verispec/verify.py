@@ -39,6 +39,7 @@ from .errors import DraftContractError
 from .sampling import sample_with_host_uniforms, sample_with_uniform
 from .verify_checks import (
     check_draft_tokens,
+    check_generator,
     check_token_range,
     check_verify_inputs,
     proposed_mask,
@@ -153,6 +154,7 @@ def _draw_uniforms(draft_tokens: torch.Tensor, generator: torch.Generator,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """verify's random numbers, in its fixed order: uniforms [B, K] fp32, next_uniforms [B] fp64.
     Drawn where the generator lives, then moved (a no-op when both are on one device)."""
+    check_generator(generator)
     batch_size, max_k = check_draft_tokens(draft_tokens)
     uniforms = torch.rand((batch_size, max_k), generator=generator, device=generator.device)
     next_uniforms = torch.rand((batch_size,), generator=generator, dtype=torch.float64,

@@ -4,7 +4,8 @@ Legend: B batch, K draft tokens (max over rows), V vocabulary.
 
 Each check raises a typed error naming the argument, what was expected and what came:
 ShapeError for shapes and ragged lengths, NonFiniteError for NaN/inf probabilities,
-TokenOutOfRangeError for a draft token outside the vocabulary. Not here: the math.
+TokenOutOfRangeError for a draft token outside the vocabulary, ConfigError for a generator that
+is not a torch.Generator. Not here: the math.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from .errors import NonFiniteError, ShapeError, TokenOutOfRangeError
+from .errors import ConfigError, NonFiniteError, ShapeError, TokenOutOfRangeError
 
 
 def check_verify_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -28,6 +29,14 @@ def check_verify_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | 
                          f"[B] = [{batch_size}]; got {tuple(uniforms.shape)} and "
                          f"{tuple(next_uniforms.shape)}.")
     return num_draft
+
+
+def check_generator(generator: object) -> None:
+    """Every random draw takes an explicit torch.Generator: never None, never the global RNG."""
+    if not isinstance(generator, torch.Generator):
+        raise ConfigError(f"generator={generator!r:.60} is invalid: expected a torch.Generator, "
+                          "e.g. torch.Generator().manual_seed(0) (verify never uses the global "
+                          "RNG).")
 
 
 def check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:

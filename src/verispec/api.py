@@ -10,7 +10,6 @@ detokenisation; the engine below it sees token ids only.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .adaptive import AdaptivePolicyConfig
-from .config import GenerationConfig, SamplingConfig, check_text
+from .config import GenerationConfig, SamplingConfig, as_index, check_text
 from .engine import DecodingRun, SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from .metrics import GenerationMetrics
@@ -248,25 +247,19 @@ def _token_ids(prompt: object) -> list[int]:
     if not isinstance(prompt, Sequence):
         raise InputError(f"prompt must be a string or a list of token ids; got "
                          f"{type(prompt).__name__}.")
-    ids = []
-    for position, token in enumerate(prompt):
-        try:
-            if isinstance(token, bool):
-                raise TypeError
-            ids.append(operator.index(token))
-        except TypeError:
-            raise InputError(f"prompt[{position}]={token!r:.40} is not a token id; pass text, or "
-                             "a list of ints.") from None
+    ids = [as_index(token) for token in prompt]
+    if None in ids:
+        position = ids.index(None)
+        raise InputError(f"prompt[{position}]={prompt[position]!r:.40} is not a token id; pass "
+                         "text, or a list of ints.")
     return ids
 
 
 def _check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
-    if not isinstance(stop, (str, Sequence)):
-        raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
-                          "non-empty strings.")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    # a string is one stop; a list is many; anything else is checked as one (and fails)
+    stops = tuple(stop) if isinstance(stop, Sequence) and not isinstance(stop, str) else (stop,)
     if not all(isinstance(s, str) and s for s in stops):
         raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
                           "non-empty strings.")

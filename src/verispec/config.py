@@ -8,6 +8,7 @@ field, the value and the fix. Configs are passed explicitly and never mutated: u
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 from .adaptive import AdaptivePolicyConfig
@@ -32,6 +33,24 @@ def check_text(text: str, field_name: str) -> None:
         raise InputError(f"{field_name} holds {text[exc.start]!r} at character {exc.start}, which "
                          "is not valid Unicode (a lone surrogate: bytes that were not UTF-8, or a "
                          "JSON \\ud800-style escape); pass UTF-8 text.") from None
+
+
+def check_seed(seed: object) -> None:
+    """A seed torch takes as given: an int in [0, 2**63) or None (torch would wrap -1 to
+    2**64 - 1, a different seed than the one asked for)."""
+    if seed is not None:
+        _require(_is_int(seed) and 0 <= seed < 2**63, "seed", seed,
+                 "an integer in [0, 2**63) or None")
+
+
+def as_index(value: object) -> int | None:
+    """value as an int when it is an integer (numpy's too; not bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _is_int(value: object) -> bool:
@@ -105,9 +124,7 @@ class GenerationConfig:
         stops = self.stop_token_ids
         _require(isinstance(stops, tuple) and all(_is_int(t) and t >= 0 for t in stops),
                  "stop_token_ids", stops, "a tuple of non-negative token ids, e.g. (2,)")
-        if self.seed is not None:
-            _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed,
-                     "an integer in [0, 2**63) or None")
+        check_seed(self.seed)
         if self.adaptive is not None:
             _require(isinstance(self.adaptive, AdaptivePolicyConfig), "adaptive", self.adaptive,
                      "ThresholdPolicyConfig(...), GoodputPolicyConfig(...) or None")

@@ -10,13 +10,12 @@ Legend: V vocabulary. Probabilities are fp32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
-import operator
+from collections.abc import Sequence
 
 import torch
 
+from .config import as_index
 from .errors import ConfigError
 
 
@@ -48,7 +47,7 @@ def theoretical_speedup(acceptance_rate: float, num_draft_tokens: int, cost_rati
     acceptance_rate a (per-token, assumed i.i.d.), k = num_draft_tokens, c = draft step time /
     target step time. At a = 1 the limit (k + 1) / (k c + 1) is used.
     """
-    a, k, c = float(acceptance_rate), _count(num_draft_tokens), float(cost_ratio)
+    a, k, c = float(acceptance_rate), as_index(num_draft_tokens), float(cost_ratio)
     if not 0.0 <= a <= 1.0:
         raise ConfigError(f"acceptance_rate={acceptance_rate!r} is invalid: expected a "
                           "probability in [0, 1].")
@@ -65,19 +64,9 @@ def theoretical_speedup(acceptance_rate: float, num_draft_tokens: int, cost_rati
 def optimal_num_draft_tokens(acceptance_rate: float, cost_ratio: float,
                              max_num_draft_tokens: int = 32) -> tuple[int, float]:
     """The k in [1, max] maximising :func:`theoretical_speedup`, and that speedup."""
-    if (_count(max_num_draft_tokens) or 0) < 1:
+    if (as_index(max_num_draft_tokens) or 0) < 1:
         raise ConfigError(f"max_num_draft_tokens={max_num_draft_tokens!r} is invalid: expected "
                           "an integer >= 1.")
     best = max(range(1, max_num_draft_tokens + 1),
                key=lambda k: theoretical_speedup(acceptance_rate, k, cost_ratio))
     return best, theoretical_speedup(acceptance_rate, best, cost_ratio)
-
-
-def _count(value: object) -> int | None:
-    """value as an int when it is an integer (numpy's too, not bool), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None

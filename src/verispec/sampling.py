@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from .config import SamplingConfig
-from .errors import ConfigError, NonFiniteError, ShapeError
+from .config import SamplingConfig, check_seed
+from .errors import NonFiniteError, ShapeError
 
 
 def _check_floating(name: str, tensor: torch.Tensor) -> None:
@@ -193,10 +193,7 @@ def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator) -> 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A fresh torch.Generator; ``seed=None`` seeds it from the OS, never from the global RNG."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**63):
-        # torch would wrap -1 to 2**64 - 1: a different seed than the one asked for
-        raise ConfigError(f"seed={seed!r} is invalid: expected an integer in [0, 2**63) or None.")
+    check_seed(seed)
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()

@@ -29,6 +29,7 @@ from verispec import (
     InputError,
     ModelLoadError,
 )
+from verispec.config import default_num_draft_tokens
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -52,7 +53,7 @@ def model_dirs(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decoder(model_dirs):
-    return verispec.load(*model_dirs)  # num_draft_tokens defaults to 4
+    return verispec.load(*model_dirs, num_draft_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,24 @@ def test_plain_decoding_path(decoder):
     assert plain.metrics.num_drafted == 0 and plain.metrics.num_draft_steps == 0
     assert plain.metrics.mean_accepted_length == 1.0
     assert plain.metrics.num_target_calls == len(plain.token_ids)
+
+
+def test_num_draft_tokens_default_is_the_devices(decoder, model_dirs):
+    """No k given: 2 on a CPU (a pass over 4+ tokens costs 1.6 plain steps and up there), 4 on
+    an accelerator; an explicit k, to load or to a call, wins."""
+    cpu_default = verispec.load(*model_dirs)
+    assert cpu_default.num_draft_tokens == 2
+    out = cpu_default.generate(PROMPT, max_new_tokens=40)
+    assert positions_tested(out.metrics) == 2
+    assert out.token_ids == decoder.generate(PROMPT, max_new_tokens=40).token_ids
+    assert verispec.load(*model_dirs, num_draft_tokens=None).num_draft_tokens == 2
+    assert default_num_draft_tokens("cpu") == 2
+    assert default_num_draft_tokens("cuda") == default_num_draft_tokens("mps") == 4
+    # a Decoder built directly resolves the default and checks an explicit k the same way
+    target_model = cpu_default.engine.target.model
+    assert verispec.Decoder(target_model, cpu_default.tokenizer).num_draft_tokens == 2
+    with pytest.raises(ConfigError, match="num_draft_tokens=0"):
+        verispec.Decoder(target_model, cpu_default.tokenizer, num_draft_tokens=0)
 
 
 def test_num_draft_tokens_per_call_overrides_default(decoder, model_dirs):

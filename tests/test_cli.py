@@ -251,13 +251,19 @@ def console_runs(model_dirs) -> dict[str, subprocess.CompletedProcess]:
     assert CONSOLE_SCRIPT.is_file(), f"the console script is not installed at {CONSOLE_SCRIPT}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     tiny = models(model_dirs)
+    script, module = [str(CONSOLE_SCRIPT)], [sys.executable, "-m", "verispec"]
     commands = {  # name -> (argv, stdin)
-        "stdin-json": (["generate", "-", *tiny, "--max-new-tokens", "12", "--json"], PROMPT),
-        "context-overflow": (["generate", "x", *tiny, "--max-new-tokens", "100000"], ""),
+        "stdin-json": ([*script, "generate", "-", *tiny, "--max-new-tokens", "12", "--json"],
+                       PROMPT),
+        "context-overflow": ([*script, "generate", "x", *tiny, "--max-new-tokens", "100000"], ""),
+        "version": ([*script, "--version"], ""),
+        "module": ([*module, "generate", "-", *tiny, "--max-new-tokens", "12", "--json"], PROMPT),
+        "module-version": ([*module, "--version"], ""),
     }
     if demo_available() is None:
-        commands["demo"] = (["generate", "def fibonacci(n):", "--max-new-tokens", "16"], "")
-    processes = {name: (subprocess.Popen([str(CONSOLE_SCRIPT), *argv], stdin=subprocess.PIPE,
+        commands["demo"] = ([*script, "generate", "def fibonacci(n):", "--max-new-tokens", "16"],
+                            "")
+    processes = {name: (subprocess.Popen(argv, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          text=True, env=env), stdin)
                  for name, (argv, stdin) in commands.items()}
@@ -285,6 +291,21 @@ def test_console_script_stdin_and_json(console_runs, expected_completion):
         assert key in payload["metrics"], key
     assert payload["text"] == expected_completion.text
     assert payload["token_ids"] == expected_completion.token_ids
+
+
+def test_python_dash_m_is_the_console_script(console_runs):
+    run, script_run = console_runs["module"], console_runs["stdin-json"]
+    assert run.returncode == 0, run.stderr
+    payload, expected = json.loads(run.stdout), json.loads(script_run.stdout)
+    # the same tokens and text; the metrics hold timings, which differ between runs
+    assert (payload["text"], payload["token_ids"]) == (expected["text"], expected["token_ids"])
+
+
+def test_version(console_runs):
+    for name in ("version", "module-version"):
+        run = console_runs[name]
+        assert (run.returncode, run.stdout, run.stderr) == (
+            0, f"verispec {verispec.__version__}\n", ""), name
 
 
 def test_console_script_error_after_loading_is_one_line(console_runs):

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -120,7 +121,7 @@ def test_completion_greedy_equals_decoder(client, reference):
     assert out.usage.completion_tokens == len(expected.token_ids)
     assert out.usage.total_tokens == expected.num_prompt_tokens + len(expected.token_ids)
     summary = out.model_extra["speculation"]
-    assert summary["num_draft_tokens"] == 4
+    assert summary["num_draft_tokens"] == 2  # no --k: the CPU's default depth
     assert summary["drafted"] == expected.metrics.num_drafted
     assert summary["accepted"] == expected.metrics.num_accepted
     assert summary["acceptance_rate"] == pytest.approx(expected.metrics.acceptance_rate)
@@ -253,7 +254,7 @@ def test_max_tokens_omitted_fills_the_window_up_to_the_limit(small_window_url,
 def _cli_greedy(capsys, prompt: str, max_new_tokens: int, *model_args: str) -> dict:
     capsys.readouterr()
     status = cli.main(["generate", prompt, *model_args, "--temperature", "0",
-                       "--max-new-tokens", str(max_new_tokens), "--k", "4", "--json"])
+                       "--max-new-tokens", str(max_new_tokens), "--json"])
     assert status == 0
     return json.loads(capsys.readouterr().out)
 
@@ -495,7 +496,8 @@ def test_serve_flags_come_from_the_settings():
 
 
 @pytest.mark.parametrize("kwargs", [dict(draft="d"), dict(target="t"), dict(max_queue=0),
-                                    dict(num_draft_tokens=33), dict(port=70000),
+                                    dict(num_draft_tokens=0), dict(num_draft_tokens=33),
+                                    dict(port=70000),
                                     dict(api_key=""), dict(adaptive="fastest"),
                                     dict(target="t", no_draft=True, adaptive="goodput"),
                                     dict(carry_over=True), dict(ngram=True, no_draft=True),
@@ -505,6 +507,21 @@ def test_serve_flags_come_from_the_settings():
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
         ServerSettings(**kwargs)
+
+
+@pytest.mark.parametrize("name, value", [("port", "80"), ("num_draft_tokens", "3"),
+                                         ("num_draft_tokens", True), ("max_queue", None),
+                                         ("ngram", 1), ("target", 3)])
+def test_settings_of_the_wrong_kind_name_the_field(name, value):
+    """Settings built in Python (create_app's second argument): a ConfigError naming the
+    field, not a TypeError from a comparison."""
+    with pytest.raises(ConfigError, match=f"^{name}={value!r} is invalid: expected "):
+        ServerSettings(**{name: value})
+
+
+def test_settings_take_paths_and_the_devices_default_depth():
+    settings = ServerSettings(target=Path("t"), draft=Path("d"))
+    assert settings.target == Path("t") and settings.num_draft_tokens is None
 
 
 @pytest.mark.parametrize("flag", ["--ngram", "--hybrid"])

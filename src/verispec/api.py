@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel
 
 from .adaptive import AdaptivePolicyConfig
-from .config import GenerationConfig, SamplingConfig, as_index, check_text
+from .config import (GenerationConfig, SamplingConfig, as_index, check_text,
+                     default_num_draft_tokens)
 from .engine import DecodingRun, SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from .metrics import GenerationMetrics
@@ -65,7 +66,7 @@ class Completion:
 
 def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | None = None, *,
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-         num_draft_tokens: int = 4, tokenizer: str | Path | None = None,
+         num_draft_tokens: int | None = None, tokenizer: str | Path | None = None,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
          hybrid: bool | NgramDraft = False) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
@@ -82,7 +83,9 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
     ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
     (models/fast_llama.py, Llama-architecture only); "auto" picks "fast" where supported.
-    ``adaptive``: the default depth policy of every generation (GoodputPolicyConfig() measures
+    ``num_draft_tokens``: the default depth k of every generation; None picks one for the
+    device (2 on a CPU, where verifying 4 or more tokens costs 1.6 plain steps and up; 4 on a
+    GPU). ``adaptive``: the default depth policy of every generation (GoodputPolicyConfig() measures
     which k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is
     then where it starts. None: a fixed k.
     """
@@ -95,7 +98,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     elif target is None:
         raise ConfigError("draft was given without target; pass target=... as well (or neither "
                           "to use the shipped demo pair).")
-    GenerationConfig(num_draft_tokens=num_draft_tokens, adaptive=adaptive)  # validated early
+    GenerationConfig(num_draft_tokens=1 if num_draft_tokens is None else num_draft_tokens,
+                     adaptive=adaptive)  # validated before anything loads
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
@@ -138,7 +142,8 @@ class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
     def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
-                 NgramDraft | None = None, num_draft_tokens: int = 4, backend: str = "auto",
+                 NgramDraft | None = None, num_draft_tokens: int | None = None,
+                 backend: str = "auto",
                  adaptive: AdaptivePolicyConfig | None = None,
                  hybrid: bool | NgramDraft = False) -> None:
         ngram = draft_model if isinstance(draft_model, NgramDraft) else None
@@ -159,7 +164,10 @@ class Decoder:
         if hybrid is not None:
             proposer = HybridProposer(proposer, hybrid)
         self.engine = SpeculativeDecoder(self.target, proposer)
-        self.num_draft_tokens = num_draft_tokens
+        # the depth of calls that name none; None: the device's default (see config)
+        self.num_draft_tokens = (default_num_draft_tokens(self.target.device.type)
+                                 if num_draft_tokens is None else num_draft_tokens)
+        GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked
         self.adaptive = adaptive
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64,

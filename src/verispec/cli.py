@@ -51,8 +51,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("generation")
-    sampling.add_argument("--k", type=_int, default=4, metavar="N",
-                          help="draft tokens per round, 1 to 32 (default: 4)")
+    sampling.add_argument("--k", type=_int, default=None, metavar="N",
+                          help="draft tokens per round, 1 to 32 (default: 2 on a CPU, where "
+                          "verifying more costs more than it saves; 4 on a GPU)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
                           help="0 = greedy (default: 0)")
     sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
@@ -79,7 +80,10 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _OneLineParser(prog="verispec", description="Exact speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"verispec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     generate = commands.add_parser("generate", help="complete a prompt, streaming the text",
                                    description="Complete PROMPT, streaming text to stdout and a "

@@ -15,6 +15,19 @@ from .adaptive import AdaptivePolicyConfig
 from .errors import ConfigError, InputError
 
 MAX_NUM_DRAFT_TOKENS = 32
+# The depth a loaded decoder uses when none is given, by the device type its target runs on. On
+# a CPU a verification pass over k + 1 tokens costs 1.05-1.3 plain steps for k = 1-2 but 1.6 and
+# more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose: the demo pair measured
+# 1.11x plain at k = 2 and 0.90x at k = 4 (README, Benchmark). On an accelerator the pass costs
+# about one step and k = 4 is the usual choice.
+DEFAULT_NUM_DRAFT_TOKENS = {"cpu": 2}
+DEFAULT_NUM_DRAFT_TOKENS_ACCELERATOR = 4
+
+
+def default_num_draft_tokens(device_type: str) -> int:
+    """The speculation depth k to use on a device of this type ("cpu", "cuda", "mps", ...) when
+    the caller chose none."""
+    return DEFAULT_NUM_DRAFT_TOKENS.get(device_type, DEFAULT_NUM_DRAFT_TOKENS_ACCELERATOR)
 
 
 def _require(ok: bool, field_name: str, value: object, expected: str) -> None:

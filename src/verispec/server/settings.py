@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields
+from os import PathLike
 
 from ..adaptive import POLICY_NAMES
 from ..config import MAX_NUM_DRAFT_TOKENS
@@ -52,10 +53,12 @@ def _setting(default: object, help: str, *, flag: str | None = None, metavar: st
 class ServerSettings:
     """How ``verispec serve`` loads its models and which requests it accepts."""
 
-    target: str | None = _setting(None, "target model directory or .gguf file (default: the "
-                                  "shipped demo target)", metavar="PATH")
-    draft: str | None = _setting(None, "draft model directory or .gguf file (default: the "
-                                 "shipped demo draft when --target is not given)", metavar="PATH")
+    target: str | PathLike | None = _setting(
+        None, "target model directory or .gguf file (default: the shipped demo target)",
+        metavar="PATH")
+    draft: str | PathLike | None = _setting(
+        None, "draft model directory or .gguf file (default: the shipped demo draft when "
+        "--target is not given)", metavar="PATH")
     ngram: bool = _setting(False, "draft by prompt lookup (n-grams of each request's prompt and "
                            "output) instead of a draft model")
     hybrid: bool = _setting(False, "draft by prompt lookup in rounds where it finds a match, "
@@ -64,9 +67,10 @@ class ServerSettings:
                               "code path")
     device: str = _setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = _setting("float32", "model dtype", choices=DTYPES)
-    num_draft_tokens: int = _setting(4, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a "
-                                     "request may override it with num_draft_tokens",
-                                     flag="--k", metavar="N")
+    num_draft_tokens: int | None = _setting(
+        None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
+        "with num_draft_tokens (default: 2 on a CPU, where verifying more costs more than it "
+        "saves; 4 on a GPU)", flag="--k", metavar="N", value_type=int)
     adaptive: str | None = _setting(None, "adapt k between rounds, starting at --k: goodput "
                                     "measures which depth is fastest here, goodput-plain may "
                                     "also choose plain rounds (k = 0), threshold follows "
@@ -96,10 +100,16 @@ class ServerSettings:
                                    metavar="N")
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # kinds first, so the range checks below compare like with like
+            value, kinds = getattr(self, f.name), _KINDS[f.type]
+            _check(any(_is_kind(value, kind) for kind in kinds), f.name, value,
+                   ", ".join(_KIND_NAMES[kind] for kind in kinds[:-1])
+                   + (" or " if len(kinds) > 1 else "") + _KIND_NAMES[kinds[-1]])
         check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
                           no_draft=self.no_draft)
-        _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "k", self.num_draft_tokens,
-               f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}")
+        k = self.num_draft_tokens
+        _check(k is None or 1 <= k <= MAX_NUM_DRAFT_TOKENS, "k", k,
+               f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, or no --k for the device's default")
         _check(self.adaptive is None or self.adaptive in POLICY_NAMES, "adaptive", self.adaptive,
                f"one of {', '.join(POLICY_NAMES)}, or none for a fixed k")
         _check(not (self.adaptive and self.no_draft), "adaptive", self.adaptive,
@@ -142,6 +152,19 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "device", "dtype",
                            "num_draft_tokens", "adaptive", "carry_over", "threads"})
+
+
+# the field annotations used above (strings: this module has postponed annotations)
+_KINDS = {"int": (int,), "int | None": (int, None), "str": (str,), "str | None": (str, None),
+          "str | PathLike | None": (str, PathLike, None), "bool": (bool,)}
+_KIND_NAMES = {int: "an integer", str: "a string", PathLike: "a path", bool: "True or False",
+               None: "None"}
+
+
+def _is_kind(value: object, kind: type | None) -> bool:
+    if kind is None:
+        return value is None
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

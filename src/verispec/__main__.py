@@ -1,0 +1,8 @@
+"""``python -m verispec [command] [flags]`` = the ``verispec`` console script."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,6 +72,16 @@ def test_generate_prints_text_to_stdout_and_metrics_to_stderr(model_dirs, expect
     assert "acceptance rate" in err and "12 tokens" in err
 
 
+def test_summary_of_a_generation_that_drafted_nothing(model_dirs, capsys):
+    """max_new_tokens=1 leaves no room for a draft token: the summary says so instead of an
+    acceptance rate of 0 over nothing, and counts one token in the singular."""
+    status, out, err = run_main(["generate", PROMPT, *models(model_dirs),
+                                 "--max-new-tokens", "1"], capsys)
+    assert status == 0 and len(err.splitlines()) == 1
+    assert err.startswith("[1 token in ") and "no draft tokens tested" in err
+    assert "acceptance rate" not in err
+
+
 def test_json_output(model_dirs, expected_completion, capsys):
     status, out, err = run_main(["generate", PROMPT, *models(model_dirs),
                                  "--max-new-tokens", "12", "--json"], capsys)

@@ -237,9 +237,12 @@ def _serve(args: argparse.Namespace) -> int:
 def format_metrics(metrics, speculative: bool) -> str:
     """A short human summary of a generation's metrics."""
     rate = metrics.tokens_per_second
-    line = f"[{metrics.num_emitted} tokens in {metrics.wall_time:.2f}s, {rate:.1f} tok/s"
+    noun = "token" if metrics.num_emitted == 1 else "tokens"
+    line = f"[{metrics.num_emitted} {noun} in {metrics.wall_time:.2f}s, {rate:.1f} tok/s"
     if not speculative:
         return line + ", plain decoding]"
+    if not metrics.num_drafted:  # every round was plain (max_new_tokens=1, or no lookup match)
+        return line + "; no draft tokens tested (every round was a plain step)]"
     c = metrics.cost_ratio
     return (f"{line}; acceptance rate {metrics.acceptance_rate:.2f}, mean accepted length "
             f"{metrics.mean_accepted_length:.2f} tokens/target call, c = "

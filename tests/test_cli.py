@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -101,14 +102,19 @@ def test_compare_measures_against_plain_decoding(model_dirs, expected_completion
     assert status == 0 and out == expected_completion.text + "\n"
     summary, measured = err.splitlines()
     assert "modelled speedup" in summary
-    assert measured.startswith("[measured on this prompt: speculative ")
+    assert measured.startswith("[measured on this prompt, 5 interleaved runs each (medians): "
+                               "speculative ")
+    assert re.search(r"speedup \d+\.\d\dx \(runs \d+\.\d\d-\d+\.\d\d\)", measured)
     assert "same tokens as plain decoding: yes" in measured
     status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
                                "--compare", "--json"], capsys)
     comparison = json.loads(out)["comparison"]
     assert comparison["same_tokens"] is True
-    assert comparison["measured_speedup"] == pytest.approx(
-        comparison["speculative_tok_s"] / comparison["plain_tok_s"])
+    # the median of 5 interleaved pairs' ratios, inside their range
+    assert comparison["repeats"] == cli.COMPARE_REPEATS == 5
+    low, high = comparison["speedup_range"]
+    assert 0 < low <= comparison["measured_speedup"] <= high
+    assert comparison["speculative_tok_s"] > 0 and comparison["plain_tok_s"] > 0
     status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
                                "--compare", "--json", "--temperature", "1", "--seed", "3"], capsys)
     assert json.loads(out)["comparison"]["same_tokens"] is None  # sampled: not comparable

@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print one JSON object (text, token_ids, metrics) instead")
     generate.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
     generate.add_argument("--compare", action="store_true",
-                          help="then time speculative and plain decoding of the same prompt "
-                          "once more each and report the measured speedup (and, at "
-                          "temperature 0, whether the tokens are identical)")
+                          help=f"then time speculative and plain decoding of the same prompt "
+                          f"{COMPARE_REPEATS} times each, interleaved, and report the median "
+                          "speedup and its range (and, at temperature 0, whether the tokens "
+                          "are identical)")
     generate.set_defaults(handler=_generate)
     from .bench_report import add_bench_parser  # the bench command's own module
 
@@ -198,33 +199,53 @@ def _generate(args: argparse.Namespace) -> int:
     if comparison is not None:
         same = comparison["same_tokens"]
         speedup = comparison["measured_speedup"]
-        print(f"[measured on this prompt: speculative {comparison['speculative_tok_s']:.1f} "
-              f"tok/s, plain {comparison['plain_tok_s']:.1f} tok/s, speedup "
-              + ("n/a (no tokens)" if speedup is None else f"{speedup:.2f}x")
+        low_high = comparison["speedup_range"]
+        print(f"[measured on this prompt, {COMPARE_REPEATS} interleaved runs each (medians): "
+              f"speculative {comparison['speculative_tok_s']:.1f} tok/s, plain "
+              f"{comparison['plain_tok_s']:.1f} tok/s, speedup "
+              + ("n/a (no tokens)" if speedup is None
+                 else f"{speedup:.2f}x (runs {low_high[0]:.2f}-{low_high[1]:.2f})")
               + ("" if same is None else f"; same tokens as plain decoding: "
                  f"{'yes' if same else 'NO'}") + "]", file=sys.stderr)
     return 0
 
 
+COMPARE_REPEATS = 5  # interleaved speculative/plain pairs behind --compare's figures
+
+
 def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object]:
-    """Time one speculative and one plain generation of the prompt (the streamed run above
-    warmed both models up). Same settings and seed; tokens compared at temperature 0 only,
-    where they must be identical (sampled runs draw different, equally distributed tokens)."""
+    """Time COMPARE_REPEATS speculative and plain generations of the prompt, interleaved (the
+    order alternates pair by pair, so drift on a busy machine lands on both alike; the streamed
+    run before warmed both up). Same settings and seed. The speedup is the median of the
+    pairs' ratios, with their range: one pair alone moves by 10-20% on a shared CPU. Tokens are
+    compared at temperature 0 only, where they must be identical (sampled runs draw different,
+    equally distributed tokens)."""
+    import statistics
     import time
 
-    runs = {}
-    for speculative in (True, False):
+    def timed(speculative: bool) -> tuple[list[int], float]:
         started = time.perf_counter()
         completion = decoder.generate(
             prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
             num_draft_tokens=args.k, speculative=speculative)
-        runs[speculative] = (completion, time.perf_counter() - started)
-    (fast, fast_s), (plain, plain_s) = runs[True], runs[False]
-    fast_rate, plain_rate = len(fast.token_ids) / fast_s, len(plain.token_ids) / plain_s
-    return {"speculative_tok_s": fast_rate, "plain_tok_s": plain_rate,
-            "measured_speedup": fast_rate / plain_rate if plain_rate else None,
-            "same_tokens": fast.token_ids == plain.token_ids if args.temperature == 0 else None}
+        return completion.token_ids, time.perf_counter() - started
+
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {True: [], False: []}
+    for repeat in range(COMPARE_REPEATS):
+        for speculative in ((True, False) if repeat % 2 == 0 else (False, True)):
+            token_ids, seconds = timed(speculative)
+            tokens[speculative].append(token_ids)
+            rates[speculative].append(len(token_ids) / seconds)
+    ratios = [fast / plain for fast, plain in zip(rates[True], rates[False]) if plain]
+    return {"speculative_tok_s": statistics.median(rates[True]),
+            "plain_tok_s": statistics.median(rates[False]),
+            "measured_speedup": statistics.median(ratios) if ratios else None,
+            "speedup_range": [min(ratios), max(ratios)] if ratios else None,
+            "repeats": COMPARE_REPEATS,
+            "same_tokens": (all(ids == tokens[False][0] for ids in tokens[True] + tokens[False])
+                            if args.temperature == 0 else None)}
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from .adaptive import AdaptivePolicyConfig
 from .config import (GenerationConfig, SamplingConfig, as_index, check_text,
                      default_num_draft_tokens)
+from .detokenize import IncrementalDetokenizer
 from .engine import DecodingRun, SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from .metrics import GenerationMetrics
@@ -276,7 +277,8 @@ def _check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 class TextStream:
     """Text deltas of a :class:`DecodingRun`, never splitting a multi-byte character and never
-    showing text that may turn out to be the start of a stop string."""
+    showing text that may turn out to be the start of a stop string. Each round's tokens are
+    detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole output."""
 
     def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
                  num_prompt_tokens: int) -> None:
@@ -284,8 +286,9 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = stop
         self.num_prompt_tokens = num_prompt_tokens
-        self.token_ids: list[int] = []
-        self.text = ""  # the final text so far (what was emitted, plus held-back text at the end)
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self.token_ids = self._detokenizer.token_ids  # the new tokens so far
+        self.text = ""  # their text so far: what was emitted, plus held-back text
         self._emitted = 0  # characters of text already yielded
         self._stopped_by_string = False
         self.completion: Completion | None = None
@@ -296,18 +299,18 @@ class TextStream:
     def __next__(self) -> str:
         while self.completion is None:
             chunk = next(self.run, None)
+            # at the end, partial bytes of a character are decoded too (as U+FFFD)
+            self.text += self._detokenizer.add(chunk.token_ids[0] if chunk else (),
+                                               final=chunk is None)
+            cut = self._find_stop(self.text)
+            if cut is not None:
+                self.text, self._stopped_by_string = self.text[:cut], True
+                return self._finish()
             if chunk is None:
                 return self._finish()
-            self.token_ids.extend(chunk.token_ids[0])
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            cut = self._find_stop(text)
-            if cut is not None:
-                self.text, self._stopped_by_string = text[:cut], True
-                return self._finish()
-            self.text = text
-            safe_end = len(text) - self._held_back(text)
+            safe_end = len(self.text) - self._held_back(self.text)
             if safe_end > self._emitted:
-                delta, self._emitted = text[self._emitted : safe_end], safe_end
+                delta, self._emitted = self.text[self._emitted : safe_end], safe_end
                 return delta
         raise StopIteration
 
@@ -328,13 +331,12 @@ class TextStream:
         return min(found) if found else None
 
     def _held_back(self, text: str) -> int:
-        """Trailing characters not safe to show yet: an incomplete UTF-8 sequence (decoded as
-        U+FFFD) or a suffix that starts a stop string."""
-        complete = text.rstrip("\ufffd")  # an incomplete character is never a stop prefix
+        """Trailing characters not safe to show yet: a suffix that starts a stop string. (Text
+        never ends inside a character here: the detokenizer waits for its last byte.)"""
         prefix = 0
         for s in self.stop:
-            for size in range(min(len(s) - 1, len(complete)), 0, -1):
-                if complete.endswith(s[:size]):
+            for size in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:size]):
                     prefix = max(prefix, size)
                     break
-        return len(text) - len(complete) + prefix
+        return prefix

@@ -524,6 +524,25 @@ def test_settings_take_paths_and_the_devices_default_depth():
     assert settings.target == Path("t") and settings.num_draft_tokens is None
 
 
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, "draft model, k = 2 by default on cpu"),
+    ({"num_draft_tokens": 3}, "draft model, k = 3"),
+    ({"ngram": True, "num_draft_tokens": 2}, "n-gram drafting, k = 2"),
+    ({"hybrid": True}, "hybrid drafting, k = 2 by default on cpu"),
+    ({"adaptive": "goodput", "num_draft_tokens": 1}, "draft model, goodput depth from k = 1"),
+    ({"no_draft": True}, "plain decoding"),
+])
+def test_startup_line_says_how_requests_are_decoded(model_dirs, kwargs, expected):
+    from verispec.server.run import describe_decoding
+
+    settings = ServerSettings(**kwargs)
+    ngram = verispec.NgramDraft() if settings.ngram else None
+    decoder = verispec.load(*model_dirs[: 1 if settings.no_draft or ngram else 2], *(
+        [ngram] if ngram else []), num_draft_tokens=settings.num_draft_tokens,
+        hybrid=settings.hybrid)
+    assert describe_decoding(decoder, settings) == expected
+
+
 @pytest.mark.parametrize("flag", ["--ngram", "--hybrid"])
 def test_serve_lookup_flags_and_a_server_drafting_by_lookup(flag):
     args = cli.build_parser().parse_args(["serve", flag, "--k", "2"])
@@ -605,6 +624,7 @@ def test_serve_command_serves_on_the_port_it_prints(model_dirs, sigint_ignored):
         line = process.stdout.readline()  # printed once the models are loaded
         assert line.startswith("verispec: serving 'verispec' on http://127.0.0.1:"), (
             line, process.stderr.read() if process.poll() is not None else "")
+        assert "(draft model, k = 2 by default on cpu; API key not required" in line
         url = line.split(" on ")[1].split()[0]
         assert not url.endswith(":0")
         demo = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=3, timeout=60)

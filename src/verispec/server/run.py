@@ -53,12 +53,14 @@ def serve(settings: ServerSettings) -> int:
                 "install 'verispec[serve]'.") from None
         if settings.threads is not None:  # process-wide, so set here, by the entry point
             torch.set_num_threads(settings.threads)
-        app = create_app(load_decoder(settings), settings)
+        decoder = load_decoder(settings)
+        app = create_app(decoder, settings)
         host, port = listener.getsockname()[:2]  # the port the OS chose for --port 0
         auth = "required" if settings.api_key else "not required"
         url_host = f"[{host}]" if listener.family == socket.AF_INET6 else host
         print(f"verispec: serving {settings.model_name!r} on http://{url_host}:{port} "
-              f"(API key {auth}; OpenAI routes under /v1)", flush=True)
+              f"({describe_decoding(decoder, settings)}; API key {auth}; OpenAI routes under "
+              "/v1)", flush=True)
         config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
         try:
             uvicorn.Server(config).run(sockets=[listener])
@@ -69,6 +71,21 @@ def serve(settings: ServerSettings) -> int:
     finally:
         listener.close()
     return 0
+
+
+def describe_decoding(decoder, settings: ServerSettings) -> str:
+    """How requests are decoded, for the startup line: the drafting and its depth k (which,
+    without --k, is the device's default)."""
+    if settings.no_draft:
+        return "plain decoding"
+    drafting = ("n-gram drafting" if settings.ngram else
+                "hybrid drafting" if settings.hybrid else "draft model")
+    depth = f"k = {decoder.num_draft_tokens}"
+    if settings.num_draft_tokens is None:
+        depth += f" by default on {decoder.target.device.type}"
+    if settings.adaptive:
+        depth = f"{settings.adaptive} depth from {depth}"
+    return f"{drafting}, {depth}"
 
 
 def bind_address(host: str, port: int) -> socket.socket:

@@ -533,14 +533,12 @@ def test_settings_take_paths_and_the_devices_default_depth():
     ({"no_draft": True}, "plain decoding"),
 ])
 def test_startup_line_says_how_requests_are_decoded(model_dirs, kwargs, expected):
-    from verispec.server.run import describe_decoding
+    from verispec.server.run import describe_decoding, load_decoder
 
-    settings = ServerSettings(**kwargs)
-    ngram = verispec.NgramDraft() if settings.ngram else None
-    decoder = verispec.load(*model_dirs[: 1 if settings.no_draft or ngram else 2], *(
-        [ngram] if ngram else []), num_draft_tokens=settings.num_draft_tokens,
-        hybrid=settings.hybrid)
-    assert describe_decoding(decoder, settings) == expected
+    target_only = kwargs.get("ngram") or kwargs.get("no_draft")
+    settings = ServerSettings(target=str(model_dirs[0]),
+                              draft=None if target_only else str(model_dirs[1]), **kwargs)
+    assert describe_decoding(load_decoder(settings), settings) == expected
 
 
 @pytest.mark.parametrize("flag", ["--ngram", "--hybrid"])

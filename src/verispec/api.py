@@ -283,7 +283,6 @@ class TextStream:
     def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
                  num_prompt_tokens: int) -> None:
         self.run = run
-        self.tokenizer = tokenizer
         self.stop = stop
         self.num_prompt_tokens = num_prompt_tokens
         self._detokenizer = IncrementalDetokenizer(tokenizer)

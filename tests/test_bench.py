@@ -46,6 +46,7 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
     assert "verispec k=3" in table and "hf assisted k=3" in table
     report = json.loads(out_json.read_text())
     assert report["num_prompts"] == 3 and report["environment"]["threads"] == 1
+    assert report["matmul"] in ("aten", "onednn")  # the fast path's projection kernel
     greedy, sampled = report["results"]["0.0"], report["results"]["1.0"]
     names = [r["name"] for r in greedy]
     assert names == ["verispec plain", "hf generate (target)", "hf assisted (defaults)",

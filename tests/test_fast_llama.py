@@ -9,12 +9,18 @@ from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.api import wrap_model
 from verispec.errors import ConfigError, ShapeError
+from verispec.errors import UnsupportedFeatureError
+from verispec.models import matmul as matmul_module
 from verispec.models.fast_llama import FastLlamaLM, supports
+from verispec.models.matmul import onednn_available, resolve_matmul
 from verispec.models.transformers import TransformersLM
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 VOCAB = 97
+# both projection kernels, whichever "auto" picks on this machine (models/matmul.py)
+MATMULS = ["aten", pytest.param("onednn", marks=pytest.mark.skipif(
+    not onednn_available(), reason="this torch build has no oneDNN"))]
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12, 13], [20], [30, 31, 32]]
 
 
@@ -33,10 +39,11 @@ def _fresh_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1]
 
 
-def test_logits_match_transformers_after_random_extend_and_rewind(target):
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_logits_match_transformers_after_random_extend_and_rewind(target, matmul):
     generator = torch.Generator().manual_seed(0)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
-    session = FastLlamaLM(target).new_session()
+    session = FastLlamaLM(target, matmul=matmul).new_session()
     session.start(prompts)
     history = [list(p) for p in prompts]
     for _ in range(12):
@@ -66,11 +73,14 @@ def generate_reference(target):
     return outputs
 
 
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_equals_reference_backend_and_generate(target, draft, generate_reference, k):
+def test_greedy_equals_reference_backend_and_generate(target, draft, generate_reference, k,
+                                                      matmul):
     config = GenerationConfig(max_new_tokens=48, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0.0))
-    fast = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
+    fast = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, matmul=matmul),
+                                               FastLlamaLM(draft, matmul=matmul))
     reference = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
     fast_ids = fast.generate(PROMPTS, config).token_ids  # one ragged batch
     assert fast_ids == reference.generate(PROMPTS, config).token_ids
@@ -138,3 +148,55 @@ def test_rewind_past_a_rows_length_is_a_shape_error(target):
         session.rewind(torch.tensor([-1, 0]))
     session.rewind(torch.tensor([3, 1]))  # to empty is fine
     assert session.lengths == [0, 0]
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_plain_and_speculative_greedy_agree_under_each_kernel(target, draft, matmul):
+    # exactness is with respect to the target as run: one kernel for both paths
+    lm = FastLlamaLM(target, matmul=matmul)
+    decoder = SpeculativeDecoder.from_draft_model(lm, FastLlamaLM(draft, matmul=matmul))
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
+                              sampling=SamplingConfig(temperature=0.0))
+    plain = decoder.generate(PROMPTS, config, speculative=False)
+    speculative = decoder.generate(PROMPTS, config)
+    assert lm.matmul == matmul
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.metrics.num_accepted > 0  # the draft was really tested
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_onednn_projections_match_aten_and_are_deterministic(target):
+    tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    logits = {}
+    for matmul in ("aten", "onednn"):
+        session = FastLlamaLM(target, matmul=matmul).new_session()
+        session.start([[1, 2], [3, 4]])
+        logits[matmul] = session.extend(tokens)
+    torch.testing.assert_close(logits["onednn"], logits["aten"], atol=1e-5, rtol=1e-5)
+    session = FastLlamaLM(target, matmul="onednn").new_session()
+    session.start([[1, 2], [3, 4]])
+    assert torch.equal(session.extend(tokens), logits["onednn"])  # same input, same bits
+
+
+def test_matmul_auto_picks_onednn_only_for_fp32_on_cpus_other_than_intels(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(matmul_module.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(matmul_module, "cpu_vendor", lambda: "GenuineIntel")
+    assert resolve_matmul("auto", cpu, torch.float32) == "aten"
+    monkeypatch.setattr(matmul_module, "cpu_vendor", lambda: "AuthenticAMD")
+    expected = "onednn" if onednn_available() else "aten"
+    assert resolve_matmul("auto", cpu, torch.float32) == expected
+    assert resolve_matmul("auto", cpu, torch.bfloat16) == "aten"  # ATen uses oneDNN already
+    assert resolve_matmul("auto", torch.device("cuda"), torch.float32) == "aten"
+    monkeypatch.setattr(matmul_module.platform, "machine", lambda: "arm64")
+    assert resolve_matmul("auto", cpu, torch.float32) == "aten"
+    assert resolve_matmul("aten", cpu, torch.float32) == "aten"
+
+
+def test_matmul_choice_errors_name_the_value_and_the_fix():
+    with pytest.raises(ConfigError, match="matmul='blas' is invalid: expected one of auto"):
+        resolve_matmul("blas", torch.device("cpu"), torch.float32)
+    with pytest.raises(UnsupportedFeatureError, match="device=cuda.*Use matmul='aten'"):
+        resolve_matmul("onednn", torch.device("cuda"), torch.float32)
+    with pytest.raises(UnsupportedFeatureError, match="float16"):
+        resolve_matmul("onednn", torch.device("cpu"), torch.float16)

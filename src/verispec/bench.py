@@ -41,6 +41,7 @@ from .config import GenerationConfig, SamplingConfig
 from .diagnostics import theoretical_speedup
 from .engine import SpeculativeDecoder
 from .metrics import GenerationMetrics
+from .models.matmul import cpuinfo
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
@@ -281,13 +282,7 @@ def environment() -> dict[str, object]:
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def to_json(results: dict[float, list[MethodResult]], settings: BenchSettings,

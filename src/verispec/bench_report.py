@@ -163,9 +163,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks))
     console = Console(stderr=True)
     env = environment()
+    # the projections' kernel of verispec's fast path (models/matmul.py); transformers' own
+    # forward (generate(), assisted generation) always runs ATen's
+    matmul = getattr(decoder.target, "matmul", "aten")
     console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
                   f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
-                  f"{env['processor']}, torch {env['torch']}, {args.device} {args.dtype}")
+                  f"{env['processor']}, torch {env['torch']}, {args.device} {args.dtype}, "
+                  f"matmul {matmul}")
     all_results: dict[float, list[MethodResult]] = {}
     with Progress(console=console, transient=True) as progress, torch.inference_mode():
         task = progress.add_task("bench", total=len(settings.temperatures))
@@ -178,7 +182,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     for temperature, results in all_results.items():
         out.print(results_table(results, temperature))
     extra = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
-             "num_prompts": len(prompts)}
+             "matmul": matmul, "num_prompts": len(prompts)}
     if args.json:
         Path(args.json).write_text(to_json(all_results, settings, extra))
     if args.plot:

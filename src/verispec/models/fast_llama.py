@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
 from .base import as_ints
+from .matmul import Linear, linear_kernel, resolve_matmul
 from .transformers import max_positions, output_width
 
 
@@ -58,9 +59,15 @@ def _plain_float_linears(model: PreTrainedModel) -> bool:
 
 
 class FastLlamaLM:
-    """A Llama-family ``PreTrainedModel`` as a :class:`LanguageModel` with a flat forward."""
+    """A Llama-family ``PreTrainedModel`` as a :class:`LanguageModel` with a flat forward.
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+    ``matmul`` picks the kernel of every projection (models/matmul.py): "aten" (F.linear),
+    "onednn", or "auto" (oneDNN for float32 on x86 CPUs not made by Intel, where MKL is slow);
+    the resolved name is ``self.matmul``.
+    """
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None,
+                 matmul: str = "auto") -> None:
         if not supports(model):
             raise ConfigError(f"the fast Llama path does not support model_type="
                               f"{getattr(model.config, 'model_type', None)!r} with this config; "
@@ -81,6 +88,8 @@ class FastLlamaLM:
         self.eps = config.rms_norm_eps
         self.dtype = model.dtype
         self._device = model.device  # cached: the model property walks every parameter
+        self.matmul = resolve_matmul(matmul, self._device, self.dtype)
+        self.linear = linear = linear_kernel(self.matmul)
         inner = model.model
         self.embed_weight = inner.embed_tokens.weight  # [V_model, E]
         self.norm_weight = inner.norm.weight
@@ -92,7 +101,7 @@ class FastLlamaLM:
         self.rms_norm = _fused_rms_norm if self.dtype == torch.float32 else _rms_norm
         # weights pulled out of the modules once: attribute lookups per call cost more than the
         # arithmetic at batch 1; q/k/v and gate/up are fused in place (see _fuse_linears)
-        self.layers = [_LayerWeights(layer) for layer in inner.layers]
+        self.layers = [_LayerWeights(layer, linear) for layer in inner.layers]
         # the output head restricted to the vocabulary once, not per call: [V, E]
         self.head_weight = model.get_output_embeddings().weight[:vocab_size]
 
@@ -142,14 +151,14 @@ class FastLlamaLM:
                 query, keys[:, :, :used], values[:, :, :used], attn_mask=mask,
                 scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
             out = out.transpose(1, 2).reshape(batch, num_new, -1)
-            hidden = hidden + F.linear(out, w.o, w.o_bias)
+            hidden = hidden + self.linear(out, w.o, w.o_bias)
             x = self.rms_norm(hidden, w.post_norm, self.eps)
             gate, up = w.project_gate_up(x)
-            hidden = hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            hidden = hidden + self.linear(F.silu(gate) * up, w.down, w.down_bias)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.rms_norm(hidden, self.norm_weight, self.eps)
-        return F.linear(hidden, self.head_weight)
+        return self.linear(hidden, self.head_weight)
 
 
 def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, used: int,
@@ -178,8 +187,9 @@ def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, us
 class _LayerWeights:
     """One decoder layer's tensors, looked up once; q/k/v and gate/up fused."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, linear: Linear) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        self.linear = linear
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         self.qkv, self.qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -190,11 +200,11 @@ class _LayerWeights:
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, n, E] -> queries, keys, values side by side [B, n, (H + 2 Hkv) D]."""
-        return F.linear(x, self.qkv, self.qkv_bias)
+        return self.linear(x, self.qkv, self.qkv_bias)
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, n, E] -> gate, up [B, n, I] each, from one matmul."""
-        gate_up = F.linear(x, self.gate_up, self.gate_up_bias)
+        gate_up = self.linear(x, self.gate_up, self.gate_up_bias)
         return gate_up[..., : self.gate_width], gate_up[..., self.gate_width :]
 
 

@@ -50,6 +50,8 @@ def max_positions(model: PreTrainedModel) -> int | None:
 class TransformersLM:
     """Wraps a loaded ``PreTrainedModel`` (put in eval mode) as a :class:`LanguageModel`."""
 
+    matmul = "aten"  # the model's own nn.Linear modules (models/matmul.py names the kernels)
+
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
         width = output_width(model)
         vocab_size = width if vocab_size is None else vocab_size

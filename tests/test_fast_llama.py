@@ -8,8 +8,7 @@ import torch
 from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.api import wrap_model
-from verispec.errors import ConfigError, ShapeError
-from verispec.errors import UnsupportedFeatureError
+from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import matmul as matmul_module
 from verispec.models.fast_llama import FastLlamaLM, supports
 from verispec.models.matmul import onednn_available, resolve_matmul

@@ -163,9 +163,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks))
     console = Console(stderr=True)
     env = environment()
-    # the projections' kernel of verispec's fast path (models/matmul.py); transformers' own
+    # the projections' kernel of verispec's target (models/matmul.py); transformers' own
     # forward (generate(), assisted generation) always runs ATen's
-    matmul = getattr(decoder.target, "matmul", "aten")
+    matmul = decoder.target.matmul
     console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
                   f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
                   f"{env['processor']}, torch {env['torch']}, {args.device} {args.dtype}, "

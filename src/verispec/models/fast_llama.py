@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
 from .base import as_ints
-from .matmul import Linear, linear_kernel, resolve_matmul
+from .matmul import linear_kernel, resolve_matmul
 from .transformers import max_positions, output_width
 
 
@@ -89,7 +89,7 @@ class FastLlamaLM:
         self.dtype = model.dtype
         self._device = model.device  # cached: the model property walks every parameter
         self.matmul = resolve_matmul(matmul, self._device, self.dtype)
-        self.linear = linear = linear_kernel(self.matmul)
+        self.linear = linear_kernel(self.matmul)  # x [.., E], weight [O, E], bias -> [.., O]
         inner = model.model
         self.embed_weight = inner.embed_tokens.weight  # [V_model, E]
         self.norm_weight = inner.norm.weight
@@ -101,7 +101,7 @@ class FastLlamaLM:
         self.rms_norm = _fused_rms_norm if self.dtype == torch.float32 else _rms_norm
         # weights pulled out of the modules once: attribute lookups per call cost more than the
         # arithmetic at batch 1; q/k/v and gate/up are fused in place (see _fuse_linears)
-        self.layers = [_LayerWeights(layer, linear) for layer in inner.layers]
+        self.layers = [_LayerWeights(layer) for layer in inner.layers]
         # the output head restricted to the vocabulary once, not per call: [V, E]
         self.head_weight = model.get_output_embeddings().weight[:vocab_size]
 
@@ -131,7 +131,8 @@ class FastLlamaLM:
         num_qk_heads = self.num_heads + self.num_kv_heads
         for w, keys, values in zip(self.layers, cache.keys, cache.values):
             x = self.rms_norm(hidden, w.input_norm, self.eps)
-            qkv = w.project_qkv(x).view(batch, num_new, -1, self.head_dim)  # [B, n, H+2Hkv, D]
+            qkv = self.linear(x, w.qkv, w.qkv_bias)  # [B, n, (H + 2 Hkv) D], one matmul
+            qkv = qkv.view(batch, num_new, -1, self.head_dim)  # [B, n, H+2Hkv, D]
             # rotate queries and keys together: one pass over [B, n, H+Hkv, D]. HF's
             # rotate_half(x) * sin is [-x2 * s1, x1 * s2]; roll(x) * signed_sin is
             # [x2 * -s1, x1 * s2], the same numbers bit for bit (negation is exact), in 2 ops
@@ -153,7 +154,8 @@ class FastLlamaLM:
             out = out.transpose(1, 2).reshape(batch, num_new, -1)
             hidden = hidden + self.linear(out, w.o, w.o_bias)
             x = self.rms_norm(hidden, w.post_norm, self.eps)
-            gate, up = w.project_gate_up(x)
+            gate_up = self.linear(x, w.gate_up, w.gate_up_bias)  # [B, n, 2 I], one matmul
+            gate, up = gate_up[..., : w.gate_width], gate_up[..., w.gate_width :]
             hidden = hidden + self.linear(F.silu(gate) * up, w.down, w.down_bias)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -187,9 +189,8 @@ def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, us
 class _LayerWeights:
     """One decoder layer's tensors, looked up once; q/k/v and gate/up fused."""
 
-    def __init__(self, layer: torch.nn.Module, linear: Linear) -> None:
+    def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.linear = linear
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         self.qkv, self.qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -197,15 +198,6 @@ class _LayerWeights:
         self.gate_width = mlp.gate_proj.weight.shape[0]
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
-
-    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, n, E] -> queries, keys, values side by side [B, n, (H + 2 Hkv) D]."""
-        return self.linear(x, self.qkv, self.qkv_bias)
-
-    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, n, E] -> gate, up [B, n, I] each, from one matmul."""
-        gate_up = self.linear(x, self.gate_up, self.gate_up_bias)
-        return gate_up[..., : self.gate_width], gate_up[..., self.gate_width :]
 
 
 def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,8 +3,9 @@
 The statistical tests in test_losslessness.py use fixture LMs with closed-form laws; this one
 runs the whole stack on a real LlamaForCausalLM target and a smaller real Llama draft (the
 target's first layer, embeddings and head: clearly different distributions, acceptance ~0.6),
-over a 24-token vocabulary. One batched generation of NUM_SAMPLES identical prompts (the
-adapter runs all rows in one forward per step) gives NUM_SAMPLES i.i.d. draws of (x1, x2); the
+over a 24-token vocabulary, on the CPU and (marked gpu) on CUDA. One batched generation of
+NUM_SAMPLES identical prompts (the adapter runs all rows in one forward per step) gives
+NUM_SAMPLES i.i.d. draws of (x1, x2); the
 exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the target alone
 with verispec.sampling.to_probs and the same SamplingConfig, and compared with a pooled G-test
 (tests/helpers_stats.py). A negative control swaps in a verification that accepts every draft
@@ -42,13 +43,18 @@ P_THRESHOLD = 1e-3
 CONTROL_P_THRESHOLD = 1e-6
 
 
-@pytest.fixture(scope="module")
-def models():
+# the whole stack on each device; on CUDA the 20k-row batch takes verification's tensor path
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def models(request):
     target = untied_llama(VOCAB_SIZE, seed=11, hidden=32, layers=2, max_positions=64)
     with torch.no_grad():
         target.lm_head.weight.mul_(LM_HEAD_SCALE)
     draft = layer_dropped_draft(target, num_layers=1)
-    return target, draft
+    return target.to(request.param), draft.to(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +67,9 @@ def next_token_logits(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Ten
     """Fresh forwards: logits after the prompt [V] and after prompt + [x1] for every x1 [V, V]."""
     contexts = torch.tensor([prompt + [x1] for x1 in range(VOCAB_SIZE)])  # [V, T+1]
     with torch.inference_mode():
-        first = model(torch.tensor([prompt])).logits[0, -1]  # [V]
-        second = model(contexts).logits[:, -1]  # [V, V]: row x1 -> logits of x2
-    return first, second
+        first = model(torch.tensor([prompt], device=model.device)).logits[0, -1]  # [V]
+        second = model(contexts.to(model.device)).logits[:, -1]  # [V, V]: x1 -> logits of x2
+    return first.cpu(), second.cpu()
 
 
 def exact_first_two_law(model, sampling: SamplingConfig) -> np.ndarray:

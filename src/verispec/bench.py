@@ -5,7 +5,8 @@ models in one process (no EOS stop, so token counts match). After a warm-up, eac
 every method back to back on each prompt (A B C, then C B A on the next prompt), so drift in
 machine load hits all methods alike. A method's time is the median of its per-repeat totals;
 its speedup is the median of its per-repeat ratios to the baseline (paired within a repeat).
-Ratios are taken within one run of this command, never across runs.
+Ratios are taken within one run of this command, never across runs. On CUDA the warm-up runs
+every method on every prompt (see run_bench).
 
 Methods: verispec plain decoding (the baseline every speedup divides by); transformers
 ``generate()`` with the target alone; transformers assisted generation with the same draft at its
@@ -84,6 +85,7 @@ class MethodResult:
     theoretical_speedup: float | None = None
     achieved_over_theoretical: float | None = None
     peak_rss_mb: float | None = None
+    peak_gpu_mb: float | None = None  # CUDA runs: torch's peak allocation on the device
     matches_baseline: bool | None = None
     seconds: list[float] = field(default_factory=list)
 
@@ -96,6 +98,12 @@ def _peak_rss_mb() -> float | None:
     except OSError:
         return None
     return None
+
+
+def _peak_gpu_mb(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 class _Method:
@@ -146,8 +154,11 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
             if matched:
                 config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
                 config.assistant_confidence_threshold = 0.0
-        try:  # transformers samples from the global RNG: seed it inside a fork, restored after
-            with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        # transformers samples from the global RNG (the target device's): seeded inside a
+        # fork of it, restored after
+        devices = [target.device] if target.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.inference_mode():
                 torch.manual_seed(seed)
                 out = target.generate(torch.tensor([prompt_ids], device=target.device), **kwargs)
         finally:
@@ -214,11 +225,17 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     results = {m.name: MethodResult(m.name, m.kind, m.k) for m in methods}
     metrics = {m.name: GenerationMetrics() for m in methods}
     outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
-    for method in methods:  # warm-up: one prompt each
-        method.run(prompts[0], settings.seed)
+    # warm-up: one prompt per method on a CPU; every prompt on CUDA, where kernels are planned
+    # per input shape on first sight (transformers' bf16 attention there picks cuDNN, 50-450 ms
+    # per new sequence length, models/attention.py), which must not land in one method's runs
+    warmup = prompts if decoder.target.device.type == "cuda" else prompts[:1]
+    for method in methods:
+        for i, prompt in enumerate(warmup):
+            method.run(prompt, settings.seed + i)
         # the process's peak RSS once this method has run: methods share the process, so a
         # method's own footprint shows as the rise over the methods before it
         results[method.name].peak_rss_mb = _peak_rss_mb()
+        results[method.name].peak_gpu_mb = _peak_gpu_mb(decoder.target.device)
     for repeat in range(settings.repeats):
         elapsed = dict.fromkeys(results, 0.0)
         for i, prompt in enumerate(prompts):
@@ -275,10 +292,15 @@ def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int
         result.achieved_over_theoretical = result.speedup / result.theoretical_speedup
 
 
-def environment() -> dict[str, object]:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "processor": _cpu_name(),
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+def environment(device: torch.device | None = None) -> dict[str, object]:
+    """Where a run happened; ``accelerator`` names the GPU of a CUDA run."""
+    env: dict[str, object] = {
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "processor": _cpu_name(),
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    if device is not None and device.type == "cuda":
+        env["accelerator"] = torch.cuda.get_device_name(device)
+    return env
 
 
 def _cpu_name() -> str:
@@ -286,7 +308,7 @@ def _cpu_name() -> str:
 
 
 def to_json(results: dict[float, list[MethodResult]], settings: BenchSettings,
-            extra: dict[str, object]) -> str:
-    return json.dumps({"settings": asdict(settings), "environment": environment(), **extra,
+            extra: dict[str, object], device: torch.device | None = None) -> str:
+    return json.dumps({"settings": asdict(settings), "environment": environment(device), **extra,
                        "results": {str(t): [asdict(r) for r in rs] for t, rs in results.items()}},
                       indent=2)

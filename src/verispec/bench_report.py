@@ -162,13 +162,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              include_adaptive=not args.no_adaptive,
                              ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks))
     console = Console(stderr=True)
-    env = environment()
+    env = environment(decoder.target.device)
     # the projections' kernel of verispec's target (models/matmul.py); transformers' own
     # forward (generate(), assisted generation) always runs ATen's
     matmul = decoder.target.matmul
     console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
                   f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
-                  f"{env['processor']}, torch {env['torch']}, {args.device} {args.dtype}, "
+                  f"{env['processor']}, torch {env['torch']}, {args.device} "
+                  f"{('(' + str(env['accelerator']) + ') ') if 'accelerator' in env else ''}"
+                  f"{args.dtype}, "
                   f"matmul {matmul}")
     all_results: dict[float, list[MethodResult]] = {}
     with Progress(console=console, transient=True) as progress, torch.inference_mode():
@@ -184,7 +186,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     extra = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
              "matmul": matmul, "num_prompts": len(prompts)}
     if args.json:
-        Path(args.json).write_text(to_json(all_results, settings, extra))
+        Path(args.json).write_text(to_json(all_results, settings, extra, decoder.target.device))
     if args.plot:
         plot_speedups(all_results, Path(args.plot))
     if args.markdown:
@@ -207,6 +209,7 @@ def results_table(results: list[MethodResult], temperature: float):
     table = Table(title=f"temperature {temperature:g} (speedup over verispec plain)")
     for column in ("method", "tok/s", "ms/tok", "speedup", "accept", "a", "per-position",
                    "tok/call", "c", "v", "theory", "ach/theory", "peak MB", "= base"):
+        # peak MB: the process's peak RSS on a CPU run, torch's peak GPU allocation on CUDA
         table.add_column(column, justify="left" if column in ("method", "per-position")
                          else "right")
     for r in results:
@@ -219,7 +222,8 @@ def results_table(results: list[MethodResult], temperature: float):
                       _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
                       _fmt(r.verify_cost),
                       _fmt(r.theoretical_speedup), _fmt(r.achieved_over_theoretical),
-                      _fmt(r.peak_rss_mb, ".0f"), same)
+                      _fmt(r.peak_rss_mb if r.peak_gpu_mb is None else r.peak_gpu_mb, ".0f"),
+                      same)
     return table
 
 

@@ -65,7 +65,8 @@ class Chunk:
 class SpeculativeDecoder:
     """Exact speculative decoding of ``target`` with tokens drafted by ``proposer``.
 
-    The draft's vocabulary is checked here, at construction, not on the first request.
+    The draft's vocabulary and device are checked here, at construction, not on the first
+    request.
     """
 
     def __init__(self, target: LanguageModel, proposer: Proposer | None = None) -> None:
@@ -74,6 +75,12 @@ class SpeculativeDecoder:
                 f"draft vocab_size={proposer.vocab_size} differs from target vocab_size="
                 f"{target.vocab_size}; the draft and the target must share one vocabulary "
                 "(the same tokenizer).")
+        draft_device = getattr(proposer, "device", None)  # a model-free proposer may omit it
+        if draft_device is not None and torch.device(draft_device) != target.device:
+            raise IncompatibleModelsError(
+                f"the draft is on {draft_device} but the target on {target.device}; "
+                "verification compares their probabilities on one device: load both with the "
+                "same device=.")
         self.target = target
         self.proposer = proposer
         # adaptive policies with carry_over=True: the latest generation's policy per (policy
@@ -107,7 +114,8 @@ class DecodingRun:
     def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]],
                  config: GenerationConfig, speculative: bool) -> None:
         self.config = config
-        self.generator = make_generator(config.seed, decoder.target.device)
+        self.device = decoder.target.device  # where the target's logits, and verification, live
+        self.generator = make_generator(config.seed, self.device)
         self.target = TargetScorer(decoder.target.new_session(), prompts)
         self.proposer: ProposerSession | None = None
         self.policy: AdaptivePolicy | None = None
@@ -200,10 +208,12 @@ class DecodingRun:
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k == 0 or self.proposer is None:
-            device = self.target.pending.device
-            return torch.empty((len(self.token_ids), 0), dtype=torch.int64, device=device), None
+            return torch.empty((len(self.token_ids), 0), dtype=torch.int64,
+                               device=self.device), None
         proposal = self.proposer.propose(k, self.generator)
-        return proposal.draft_tokens, proposal.draft_probs
+        # tokens meet the target's probs on its device (an n-gram lookup proposes host tensors;
+        # the draft's probs are on the draft's device, which load() makes the target's)
+        return proposal.draft_tokens.to(self.device), proposal.draft_probs
 
     def _emit(self, output_tokens: list[list[int]], num_accepted: list[int],
               active: list[bool]) -> Chunk:

@@ -30,7 +30,7 @@ class TokenOutOfRangeError(InputError):
 
 
 class ShapeError(VerispecError, ValueError):
-    """A tensor has the wrong rank, size or dtype for the operation."""
+    """A tensor has the wrong rank, size, dtype or device for the operation."""
 
 
 class NonFiniteError(VerispecError, ArithmeticError):

@@ -175,8 +175,9 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float], bad_total: str,
             raise NonFiniteError(bad_total)
         thresholds.append(min(float(u) * total, math.nextafter(total, 0.0)))
     if len(thresholds) == 1:  # one row: a Python float is searched for as is, no tensor built
+        # (a scalar search returns a host tensor even for a CUDA cdf: moved back, a no-op on CPU)
         return torch.searchsorted(cdf.reshape(-1), thresholds[0], right=True).reshape(
-            cdf.shape[:-1])
+            cdf.shape[:-1]).to(cdf.device)
     threshold = torch.tensor(thresholds, dtype=torch.float64, device=cdf.device)
     return torch.searchsorted(cdf, threshold.reshape(*cdf.shape[:-1], 1), right=True).squeeze(-1)
 

@@ -3,7 +3,7 @@
 Legend: B batch, K draft tokens (max over rows), V vocabulary.
 
 Each check raises a typed error naming the argument, what was expected and what came:
-ShapeError for shapes and ragged lengths, NonFiniteError for NaN/inf probabilities,
+ShapeError for shapes, ragged lengths and devices, NonFiniteError for NaN/inf probabilities,
 TokenOutOfRangeError for a draft token outside the vocabulary, ConfigError for a generator that
 is not a torch.Generator. Not here: the math.
 """
@@ -58,6 +58,11 @@ def check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                          f"for draft_tokens {tuple(draft_tokens.shape)}; got "
                          f"{tuple(target_probs.shape)}.")
     vocab_size = target_probs.shape[-1]
+    for name, tensor in (("draft_tokens", draft_tokens), ("draft_probs", draft_probs)):
+        if tensor is not None and tensor.device != target_probs.device:
+            raise ShapeError(f"{name} is on {tensor.device} but target_probs on "
+                             f"{target_probs.device}; expected every verification input on one "
+                             f"device: move it with .to(target_probs.device).")
     if draft_probs is not None and tuple(draft_probs.shape) != (batch_size, max_k, vocab_size):
         raise ShapeError(f"draft_probs must be [B, K, V] = [{batch_size}, {max_k}, {vocab_size}]"
                          f"; got {tuple(draft_probs.shape)}. Draft and target must share a "

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
+from .attention import attention_kernels
 from .base import as_ints
 from .matmul import linear_kernel, resolve_matmul
 from .transformers import max_positions, output_width
@@ -346,5 +347,5 @@ class FastLlamaSession:
             lengths = torch.tensor(self.lengths, dtype=torch.int64, device=tokens.device)
             positions = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
         self.cache.ensure(used)
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_kernels(self.lm.device):
             return self.lm.forward(tokens, positions, start, self.cache, used, logits_to_keep)

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, ShapeError
+from .attention import attention_kernels
 
 
 def output_width(model: PreTrainedModel) -> int:
@@ -174,7 +175,7 @@ class TransformersSession:
         dtype = self.lm.model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)  # additive: eager and sdpa alike
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_kernels(self.lm.device):
             out = self.lm.model(input_ids=tokens, position_ids=positions,
                                 attention_mask=mask[:, None], past_key_values=self.cache,
                                 use_cache=True, logits_to_keep=logits_to_keep)

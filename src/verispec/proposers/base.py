@@ -44,9 +44,12 @@ class ProposerSession(Protocol):
 
 
 class Proposer(Protocol):
-    """Opens a :class:`ProposerSession` per generation. ``vocab_size`` must equal the target's."""
+    """Opens a :class:`ProposerSession` per generation. ``vocab_size`` must equal the target's;
+    ``device``, where draft_probs live, must be the target's (None: a proposer with no model,
+    whose proposals carry no probs; it may leave the attribute out)."""
 
     vocab_size: int
+    device: torch.device | None
 
     def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> ProposerSession:
         ...

@@ -34,6 +34,7 @@ class DraftModelProposer:
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
         self.vocab_size = model.vocab_size
+        self.device = model.device  # where draft_probs live
 
     def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
               ) -> DraftModelSession:

@@ -47,6 +47,7 @@ class HybridProposer:
         self.draft = draft
         self.config = config
         self.vocab_size = draft.vocab_size
+        self.device = draft.device
 
     def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
               ) -> HybridSession:

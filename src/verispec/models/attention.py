@@ -16,7 +16,8 @@ Memory-efficient attention has no per-shape planning, and it is the one kernel u
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
 (k + 1)-token verification passes, and two kernels round bf16 differently, which broke greedy
 equality between plain and speculative decoding on the GPU (tests/test_gpu.py). The math kernel
-stays as the fallback for what the efficient kernel does not take. CPUs are left to torch.
+stays as the fallback for what the efficient kernel does not take (on some torch versions,
+grouped-query heads: still exact, slower on long contexts). CPUs are left to torch.
 
 Not here: the attention math itself (the adapters call scaled_dot_product_attention).
 """

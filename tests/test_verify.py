@@ -577,6 +577,19 @@ def test_shape_mismatches_raise_shape_error(draft_tokens, draft_probs, target_pr
         verify(draft_tokens, draft_probs, target_probs, make_generator(0), num_draft)
 
 
+@pytest.mark.parametrize("where", ["draft_tokens", "draft_probs"])
+def test_inputs_on_two_devices_raise_shape_error(where):
+    # meta stands for any device but the target's; tests/test_gpu.py does it with cuda
+    draft_tokens, draft_probs = torch.tensor([[0, 1]]), torch.ones(1, 2, 3) / 3
+    if where == "draft_tokens":
+        draft_tokens = draft_tokens.to("meta")
+    else:
+        draft_probs = draft_probs.to("meta")
+    with pytest.raises(ShapeError, match=f"{where} is on meta but target_probs on cpu.*"
+                                         "\\.to\\(target_probs.device\\)"):
+        verify(draft_tokens, draft_probs, torch.ones(1, 3, 3) / 3, make_generator(0))
+
+
 @pytest.mark.parametrize("bad_token", [3, 17, -1])
 def test_draft_token_out_of_range_raises(bad_token):
     draft_tokens = torch.tensor([[0, bad_token]])

@@ -33,31 +33,34 @@ def draft():
     return tiny_llama(VOCAB, seed=12, hidden=32, layers=1)
 
 
-def _fresh_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0, -1]
+def check_logits_after_random_extend_and_rewind(model, session, vocab_size: int,
+                                               steps: int = 12) -> None:
+    """Random extends and rewinds of ``session`` on three ragged rows; after each extend every
+    row's last logits must equal a fresh forward of ``model`` over that row's history (on the
+    model's device). Shared with tests/test_gpu.py."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
+    session.start(prompts)
+    history = [list(p) for p in prompts]
+    for _ in range(steps):
+        n = int(torch.randint(1, 5, (1,), generator=generator))
+        tokens = torch.randint(0, vocab_size, (3, n), generator=generator)
+        logits = session.extend(tokens.to(model.device))  # [B, n, V]
+        for row in range(3):
+            history[row].extend(tokens[row].tolist())
+            with torch.inference_mode():
+                fresh = model(torch.tensor([history[row]], device=model.device)).logits[0, -1]
+            torch.testing.assert_close(logits[row, -1], fresh, atol=1e-4, rtol=1e-4)
+        rewind = [int(torch.randint(0, n + 1, (1,), generator=generator)) for _ in range(3)]
+        session.rewind(rewind)
+        for row in range(3):
+            del history[row][len(history[row]) - rewind[row]:]
 
 
 @pytest.mark.parametrize("matmul", MATMULS)
 def test_logits_match_transformers_after_random_extend_and_rewind(target, matmul):
-    generator = torch.Generator().manual_seed(0)
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
-    session = FastLlamaLM(target, matmul=matmul).new_session()
-    session.start(prompts)
-    history = [list(p) for p in prompts]
-    for _ in range(12):
-        n = int(torch.randint(1, 5, (1,), generator=generator))
-        tokens = torch.randint(0, VOCAB, (3, n), generator=generator)
-        logits = session.extend(tokens)
-        for row in range(3):
-            history[row].extend(tokens[row].tolist())
-            torch.testing.assert_close(logits[row, -1], _fresh_logits(target, history[row]),
-                                       atol=1e-4, rtol=1e-4)
-        rewind = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=generator))
-                               for _ in range(3)])
-        session.rewind(rewind)
-        for row in range(3):
-            del history[row][len(history[row]) - int(rewind[row]):]
+    check_logits_after_random_extend_and_rewind(
+        target, FastLlamaLM(target, matmul=matmul).new_session(), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import json
 
 import pytest
 import torch
+from test_fast_llama import check_logits_after_random_extend_and_rewind
 from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 import verispec
@@ -197,23 +198,7 @@ def test_a_draft_on_another_device_is_refused_at_construction(models):
 
 def test_fast_cache_rewind_gives_the_logits_of_a_fresh_forward(models):
     target, _ = models
-    generator = torch.Generator().manual_seed(0)
-    session = FastLlamaLM(target).new_session()
-    history = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
-    session.start([list(row) for row in history])
-    for _ in range(10):
-        n = int(torch.randint(1, 5, (1,), generator=generator))
-        tokens = torch.randint(0, VOCAB, (3, n), generator=generator)
-        logits = session.extend(tokens.to(CUDA))  # [B, n, V]
-        for row in range(3):
-            history[row].extend(tokens[row].tolist())
-            with torch.inference_mode():
-                fresh = target(torch.tensor([history[row]], device=CUDA)).logits[0, -1]
-            torch.testing.assert_close(logits[row, -1], fresh, atol=1e-4, rtol=1e-4)
-        rewind = [int(torch.randint(0, n + 1, (1,), generator=generator)) for _ in range(3)]
-        session.rewind(rewind)
-        for row in range(3):
-            del history[row][len(history[row]) - rewind[row]:]
+    check_logits_after_random_extend_and_rewind(target, FastLlamaLM(target).new_session(), VOCAB)
 
 
 # ---------------------------------------------------------------------------------------------

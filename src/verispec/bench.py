@@ -141,6 +141,9 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
     generation_config.update(max_new_tokens=settings.max_new_tokens,
                              min_new_tokens=settings.max_new_tokens,
                              pad_token_id=decoder.tokenizer.pad_token_id or 0, **sampling)
+    # transformers samples from the global RNG (the CPU's, and the GPU's for a CUDA target):
+    # seeded inside a fork of it, restored after
+    rng_devices = [target.device] if target.device.type == "cuda" else []
 
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], None]:
         kwargs: dict[str, object] = {"generation_config": generation_config}
@@ -154,11 +157,8 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
             if matched:
                 config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
                 config.assistant_confidence_threshold = 0.0
-        # transformers samples from the global RNG (the target device's): seeded inside a
-        # fork of it, restored after
-        devices = [target.device] if target.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
                 torch.manual_seed(seed)
                 out = target.generate(torch.tensor([prompt_ids], device=target.device), **kwargs)
         finally:

@@ -166,11 +166,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # the projections' kernel of verispec's target (models/matmul.py); transformers' own
     # forward (generate(), assisted generation) always runs ATen's
     matmul = decoder.target.matmul
+    device = args.device + (f" ({env['accelerator']})" if "accelerator" in env else "")
     console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
                   f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
-                  f"{env['processor']}, torch {env['torch']}, {args.device} "
-                  f"{('(' + str(env['accelerator']) + ') ') if 'accelerator' in env else ''}"
-                  f"{args.dtype}, "
+                  f"{env['processor']}, torch {env['torch']}, {device} {args.dtype}, "
                   f"matmul {matmul}")
     all_results: dict[float, list[MethodResult]] = {}
     with Progress(console=console, transient=True) as progress, torch.inference_mode():

@@ -180,6 +180,27 @@ def test_onednn_projections_match_aten_and_are_deterministic(target):
     assert torch.equal(session.extend(tokens), logits["onednn"])  # same input, same bits
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_onednn_reads_packed_copies_and_leaves_the_models_weights_as_they_were():
+    model = tiny_llama(VOCAB, seed=13, hidden=64, layers=2)
+    attn = model.model.layers[0].self_attn
+    before = attn.o_proj.weight.clone()
+    lm = FastLlamaLM(model, matmul="onednn")
+    # packed: oneDNN's blocked layout, read only by its kernel (models/matmul.py)
+    assert all(w.is_mkldnn for layer in lm.layers
+               for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert lm.head_weight.is_mkldnn
+    # the model keeps dense weights with the same values, so its own forward still runs
+    assert not attn.o_proj.weight.is_mkldnn and torch.equal(attn.o_proj.weight, before)
+    assert not FastLlamaLM(model, matmul="aten").layers[0].o.is_mkldnn
+    tokens = torch.tensor([[3, 4, 5, 6]])
+    session = lm.new_session()
+    session.start([[1, 2]])
+    with torch.inference_mode():
+        fresh = model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits[:, 2:]
+    torch.testing.assert_close(session.extend(tokens), fresh, atol=1e-5, rtol=1e-5)
+
+
 def test_matmul_auto_picks_onednn_only_for_fp32_on_cpus_other_than_intels(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(matmul_module.platform, "machine", lambda: "x86_64")

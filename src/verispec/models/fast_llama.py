@@ -7,7 +7,8 @@ Why: for the small models speculative decoding pairs with (and for every draft),
 forward at batch 1 spends most of its time in Python module dispatch, not in arithmetic; that
 fixed cost is what makes a draft step expensive relative to a target step (the cost ratio c).
 This module runs the same computation as ``LlamaForCausalLM`` as one function over the model's
-own weight tensors (no copies: q/k/v and gate/up are fused in place, see _fuse_linears), with
+own weight tensors (q/k/v and gate/up fused in place, see _fuse_linears; with the oneDNN kernel
+the projections are read from packed copies, see models/matmul.py), with
 the same preallocated per-row KV cache semantics as transformers.py (position-indexed writes,
 free rewind, ragged rows). Per step it issues about 20 ops a layer; at batch 1 on a CPU each
 costs a few microseconds whatever its size, which is what bounds a small draft's step.
@@ -22,7 +23,7 @@ module, SiLU MLP, no sliding window); anything else uses the transformers adapte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,8 @@ class FastLlamaLM:
         self.dtype = model.dtype
         self._device = model.device  # cached: the model property walks every parameter
         self.matmul = resolve_matmul(matmul, self._device, self.dtype)
-        self.linear = linear_kernel(self.matmul)  # x [.., E], weight [O, E], bias -> [.., O]
+        kernel = linear_kernel(self.matmul)
+        self.linear = kernel.linear  # x [.., E], weight [O, E] as prepared, bias -> [.., O]
         inner = model.model
         self.embed_weight = inner.embed_tokens.weight  # [V_model, E]
         self.norm_weight = inner.norm.weight
@@ -102,9 +104,9 @@ class FastLlamaLM:
         self.rms_norm = _fused_rms_norm if self.dtype == torch.float32 else _rms_norm
         # weights pulled out of the modules once: attribute lookups per call cost more than the
         # arithmetic at batch 1; q/k/v and gate/up are fused in place (see _fuse_linears)
-        self.layers = [_LayerWeights(layer) for layer in inner.layers]
+        self.layers = [_LayerWeights(layer, kernel.prepare) for layer in inner.layers]
         # the output head restricted to the vocabulary once, not per call: [V, E]
-        self.head_weight = model.get_output_embeddings().weight[:vocab_size]
+        self.head_weight = kernel.prepare(model.get_output_embeddings().weight[:vocab_size])
 
     @property
     def device(self) -> torch.device:
@@ -188,17 +190,21 @@ def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, us
 
 
 class _LayerWeights:
-    """One decoder layer's tensors, looked up once; q/k/v and gate/up fused."""
+    """One decoder layer's tensors, looked up once; q/k/v and gate/up fused, projection weights
+    in the layout the kernel reads (``prepare``: the same tensors for ATen, packed copies for
+    oneDNN, models/matmul.py)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module,
+                 prepare: Callable[[torch.Tensor], torch.Tensor]) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.qkv, self.qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up, self.gate_up_bias = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        qkv, self.qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, self.gate_up_bias = _fuse_linears([mlp.gate_proj, mlp.up_proj])
         self.gate_width = mlp.gate_proj.weight.shape[0]
-        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.qkv, self.gate_up = prepare(qkv), prepare(gate_up)
+        self.o, self.o_bias = prepare(attn.o_proj.weight), attn.o_proj.bias
+        self.down, self.down_bias = prepare(mlp.down_proj.weight), mlp.down_proj.bias
 
 
 def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,10 +16,12 @@ from .errors import ConfigError, InputError
 
 MAX_NUM_DRAFT_TOKENS = 32
 # The depth a loaded decoder uses when none is given, by the device type its target runs on. On
-# a CPU a verification pass over k + 1 tokens costs 1.05-1.3 plain steps for k = 1-2 but 1.6 and
-# more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose: the demo pair measured
-# 1.11-1.14x plain at k = 2 and 0.90-0.93x at k = 4 (README, Benchmark: the 11:39 and 18:59
-# runs). On an accelerator the pass costs about one step and k = 4 is the usual choice.
+# a CPU with MKL (Intel) a verification pass over k + 1 tokens costs 1.05-1.3 plain steps for
+# k = 1-2 but 1.6 and more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose: the
+# demo pair measured 1.11-1.14x plain at k = 2 and 0.90-0.93x at k = 4 (README, Benchmark: the
+# 11:39 and 18:59 runs). With packed oneDNN weights (AMD) a pass costs about one step and k = 4
+# led (1.50x against k = 2's 1.42x, the 2026-11-23 12:22 run); 2 is the depth that pays on both.
+# On an accelerator the pass costs about one step and k = 4 is the usual choice.
 DEFAULT_NUM_DRAFT_TOKENS = {"cpu": 2}
 DEFAULT_NUM_DRAFT_TOKENS_ACCELERATOR = 4
 

@@ -86,9 +86,10 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     (models/fast_llama.py, Llama-architecture only); "auto" picks "fast" where supported.
     ``num_draft_tokens``: the default depth k of every generation; None picks one for the
     device (2 on a CPU, where with MKL on Intel verifying 4 or more tokens costs 1.6 plain steps
-    and up; with packed oneDNN weights on AMD k = 4 was faster; 4 on a GPU). ``adaptive``: the default depth policy of every generation (GoodputPolicyConfig()
-    measures which k is fastest on this hardware; ThresholdPolicyConfig() follows
-    acceptance); k is then where it starts. None: a fixed k.
+    and up; with packed oneDNN weights on AMD k = 4 was faster; 4 on a GPU). ``adaptive``: the
+    default depth policy of every generation (GoodputPolicyConfig() measures which k is fastest
+    on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
+    None: a fixed k.
     """
     _hybrid_lookup(hybrid, draft, target)  # checked before anything loads
     if target is None and (draft is None or isinstance(draft, NgramDraft)):

@@ -55,9 +55,8 @@ PACK_ROWS = 4
 
 
 class LinearKernel(NamedTuple):
-    """A resolved projection kernel: its name, the weight layout it reads, and the product."""
+    """A resolved projection kernel: the weight layout it reads, and the product."""
 
-    name: str  # "aten" or "onednn"
     prepare: Callable[[torch.Tensor], torch.Tensor]  # weight [O, E] -> what ``linear`` reads
     linear: Linear
 
@@ -108,8 +107,8 @@ def resolve_matmul(choice: str, device: torch.device, dtype: torch.dtype) -> str
 def linear_kernel(name: str) -> LinearKernel:
     """The kernel for a resolved name ("aten" or "onednn")."""
     if name == "onednn":
-        return LinearKernel("onednn", _pack_for_onednn, _onednn_linear)
-    return LinearKernel("aten", _unchanged, F.linear)
+        return LinearKernel(_pack_for_onednn, _onednn_linear)
+    return LinearKernel(_unchanged, F.linear)
 
 
 def _unchanged(weight: torch.Tensor) -> torch.Tensor:

@@ -152,9 +152,21 @@ def test_rewind_past_a_rows_length_is_a_shape_error(target):
     assert session.lengths == [0, 0]
 
 
-@pytest.mark.parametrize("matmul", MATMULS)
-def test_plain_and_speculative_greedy_agree_under_each_kernel(target, draft, matmul):
+def pack_every_weight(monkeypatch) -> None:
+    """Under "onednn", pack even the tiny test models' weights (by default a weight under
+    SMALL_WEIGHT_ELEMENTS stays dense for ATen, and every weight here is that small)."""
+    monkeypatch.setattr(matmul_module, "SMALL_WEIGHT_ELEMENTS", 0)
+
+
+@pytest.mark.parametrize("matmul,packed", [("aten", False)] + [
+    pytest.param("onednn", packed, id=f"onednn-{'every-weight-packed' if packed else 'default'}",
+                 marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"))
+    for packed in (False, True)])
+def test_plain_and_speculative_greedy_agree_under_each_kernel(target, draft, matmul, packed,
+                                                              monkeypatch):
     # exactness is with respect to the target as run: one kernel for both paths
+    if packed:
+        pack_every_weight(monkeypatch)
     lm = FastLlamaLM(target, matmul=matmul)
     decoder = SpeculativeDecoder.from_draft_model(lm, FastLlamaLM(draft, matmul=matmul))
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
@@ -167,7 +179,8 @@ def test_plain_and_speculative_greedy_agree_under_each_kernel(target, draft, mat
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
-def test_onednn_projections_match_aten_and_are_deterministic(target):
+def test_onednn_projections_match_aten_and_are_deterministic(target, monkeypatch):
+    pack_every_weight(monkeypatch)
     tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
     logits = {}
     for matmul in ("aten", "onednn"):
@@ -180,8 +193,19 @@ def test_onednn_projections_match_aten_and_are_deterministic(target):
     assert torch.equal(session.extend(tokens), logits["onednn"])  # same input, same bits
 
 
+def assert_extend_matches_forward(lm: FastLlamaLM, model) -> None:
+    """Logits of a 2-token prompt then a 4-token extend equal the model's own forward."""
+    session = lm.new_session()
+    session.start([[1, 2]])
+    with torch.inference_mode():
+        fresh = model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits[:, 2:]
+    logits = session.extend(torch.tensor([[3, 4, 5, 6]]))
+    torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
-def test_onednn_reads_packed_copies_and_leaves_the_models_weights_as_they_were():
+def test_onednn_reads_packed_copies_and_leaves_the_models_weights_as_they_were(monkeypatch):
+    pack_every_weight(monkeypatch)
     model = tiny_llama(VOCAB, seed=13, hidden=64, layers=2)
     attn = model.model.layers[0].self_attn
     before = attn.o_proj.weight.clone()
@@ -193,12 +217,20 @@ def test_onednn_reads_packed_copies_and_leaves_the_models_weights_as_they_were()
     # the model keeps dense weights with the same values, so its own forward still runs
     assert not attn.o_proj.weight.is_mkldnn and torch.equal(attn.o_proj.weight, before)
     assert not FastLlamaLM(model, matmul="aten").layers[0].o.is_mkldnn
-    tokens = torch.tensor([[3, 4, 5, 6]])
-    session = lm.new_session()
-    session.start([[1, 2]])
-    with torch.inference_mode():
-        fresh = model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits[:, 2:]
-    torch.testing.assert_close(session.extend(tokens), fresh, atol=1e-5, rtol=1e-5)
+    assert_extend_matches_forward(lm, model)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_onednn_leaves_small_weights_to_aten_and_packs_large_ones():
+    # hidden 64, vocabulary 4096: the output layer (4096 x 64 = 2^18 elements) is packed, every
+    # layer's projections (at most 256 x 64) are under SMALL_WEIGHT_ELEMENTS and stay dense
+    model = tiny_llama(4096, seed=14, hidden=64, layers=1)
+    lm = FastLlamaLM(model, matmul="onednn")
+    assert lm.head_weight.is_mkldnn
+    layer = lm.layers[0]
+    assert not any(w.is_mkldnn for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert layer.o is model.model.layers[0].self_attn.o_proj.weight  # no copy where not packed
+    assert_extend_matches_forward(lm, model)
 
 
 def test_matmul_auto_picks_onednn_only_for_fp32_on_cpus_other_than_intels(monkeypatch):

@@ -85,8 +85,9 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
     (models/fast_llama.py, Llama-architecture only); "auto" picks "fast" where supported.
     ``num_draft_tokens``: the default depth k of every generation; None picks one for the
-    device (2 on a CPU, where with MKL on Intel verifying 4 or more tokens costs 1.6 plain steps
-    and up; with packed oneDNN weights on AMD k = 4 was faster; 4 on a GPU). ``adaptive``: the
+    device: 4 on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and
+    other non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs
+    (with MKL on Intel verifying 4 or more tokens costs 1.6 plain steps and up). ``adaptive``: the
     default depth policy of every generation (GoodputPolicyConfig() measures which k is fastest
     on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
     None: a fixed k.
@@ -167,7 +168,8 @@ class Decoder:
             proposer = HybridProposer(proposer, hybrid)
         self.engine = SpeculativeDecoder(self.target, proposer)
         # the depth of calls that name none; None: the device's default (see config)
-        self.num_draft_tokens = (default_num_draft_tokens(self.target.device.type)
+        flat_verify = getattr(self.target, "matmul", None) == "onednn"  # FastLlamaLM's kernel
+        self.num_draft_tokens = (default_num_draft_tokens(self.target.device.type, flat_verify)
                                  if num_draft_tokens is None else num_draft_tokens)
         GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked
         self.adaptive = adaptive

@@ -52,8 +52,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("generation")
     sampling.add_argument("--k", type=_int, default=None, metavar="N",
-                          help="draft tokens per round, 1 to 32 (default: 2 on a CPU, where "
-                          "verifying more costs more than it saves; 4 on a GPU)")
+                          help="draft tokens per round, 1 to 32 (default: 4 on a GPU and on CPUs "
+                          "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
+                          "other CPUs, where verifying more costs more than it saves)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
                           help="0 = greedy (default: 0)")
     sampling.add_argument("--top-k", type=_int, default=None, metavar="K")

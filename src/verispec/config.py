@@ -19,17 +19,21 @@ MAX_NUM_DRAFT_TOKENS = 32
 # a CPU with MKL (Intel) a verification pass over k + 1 tokens costs 1.05-1.3 plain steps for
 # k = 1-2 but 1.6 and more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose: the
 # demo pair measured 1.11-1.14x plain at k = 2 and 0.90-0.93x at k = 4 (README, Benchmark: the
-# 11:39 and 18:59 runs). With packed oneDNN weights (AMD) a pass costs about one step and k = 4
-# led (1.50x against k = 2's 1.42x, the 2026-11-23 12:22 run); 2 is the depth that pays on both.
-# On an accelerator the pass costs about one step and k = 4 is the usual choice.
+# 11:39 and 18:59 runs). With packed oneDNN weights (the fast path's kernel on AMD and other
+# non-Intel x86 CPUs) a pass over 2-9 tokens costs about one step, so the depth is chosen as on
+# an accelerator: k = 4 led there (1.50x against k = 2's 1.42x, the 2026-11-23 12:22 run). On
+# an accelerator the pass costs about one step and k = 4 is the usual choice.
 DEFAULT_NUM_DRAFT_TOKENS = {"cpu": 2}
-DEFAULT_NUM_DRAFT_TOKENS_ACCELERATOR = 4
+DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY = 4
 
 
-def default_num_draft_tokens(device_type: str) -> int:
+def default_num_draft_tokens(device_type: str, flat_verify: bool = False) -> int:
     """The speculation depth k to use on a device of this type ("cpu", "cuda", "mps", ...) when
-    the caller chose none."""
-    return DEFAULT_NUM_DRAFT_TOKENS.get(device_type, DEFAULT_NUM_DRAFT_TOKENS_ACCELERATOR)
+    the caller chose none. ``flat_verify``: the target's passes over a few tokens cost about what
+    one token's does on this CPU too (its projections run on packed oneDNN weights)."""
+    if flat_verify:
+        return DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY
+    return DEFAULT_NUM_DRAFT_TOKENS.get(device_type, DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY)
 
 
 def _require(ok: bool, field_name: str, value: object, expected: str) -> None:

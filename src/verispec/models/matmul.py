@@ -26,6 +26,24 @@ pass over 1-9 rows costs about what 1 row does (all the demo target's projection
 decoding got faster end to end (one-process A/B, 12 prompts x 64 tokens, greedy: plain 1.11x,
 speculative at k = 3 1.40x the unpacked code, with identical tokens).
 
+Small weights stay with ATen even under "onednn". oneDNN pays a fixed ~25 us a call, which is
+more than a small product's whole time with MKL at one row (the demo draft's projections, warm,
+medians of 3000, us):
+
+    weight          1 row: MKL / oneDNN     2 rows         5 rows
+    576 x 192        9.6 / 29.2            28.7 / 28.7    32.9 / 34.1
+    1024 x 192      19.8 / 36.3            51.0 / 36.5    55.0 / 45.0
+    192 x 512       12.5 / 27.7            24.0 / 27.2    29.4 / 32.8
+    512 x 512       21.5 / 32.5            43.5 / 24.6    58.4 / 30.3
+    1536 x 512      68.1 / 40.8           129.5 / 49.0   188.1 / 59.4
+    8192 x 192     222.4 / 89.8           325.4 / 82.8   323.2 / 102.5
+
+so a weight under SMALL_WEIGHT_ELEMENTS (2^18) is left dense and multiplied by ATen, whatever
+the number of rows: the kernel is fixed per weight, so plain steps and verification passes use
+the same one. That covers a small draft's layers (which run one row at a time; the demo
+draft's step went from ~1.0 to ~0.84 ms) and none of the demo target's projections, which keep
+oneDNN's flat cost over k + 1 rows.
+
 Both kernels compute the same products in a different summation order, so logits agree to
 ~1e-6 relative, not bit for bit; within one kernel a given input always gives the same output.
 Exactness is with respect to the target as run: plain and speculative decoding of one loaded
@@ -52,6 +70,11 @@ Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Ten
 # the number of rows oneDNN's packed layout is chosen for; measured on the demo target's
 # projections, passes over 1-9 rows all cost about one row's time with it (see the docstring)
 PACK_ROWS = 4
+
+# under "onednn", weights with fewer elements than this stay dense and are multiplied by ATen:
+# oneDNN's fixed cost per call (~25 us here) is more than such a product's whole time with MKL
+# at one row (see the docstring); every projection of the demo target is at least this size
+SMALL_WEIGHT_ELEMENTS = 1 << 18
 
 
 class LinearKernel(NamedTuple):
@@ -117,12 +140,18 @@ def _unchanged(weight: torch.Tensor) -> torch.Tensor:
 
 def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     """weight [O, E] -> a copy in oneDNN's blocked layout (an opaque tensor only
-    ``_onednn_linear`` reads)."""
+    ``_onednn_linear`` reads); a weight under SMALL_WEIGHT_ELEMENTS stays as it is, for ATen."""
+    if weight.numel() < SMALL_WEIGHT_ELEMENTS:
+        return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                    ) -> torch.Tensor:
-    """x [..., E] @ weight [O, E].T + bias, by oneDNN's inner product (no fused activation);
-    ``weight`` plain or packed by ``_pack_for_onednn``."""
+    """x [..., E] @ weight [O, E].T + bias: oneDNN's inner product (no fused activation) for a
+    weight packed by ``_pack_for_onednn``, ATen's for one it left dense (a small one). Which is
+    fixed per weight when the model loads, never by the number of rows, so a plain step and a
+    verification pass multiply every weight by the same kernel."""
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

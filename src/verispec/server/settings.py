@@ -69,8 +69,9 @@ class ServerSettings:
     dtype: str = _setting("float32", "model dtype", choices=DTYPES)
     num_draft_tokens: int | None = _setting(
         None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
-        "with num_draft_tokens (default: 2 on a CPU, where verifying more costs more than it "
-        "saves; 4 on a GPU)", flag="--k", metavar="N", value_type=int)
+        "with num_draft_tokens (default: 4 on a GPU and on CPUs where the target runs on packed "
+        "oneDNN weights, e.g. AMD; 2 on other CPUs, where verifying more costs more than it "
+        "saves)", flag="--k", metavar="N", value_type=int)
     adaptive: str | None = _setting(None, "adapt k between rounds, starting at --k: goodput "
                                     "measures which depth is fastest here, goodput-plain may "
                                     "also choose plain rounds (k = 0), threshold follows "

@@ -295,6 +295,17 @@ def lm_loss(model, inputs, labels):
         logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def optimizer_step(model, optimizer, loss, state: dict, num_tokens: int, t0: float, args) -> None:
+    """One clipped AdamW step on ``loss``; advances the step, token and time counters."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    state["step"] += 1
+    state["tokens_seen"] += num_tokens
+    state["elapsed_s"] = time.monotonic() - t0
+
+
 def run_loop(role, model, optimizer, gen, state, train_stream, heldout_stream, budget_s,
              max_steps, args, compute_loss=lm_loss, peak_lr=None, batch=None) -> None:
     probe = heldout_windows(heldout_stream, args.seq_len, args.probe_windows)
@@ -314,13 +325,7 @@ def run_loop(role, model, optimizer, gen, state, train_stream, heldout_stream, b
                                       args.seq_len, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
             loss = compute_loss(model, inputs, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        state["step"] += 1
-        state["tokens_seen"] += inputs.numel()
-        state["elapsed_s"] = time.monotonic() - t0
+        optimizer_step(model, optimizer, loss, state, inputs.numel(), t0, args)
         if state["step"] % args.log_every == 0:
             tok_s = state["tokens_seen"] / max(state["elapsed_s"], 1e-9)
             log(f"{role} step {state['step']} loss {loss.item():.4f} lr {lr:.2e} "
@@ -371,6 +376,111 @@ def distill_draft(args) -> None:
     draft_state["distill"] = {"steps": state["step"], "tokens_seen": state["tokens_seen"],
                               "train_time_min": state["elapsed_s"] / 60, "lr": args.distill_lr,
                               "command": args.command_line}
+    export_model("draft", draft, tokenizer, draft_state, args)
+
+
+def generate_on_policy(target, train_stream, args) -> list[torch.Tensor]:
+    """The target's own continuations of training-text prefixes, half greedy, half sampled at
+    temperature 1 (seeded Generator), for ``--onpolicy-gen-min`` minutes.
+    -> batches of sequences [B, prefix + new] int64 (the prefix length varies by batch).
+
+    Prefixes come from the training stream only, never from the held-out files. A batch shares
+    one prefix length, so rows need no padding and each step is one forward over the cache.
+    """
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(args.draft_seed + 3)
+    chunks: list[torch.Tensor] = []
+    t0, num_tokens = time.monotonic(), 0
+    while time.monotonic() - t0 < args.onpolicy_gen_min * 60:
+        prefix_len = int(torch.randint(16, 129, (1,), generator=gen))
+        starts = torch.randint(0, len(train_stream) - prefix_len, (args.onpolicy_gen_batch,),
+                               generator=gen)
+        seqs = torch.stack([train_stream[s : s + prefix_len] for s in starts.tolist()]).long()
+        greedy = len(chunks) % 2 == 0  # alternate batches: greedy, sampled, greedy, ...
+        cache = DynamicCache()
+        logits = target(input_ids=seqs, past_key_values=cache, use_cache=True).logits[:, -1]
+        new_tokens = []
+        for _ in range(args.onpolicy_new_tokens):
+            if greedy:
+                token = logits.argmax(-1, keepdim=True)  # [B, 1]
+            else:
+                token = torch.multinomial(logits.float().softmax(-1), 1, generator=gen)  # [B, 1]
+            new_tokens.append(token)
+            logits = target(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        chunks.append(torch.cat([seqs] + new_tokens, dim=1))
+        num_tokens += len(seqs) * args.onpolicy_new_tokens
+        log(f"onpolicy: generated {num_tokens:,} target tokens "
+            f"({num_tokens / (time.monotonic() - t0):.0f} tok/s)")
+    return chunks
+
+
+def distill_on_policy(args) -> None:
+    """Distil the exported draft towards the exported target on the target's own outputs.
+
+    DistillSpec (Zhou et al. 2023): what decides acceptance is how well the draft follows the
+    target on the sequences the target itself produces, so the data is target continuations
+    (``generate_on_policy``) and the loss forward KL(target || draft) at every position. Starts
+    from the exported draft (no checkpoint needed), exports the result over it.
+    """
+    tokenizer = load_tokenizer(Path(args.out_dir) / "target")
+    train_stream, heldout_stream = load_streams(tokenizer, args)
+    target, draft = load_exported("target", args), load_exported("draft", args)
+    data_path = Path(args.work_dir) / "onpolicy_data.pt"
+    reused = args.resume and data_path.exists()
+    if reused:
+        chunks = torch.load(data_path)
+    else:
+        with torch.no_grad():
+            chunks = generate_on_policy(target, train_stream, args)
+        torch.save(chunks, data_path)
+    rows = [row for chunk in chunks for row in chunk]  # [prefix + new] each
+    draft.train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.onpolicy_lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay)
+    gen = torch.Generator().manual_seed(args.draft_seed + 4)
+    probe = heldout_windows(heldout_stream, args.seq_len, args.probe_windows)
+    log(f"onpolicy: {len(rows)} sequences, budget {args.onpolicy_budget_min:.1f} min, "
+        f"probe CE {mean_ce(draft, probe, 8):.4f}")
+    state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0}
+    t0 = time.monotonic()
+    while (progress := (time.monotonic() - t0) / (args.onpolicy_budget_min * 60)) < 1.0:
+        lr = lr_at(state["step"], progress, args.onpolicy_lr, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        picks = torch.randint(0, len(rows), (args.draft_batch,), generator=gen).tolist()
+        width = min(len(rows[i]) for i in picks)
+        inputs = torch.stack([rows[i][:width] for i in picks])  # [B, T]
+        with torch.no_grad():
+            target_logprobs = target(input_ids=inputs).logits.float().log_softmax(-1)
+        draft_logprobs = draft(input_ids=inputs).logits.float().log_softmax(-1)  # [B, T, V]
+        loss = (target_logprobs.exp() * (target_logprobs - draft_logprobs)).sum(-1).mean()
+        optimizer_step(draft, optimizer, loss, state, inputs.numel(), t0, args)
+        if state["step"] % args.log_every == 0:
+            log(f"onpolicy step {state['step']} kl {loss.item():.4f} lr {lr:.2e} "
+                f"elapsed {state['elapsed_s'] / 60:.1f}m")
+        if state["step"] % args.eval_every == 0:
+            log(f"onpolicy step {state['step']} heldout_probe_ce {mean_ce(draft, probe, 8):.4f}")
+    draft.eval()
+    # the models' earlier training, as the report of the assets started from records it (this
+    # stage needs no checkpoint or train state of theirs), in the train-state form eval reads
+    earlier = json.loads((Path(args.out_dir) / "report.json").read_text())
+    for role in ("target", "draft"):
+        training = earlier["models"][role]["training"]
+        role_state = {"step": training["steps"], "tokens_seen": training["tokens_seen"],
+                      "elapsed_s": training["train_time_min"] * 60,
+                      "distill": training.get("distill"), "onpolicy": training.get("onpolicy"),
+                      "train_tokens_in_corpus": earlier["data"]["train_tokens"],
+                      "command": earlier["command"]}
+        (Path(args.work_dir) / f"train_state_{role}.json").write_text(json.dumps(role_state))
+    draft_state = json.loads((Path(args.work_dir) / "train_state_draft.json").read_text())
+    # one record per run of this stage (a run with --resume trains again on the data the
+    # previous one generated)
+    draft_state["onpolicy"] = (draft_state.get("onpolicy") or []) + [{
+        "steps": state["step"], "tokens_seen": state["tokens_seen"],
+        "train_time_min": state["elapsed_s"] / 60, "lr": args.onpolicy_lr,
+        "generated_sequences": len(rows), "generated_tokens": len(rows) * args.onpolicy_new_tokens,
+        "generation_min": 0.0 if reused else args.onpolicy_gen_min, "command": args.command_line}]
     export_model("draft", draft, tokenizer, draft_state, args)
 
 
@@ -580,6 +690,7 @@ def build_report(args, tokenizer, target, draft, windows, ce, agreement, latency
             "training": {"steps": states[role]["step"], "tokens_seen": states[role]["tokens_seen"],
                          "train_time_min": states[role]["elapsed_s"] / 60,
                          "distill": states[role].get("distill"),
+                         "onpolicy": states[role].get("onpolicy"),
                          "seed": args.target_seed if role == "target" else args.draft_seed},
         }
     _, heldout_files = stdlib_files()
@@ -633,6 +744,25 @@ def model_card(report: dict) -> str:
         f"{distill['train_time_min']:.1f} min, peak lr {distill['lr']}) of forward "
         f"KL(target || draft) on the training windows. The draft's steps, tokens and minutes in the "
         f"table are its LM training only." if distill else "The draft was not distilled.")
+    onpolicy = d["training"].get("onpolicy") or []
+    if onpolicy:
+        first = onpolicy[0]
+        runs = "; ".join(
+            f"{run['steps']:,} steps ({run['tokens_seen']:,} tokens, {run['train_time_min']:.1f} min, "
+            f"peak lr {run['lr']})" for run in onpolicy)
+        distill_text += (
+            f"\n\nThen it was distilled on the target's own outputs (on-policy, DistillSpec; "
+            f"`--stage onpolicy`): the target continued random training-text prefixes of 16-128 "
+            f"tokens by {first['generated_tokens'] // first['generated_sequences']} tokens, "
+            f"greedily in half the batches and sampled at temperature 1 in the other half "
+            f"({first['generated_sequences']:,} sequences, {first['generation_min']:.0f} min of "
+            f"generation), and the draft trained on forward KL(target || draft) at every position "
+            f"of those sequences, in {len(onpolicy)} run(s) on the same data: {runs}. No held-out "
+            f"file was used.")
+    next_distill = (
+        "distil the draft on the target's outputs for longer" if onpolicy else
+        "distil the draft for longer, and on the target's own greedy/sampled continuations "
+        "(on-policy, DistillSpec) rather than on the training text")
     samples = "\n\n".join(
         f"Prompt `{s['prompt'].strip()}`\n\ntarget:\n```python\n{s['target']}\n```\n"
         f"draft:\n```python\n{s['draft']}\n```" for s in report["samples"])
@@ -731,10 +861,8 @@ to floating-point nondeterminism of the CPU kernels).
 Honestly, most of the gap is training time: on a shared 2-core CPU both models saw only a few
 million tokens, and the target is far from converged (at equal tokens seen, the target and the
 LM-trained draft had about the same held-out loss: neither was capacity-limited yet). In rough
-order of expected effect: train the target much longer; distil the draft for longer, and on the
-target's own greedy/sampled continuations (on-policy, DistillSpec) rather than on the training
-text; then a wider or deeper draft (raises c) or sharing the target's embedding table with the
-draft. More data beyond the stdlib would mostly help the target. Note that a is flattered by
+order of expected effect: train the target much longer; {next_distill}; then a wider or deeper
+draft (raises c) or sharing the target's embedding table with the draft. More data beyond the stdlib would mostly help the target. Note that a is flattered by
 weakness: both models put most of their mass on the same frequent tokens (indentation,
 punctuation, common names), and both fall into the same repetition loops in greedy decoding.
 """
@@ -751,7 +879,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
-    add("--stage", choices=["tokenizer", "draft", "target", "distill", "eval", "card", "all"], default="all",
+    add("--stage", choices=["tokenizer", "draft", "target", "distill", "onpolicy", "eval", "card",
+                            "all"], default="all",
         help="which stage to run; 'all' runs tokenizer, target, draft, distill (if its budget > 0), "
              "eval in that order; 'distill' fine-tunes the draft towards the exported target; "
              "'card' only re-renders README.md from report.json (no model work)")
@@ -789,6 +918,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--distill-steps", type=int, default=0,
         help="if > 0: distill exactly this many steps (deterministic), ignore its budget")
     add("--distill-lr", type=float, default=1e-3, help="distillation peak learning rate")
+    add("--onpolicy-gen-min", type=float, default=12.0,
+        help="onpolicy stage: minutes of target generation (its training data)")
+    add("--onpolicy-gen-batch", type=int, default=64, help="onpolicy stage: rows per generation batch")
+    add("--onpolicy-new-tokens", type=int, default=96,
+        help="onpolicy stage: target tokens generated per prefix")
+    add("--onpolicy-budget-min", type=float, default=20.0,
+        help="onpolicy stage: distillation wall-clock budget (minutes)")
+    add("--onpolicy-lr", type=float, default=1e-3, help="onpolicy stage: peak learning rate")
     add("--target-batch", type=int, default=8, help="target sequences per step")
     add("--draft-batch", type=int, default=8, help="draft sequences per step")
     add("--seq-len", type=int, default=256, help="tokens per training sequence")
@@ -840,6 +977,8 @@ def main(argv=None) -> None:
             train_role(stage, args)
         elif stage == "distill":
             distill_draft(args)
+        elif stage == "onpolicy":
+            distill_on_policy(args)
         elif stage == "eval":
             evaluate(args)
         else:

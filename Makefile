@@ -27,7 +27,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_bench.py --ks 1 2 3 4 6 8
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_bench.py --ks 1 2 3 4 5 6 8
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -18,11 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 import verispec
 from verispec import cli
+from verispec.config import default_num_draft_tokens
 from verispec.errors import ConfigError
+from verispec.models.matmul import resolve_matmul
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
 from verispec.server.prompts import ChatMessage, ChatPrompt, render_chat, render_plain_chat
@@ -30,6 +33,11 @@ from verispec.server.run import adaptive_policy
 from verispec.server.settings import add_settings_arguments
 
 from tiny_models import build_tokenizer, save_model, tiny_llama
+
+# the depth a server on this machine's CPU uses when --k is not given (4 where the fast path
+# multiplies by packed oneDNN weights, 2 with MKL; config.default_num_draft_tokens)
+CPU_DEFAULT_K = default_num_draft_tokens(
+    "cpu", flat_verify=resolve_matmul("auto", torch.device("cpu"), torch.float32) == "onednn")
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -121,7 +129,7 @@ def test_completion_greedy_equals_decoder(client, reference):
     assert out.usage.completion_tokens == len(expected.token_ids)
     assert out.usage.total_tokens == expected.num_prompt_tokens + len(expected.token_ids)
     summary = out.model_extra["speculation"]
-    assert summary["num_draft_tokens"] == 2  # no --k: the CPU's default depth
+    assert summary["num_draft_tokens"] == CPU_DEFAULT_K  # no --k: the CPU's default depth
     assert summary["drafted"] == expected.metrics.num_drafted
     assert summary["accepted"] == expected.metrics.num_accepted
     assert summary["acceptance_rate"] == pytest.approx(expected.metrics.acceptance_rate)
@@ -525,10 +533,10 @@ def test_settings_take_paths_and_the_devices_default_depth():
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    ({}, "draft model, k = 2 by default on cpu"),
+    ({}, f"draft model, k = {CPU_DEFAULT_K} by default on cpu"),
     ({"num_draft_tokens": 3}, "draft model, k = 3"),
     ({"ngram": True, "num_draft_tokens": 2}, "n-gram drafting, k = 2"),
-    ({"hybrid": True}, "hybrid drafting, k = 2 by default on cpu"),
+    ({"hybrid": True}, f"hybrid drafting, k = {CPU_DEFAULT_K} by default on cpu"),
     ({"adaptive": "goodput", "num_draft_tokens": 1}, "draft model, goodput depth from k = 1"),
     ({"no_draft": True}, "plain decoding"),
 ])
@@ -622,7 +630,8 @@ def test_serve_command_serves_on_the_port_it_prints(model_dirs, sigint_ignored):
         line = process.stdout.readline()  # printed once the models are loaded
         assert line.startswith("verispec: serving 'verispec' on http://127.0.0.1:"), (
             line, process.stderr.read() if process.poll() is not None else "")
-        assert "(draft model, k = 2 by default on cpu; API key not required" in line
+        assert (f"(draft model, k = {CPU_DEFAULT_K} by default on cpu; API key not required"
+                in line)
         url = line.split(" on ")[1].split()[0]
         assert not url.endswith(":0")
         demo = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=3, timeout=60)

@@ -427,14 +427,16 @@ def distill_on_policy(args) -> None:
     train_stream, heldout_stream = load_streams(tokenizer, args)
     target, draft = load_exported("target", args), load_exported("draft", args)
     data_path = Path(args.work_dir) / "onpolicy_data.pt"
-    reused = args.resume and data_path.exists()
-    if reused:
-        chunks = torch.load(data_path)
+    if args.resume and data_path.exists():  # train again on what an earlier run generated
+        data = torch.load(data_path)
+        data["generation_min"] = 0.0
     else:
         with torch.no_grad():
-            chunks = generate_on_policy(target, train_stream, args)
-        torch.save(chunks, data_path)
-    rows = [row for chunk in chunks for row in chunk]  # [prefix + new] each
+            data = {"chunks": generate_on_policy(target, train_stream, args),
+                    "new_tokens": args.onpolicy_new_tokens}
+        torch.save(data, data_path)
+        data["generation_min"] = args.onpolicy_gen_min
+    rows = [row for chunk in data["chunks"] for row in chunk]  # [prefix + new] each
     draft.train()
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.onpolicy_lr, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
@@ -465,23 +467,26 @@ def distill_on_policy(args) -> None:
     # the models' earlier training, as the report of the assets started from records it (this
     # stage needs no checkpoint or train state of theirs), in the train-state form eval reads
     earlier = json.loads((Path(args.out_dir) / "report.json").read_text())
+    states = {}
     for role in ("target", "draft"):
         training = earlier["models"][role]["training"]
-        role_state = {"step": training["steps"], "tokens_seen": training["tokens_seen"],
-                      "elapsed_s": training["train_time_min"] * 60,
-                      "distill": training.get("distill"), "onpolicy": training.get("onpolicy"),
-                      "train_tokens_in_corpus": earlier["data"]["train_tokens"],
-                      "command": earlier["command"]}
-        (Path(args.work_dir) / f"train_state_{role}.json").write_text(json.dumps(role_state))
-    draft_state = json.loads((Path(args.work_dir) / "train_state_draft.json").read_text())
-    # one record per run of this stage (a run with --resume trains again on the data the
-    # previous one generated)
-    draft_state["onpolicy"] = (draft_state.get("onpolicy") or []) + [{
+        states[role] = {"step": training["steps"], "tokens_seen": training["tokens_seen"],
+                        "elapsed_s": training["train_time_min"] * 60,
+                        "distill": training.get("distill"),
+                        "onpolicy": training.get("onpolicy") or [],
+                        "train_tokens_in_corpus": earlier["data"]["train_tokens"],
+                        "command": earlier["command"]}
+    (Path(args.work_dir) / "train_state_target.json").write_text(json.dumps(states["target"]))
+    previous = Path(args.work_dir) / "train_state_draft.json"
+    if args.resume and previous.exists():  # the runs since the report was last written
+        states["draft"]["onpolicy"] = json.loads(previous.read_text()).get("onpolicy") or []
+    # one record per run of this stage (export_model writes the draft's train state)
+    states["draft"]["onpolicy"].append({
         "steps": state["step"], "tokens_seen": state["tokens_seen"],
         "train_time_min": state["elapsed_s"] / 60, "lr": args.onpolicy_lr,
-        "generated_sequences": len(rows), "generated_tokens": len(rows) * args.onpolicy_new_tokens,
-        "generation_min": 0.0 if reused else args.onpolicy_gen_min, "command": args.command_line}]
-    export_model("draft", draft, tokenizer, draft_state, args)
+        "generated_sequences": len(rows), "generated_tokens": len(rows) * data["new_tokens"],
+        "generation_min": data["generation_min"], "command": args.command_line})
+    export_model("draft", draft, tokenizer, states["draft"], args)
 
 
 def load_streams(tokenizer, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -862,7 +867,8 @@ Honestly, most of the gap is training time: on a shared 2-core CPU both models s
 million tokens, and the target is far from converged (at equal tokens seen, the target and the
 LM-trained draft had about the same held-out loss: neither was capacity-limited yet). In rough
 order of expected effect: train the target much longer; {next_distill}; then a wider or deeper
-draft (raises c) or sharing the target's embedding table with the draft. More data beyond the stdlib would mostly help the target. Note that a is flattered by
+draft (raises c) or sharing the target's embedding table with the draft. More data beyond the
+stdlib would mostly help the target. Note that a is flattered by
 weakness: both models put most of their mass on the same frequent tokens (indentation,
 punctuation, common names), and both fall into the same repetition loops in greedy decoding.
 """

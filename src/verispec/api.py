@@ -168,7 +168,7 @@ class Decoder:
             proposer = HybridProposer(proposer, hybrid)
         self.engine = SpeculativeDecoder(self.target, proposer)
         # the depth of calls that name none; None: the device's default (see config)
-        flat_verify = getattr(self.target, "matmul", None) == "onednn"  # FastLlamaLM's kernel
+        flat_verify = self.target.matmul == "onednn"  # packed oneDNN weights (models/matmul.py)
         self.num_draft_tokens = (default_num_draft_tokens(self.target.device.type, flat_verify)
                                  if num_draft_tokens is None else num_draft_tokens)
         GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked

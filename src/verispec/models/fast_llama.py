@@ -8,8 +8,9 @@ forward at batch 1 spends most of its time in Python module dispatch, not in ari
 fixed cost is what makes a draft step expensive relative to a target step (the cost ratio c).
 This module runs the same computation as ``LlamaForCausalLM`` as one function over the model's
 own weight tensors (q/k/v and gate/up fused in place, see _fuse_linears; with the oneDNN kernel
-the large projections are read from packed copies, see models/matmul.py), with the same preallocated per-row KV cache semantics as transformers.py (position-indexed writes,
-free rewind, ragged rows). Per step it issues about 20 ops a layer; at batch 1 on a CPU each
+the large projections are read from packed copies, see models/matmul.py), with the same
+preallocated per-row KV cache semantics as transformers.py (position-indexed writes, free
+rewind, ragged rows). Per step it issues about 20 ops a layer; at batch 1 on a CPU each
 costs a few microseconds whatever its size, which is what bounds a small draft's step.
 torch.compile was measured and does not pay here: the demo draft's step went 0.89 -> 0.74 ms
 after a 12 s compile per shape, with logits that differ from the eager ones by ~3e-6.

@@ -71,9 +71,7 @@ Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Ten
 # projections, passes over 1-9 rows all cost about one row's time with it (see the docstring)
 PACK_ROWS = 4
 
-# under "onednn", weights with fewer elements than this stay dense and are multiplied by ATen:
-# oneDNN's fixed cost per call (~25 us here) is more than such a product's whole time with MKL
-# at one row (see the docstring); every projection of the demo target is at least this size
+# under "onednn", weights with fewer elements than this stay dense, for ATen (see the docstring)
 SMALL_WEIGHT_ELEMENTS = 1 << 18
 
 

@@ -13,9 +13,11 @@ $(BIN)/python:
 
 # torch first, pinned: on a CPU machine this resolves to the local CPU wheel, and the
 # package's own `torch>=2.4` range is then already satisfied (no CUDA stack is pulled).
+# llama-cpp-python (the llamacpp extra, in dev) compiles llama.cpp here: several minutes on 2
+# cores the first time, then pip's wheel cache has it. Its multimodal library is not needed.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e ".[dev]"
+	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" $(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,7 +1,9 @@
-"""GGUF checkpoints: loading, exact equality with the same model from safetensors, quantized
+"""GGUF checkpoints through transformers' GGUF loader (backend="transformers"; the llama.cpp
+backend, which "auto" picks for GGUF files when llama-cpp-python is installed, is tested in
+test_llama_cpp.py): loading, exact equality with the same model from safetensors, quantized
 targets, the CLI and the server, and typed errors for bad files.
 
-The .gguf files are written here from tiny random-init Llama models (tests/gguf_models.py writes
+The .gguf files are written here from tiny random-init Llama models (verispec.gguf_export writes
 what llama.cpp's converter writes), so what each file holds is known exactly: an F32 file must
 give bit-identical logits and tokens to the safetensors model it came from.
 """
@@ -17,7 +19,7 @@ from verispec import cli
 from verispec.errors import ModelLoadError
 from verispec.server import ServerSettings, create_app
 
-from gguf_models import save_gguf
+from verispec.gguf_export import save_gguf
 from test_server import ServerThread
 from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
@@ -47,7 +49,7 @@ def _greedy(decoder, **kwargs):
 
 
 def test_f32_gguf_is_the_same_model_and_tokenizer(files):
-    decoder = verispec.load(files["target_gguf"])
+    decoder = verispec.load(files["target_gguf"], backend="transformers")
     ids = files["tokenizer"].encode(PROMPT + "\n    return a + b")
     assert decoder.tokenizer.encode(PROMPT + "\n    return a + b") == ids
     assert decoder.tokenizer.get_vocab() == files["tokenizer"].get_vocab()
@@ -58,7 +60,8 @@ def test_f32_gguf_is_the_same_model_and_tokenizer(files):
 
 
 def test_gguf_pair_decodes_exactly_as_the_safetensors_pair(files):
-    from_gguf = verispec.load(files["target_gguf"], files["draft_gguf"], num_draft_tokens=3)
+    from_gguf = verispec.load(files["target_gguf"], files["draft_gguf"], num_draft_tokens=3,
+                              backend="transformers")
     from_dirs = verispec.load(files["target_dir"], files["draft_dir"], num_draft_tokens=3)
     greedy = _greedy(from_gguf)
     assert greedy.token_ids == _greedy(from_dirs).token_ids
@@ -74,7 +77,8 @@ def test_gguf_pair_decodes_exactly_as_the_safetensors_pair(files):
 def test_quantized_gguf_target_is_verified_exactly(files):
     # Q8_0 blocks are dequantized on load: a different model from the F32 one, and speculative
     # decoding must reproduce *its* greedy output (plain decoding and transformers generate())
-    decoder = verispec.load(files["target_q8"], files["draft_gguf"], num_draft_tokens=3)
+    decoder = verispec.load(files["target_q8"], files["draft_gguf"], num_draft_tokens=3,
+                            backend="transformers")
     weight = decoder.target.model.model.layers[0].mlp.down_proj.weight
     original = files["target"].model.layers[0].mlp.down_proj.weight
     assert not torch.equal(weight, original)
@@ -90,7 +94,8 @@ def test_quantized_gguf_target_is_verified_exactly(files):
 
 def test_cli_generates_from_gguf_files(files, capsys):
     status = cli.main(["generate", PROMPT, "--target", files["target_gguf"], "--draft",
-                       files["draft_gguf"], "--temperature", "0", "--max-new-tokens", "40"])
+                       files["draft_gguf"], "--temperature", "0", "--max-new-tokens", "40",
+                       "--backend", "transformers"])
     out = capsys.readouterr().out
     assert status == 0
     expected = _greedy(verispec.load(files["target_dir"], files["draft_dir"]))
@@ -98,7 +103,8 @@ def test_cli_generates_from_gguf_files(files, capsys):
 
 
 def test_server_serves_a_gguf_pair(files):
-    settings = ServerSettings(target=files["target_gguf"], draft=files["draft_gguf"])
+    settings = ServerSettings(target=files["target_gguf"], draft=files["draft_gguf"],
+                              backend="transformers")
     from verispec.server.run import load_decoder
 
     decoder = load_decoder(settings)
@@ -124,14 +130,14 @@ def test_a_file_that_is_not_gguf(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"this is not a gguf file" * 10)
     with pytest.raises(ModelLoadError, match="could not load the target"):
-        verispec.load(str(path))
+        verispec.load(str(path), backend="transformers")
 
 
 def test_an_architecture_transformers_cannot_load(tmp_path, files):
     path = save_gguf(files["target"], files["tokenizer"], tmp_path / "odd.gguf",
                      architecture="not-an-architecture")
     with pytest.raises(ModelLoadError, match="could not load the target"):
-        verispec.load(str(path))
+        verispec.load(str(path), backend="transformers")
 
 
 def test_cli_bad_gguf_path_exits_2_with_one_line(tmp_path, capsys):

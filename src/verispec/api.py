@@ -27,26 +27,41 @@ from .metrics import GenerationMetrics
 from .models.loading import (
     check_same_tokenizer,
     common_vocab_size,
+    is_gguf,
     load_model,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
 )
-from .models import fast_llama
+from .models import fast_llama, llama_cpp
+from .models.llama_cpp import LlamaCppConfig, LlamaCppLM, LlamaCppModel
+from .models.llama_cpp_tokenizer import LlamaCppTokenizer
 from .models.transformers import TransformersLM, output_width
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HYBRID_LOOKUP, HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
 
 ModelSource = str | Path | PreTrainedModel
-BACKENDS = ("auto", "fast", "transformers")
+LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
+BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 
 
-def wrap_model(model: PreTrainedModel, vocab_size: int, backend: str):
+def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
+               llama_cpp_config: LlamaCppConfig | None = None):
     """The LanguageModel adapter for ``model`` under ``backend`` (see :func:`load`)."""
+    if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
+        return LlamaCppLM(model, vocab_size, llama_cpp_config)
+    if backend == "llama.cpp":
+        raise ConfigError("backend='llama.cpp' runs GGUF files loaded by llama.cpp; this model "
+                          "is a transformers model: use backend='auto', 'fast' or "
+                          "'transformers'.")
     if backend == "fast" or (backend == "auto" and fast_llama.supports(model)):
         return fast_llama.FastLlamaLM(model, vocab_size)
     return TransformersLM(model, vocab_size)
+
+
+def _num_logits(model: LoadedModel) -> int:
+    return model.num_logits if isinstance(model, LlamaCppModel) else output_width(model)
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
          num_draft_tokens: int | None = None, tokenizer: str | Path | None = None,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
-         hybrid: bool | NgramDraft = False) -> Decoder:
+         hybrid: bool | NgramDraft = False,
+         llama_cpp_config: LlamaCppConfig | None = None) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
@@ -83,7 +99,12 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
     ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
-    (models/fast_llama.py, Llama-architecture only); "auto" picks "fast" where supported.
+    (models/fast_llama.py, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
+    llama.cpp's own forward (models/llama_cpp.py, the ``llamacpp`` extra; quantized files run
+    natively, and the tokenizer is llama.cpp's); "auto" picks "llama.cpp" when the target and
+    any draft model are ``.gguf`` files and llama-cpp-python is installed, else "fast" where
+    supported. ``llama_cpp_config``: llama.cpp's threads, context and batch size
+    (LlamaCppConfig; defaults: all cores, the model's context up to 4096, 512).
     ``num_draft_tokens``: the default depth k of every generation; None picks one for the
     device: 4 on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and
     other non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs
@@ -106,6 +127,19 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
+    if _runs_on_llama_cpp(backend, target, draft, resolved_device):
+        if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
+            raise ConfigError(f"device={device!r}, dtype={dtype!r} do not apply to the llama.cpp "
+                              "backend, which runs on the CPU in the GGUF file's own tensor "
+                              "types; leave them at their defaults (or pick another backend).")
+        target_model = LlamaCppModel(target, "target")
+        draft_model = draft if isinstance(draft, NgramDraft) else (
+            None if draft is None else LlamaCppModel(draft, "draft"))
+        target_tokenizer = LlamaCppTokenizer(target_model)
+        if isinstance(draft_model, LlamaCppModel):
+            check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
+        return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
+                       adaptive, hybrid, llama_cpp_config)
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
     target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
     draft_model = draft if isinstance(draft, NgramDraft) else None
@@ -115,6 +149,24 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
     return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
                    adaptive, hybrid)
+
+
+def _runs_on_llama_cpp(backend: str, target: object, draft: object,
+                       device: torch.device) -> bool:
+    """Whether load() puts the models on llama.cpp: asked for, or "auto" with GGUF files only
+    (a GGUF target with a transformers draft stays on transformers, as both must share one
+    backend's tokenizer) on the CPU with llama-cpp-python installed."""
+    gguf_only = is_gguf(target) and (draft is None or isinstance(draft, NgramDraft)
+                                     or is_gguf(draft))
+    if backend == "llama.cpp":
+        if not gguf_only:
+            raise ConfigError(f"backend='llama.cpp' needs .gguf files: target={str(target)!r}, "
+                              f"draft={str(draft)!r}; pass GGUF files (verispec export-gguf "
+                              "writes them from a Llama checkpoint) or another backend.")
+        llama_cpp.bindings()  # raises UnsupportedFeatureError naming the extra when missing
+        return True
+    return (backend == "auto" and gguf_only and device.type == "cpu"
+            and llama_cpp.is_available())
 
 
 def _hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft | None:
@@ -144,22 +196,24 @@ def _tokenizer_for(source: ModelSource, tokenizer: str | Path | None, role: str)
 class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
-    def __init__(self, target_model: PreTrainedModel, tokenizer, draft_model: PreTrainedModel |
+    def __init__(self, target_model: LoadedModel, tokenizer, draft_model: LoadedModel |
                  NgramDraft | None = None, num_draft_tokens: int | None = None,
                  backend: str = "auto",
                  adaptive: AdaptivePolicyConfig | None = None,
-                 hybrid: bool | NgramDraft = False) -> None:
+                 hybrid: bool | NgramDraft = False,
+                 llama_cpp_config: LlamaCppConfig | None = None) -> None:
         ngram = draft_model if isinstance(draft_model, NgramDraft) else None
         hybrid = _hybrid_lookup(hybrid, draft_model, target_model)
         draft_model = None if ngram is not None else draft_model
-        widths = [output_width(target_model)]
+        widths = [_num_logits(target_model)]
         if draft_model is not None:
-            widths.append(output_width(draft_model))
+            widths.append(_num_logits(draft_model))
         vocab_size = common_vocab_size(tokenizer, *widths)
         self.tokenizer = tokenizer
-        self.target = wrap_model(target_model, vocab_size, backend)
+        self.target = wrap_model(target_model, vocab_size, backend, llama_cpp_config)
         # the draft model's adapter; None with no draft or an n-gram one (self.ngram)
-        self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend)
+        self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend,
+                                                                 llama_cpp_config)
         self.ngram = ngram
         self.hybrid = hybrid  # lookup settings, n-grams first, then self.draft; None: not hybrid
         proposer = (NgramProposer(vocab_size, ngram) if ngram is not None else
@@ -178,10 +232,11 @@ class Decoder:
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  num_draft_tokens: int | None = None, speculative: bool = True,
-                 adaptive: AdaptivePolicyConfig | None = None) -> Completion:
+                 adaptive: AdaptivePolicyConfig | None = None, ignore_eos: bool = False,
+                 min_new_tokens: int = 0) -> Completion:
         """Generate a completion of ``prompt`` (text, or token ids). See :meth:`stream`."""
         run = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                          num_draft_tokens, speculative, adaptive)
+                          num_draft_tokens, speculative, adaptive, ignore_eos, min_new_tokens)
         for _ in run:
             pass
         return run.completion
@@ -190,25 +245,32 @@ class Decoder:
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, stop: str | Sequence[str] | None = None,
                num_draft_tokens: int | None = None, speculative: bool = True,
-               adaptive: AdaptivePolicyConfig | None = None) -> TextStream:
+               adaptive: AdaptivePolicyConfig | None = None, ignore_eos: bool = False,
+               min_new_tokens: int = 0) -> TextStream:
         """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
 
         Generation stops at the tokenizer's EOS token, at a stop string (excluded from the
         text), or after max_new_tokens. ``speculative=False`` decodes with the target alone
         through the same code path. ``num_draft_tokens`` and ``adaptive`` override the
         decoder's defaults for this call (k is the starting depth under a policy).
+        ``ignore_eos``: do not stop at end-of-generation tokens (they are generated and kept
+        like any other token; for benchmarks that need a fixed length). ``min_new_tokens``: no
+        end-of-generation token before this many new tokens (the target's distribution there is
+        renormalised without them, exactly, as vLLM's min_tokens); stop strings still apply.
         """
         if not isinstance(speculative, bool):
             raise ConfigError(f"speculative={speculative!r} is invalid: expected True or False.")
         if speculative and self.engine.proposer is None:
             raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
                               "(a model, or NgramDraft()) to verispec.load, or speculative=False.")
+        if not isinstance(ignore_eos, bool):
+            raise ConfigError(f"ignore_eos={ignore_eos!r} is invalid: expected True or False.")
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        eos = self.tokenizer.eos_token_id
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, num_draft_tokens=k,
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
-            stop_token_ids=() if eos is None else (eos,), seed=seed,
+            stop_token_ids=() if ignore_eos else _stop_token_ids(self.tokenizer),
+            min_new_tokens=min_new_tokens, seed=seed,
             adaptive=self.adaptive if adaptive is None else adaptive)
         stop_strings = _check_stop(stop)
         prompt_ids = self._encode(prompt)
@@ -242,6 +304,15 @@ class Decoder:
                     f"({config.max_new_tokens}) + draft depth ({k}) = {needed} exceeds the "
                     f"{role}'s context window of {lm.max_positions} tokens; shorten the prompt or "
                     "lower max_new_tokens.")
+
+
+def _stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens generation ends at: llama.cpp's end-of-generation set (EOS, EOT, ...) for its
+    tokenizer, the EOS token for a transformers one."""
+    if isinstance(tokenizer, LlamaCppTokenizer):
+        return tokenizer.stop_token_ids
+    eos = tokenizer.eos_token_id
+    return () if eos is None else (eos,)
 
 
 def _token_ids(prompt: object) -> list[int]:

@@ -107,11 +107,30 @@ def _peak_gpu_mb(device: torch.device) -> float | None:
 
 
 class _Method:
-    """A named generation function over one prompt's ids -> (new token ids, metrics or None)."""
+    """A named generation function over one prompt's ids -> (new token ids, metrics or None).
+    ``drafted`` / ``accepted``: draft counts a method without GenerationMetrics reports itself
+    (llama-server's speculation)."""
 
     def __init__(self, name: str, kind: str, k: int | None,
                  run: Callable[[list[int], int], tuple[list[int], GenerationMetrics | None]]):
         self.name, self.kind, self.k, self.run = name, kind, k, run
+        self.drafted = self.accepted = 0
+
+
+def _llama_server_method(name: str, server, k: int | None, settings: BenchSettings,
+                         temperature: float) -> _Method:
+    """llama.cpp's own server (bench_llama_server.py) on one prompt, over HTTP on loopback."""
+    method: _Method
+
+    def run(prompt_ids: list[int], seed: int) -> tuple[list[int], None]:
+        reply = server.complete(prompt_ids, settings.max_new_tokens, temperature, seed)
+        timings = reply.get("timings", {})
+        method.drafted += timings.get("draft_n", 0)
+        method.accepted += timings.get("draft_n_accepted", 0)
+        return list(reply["tokens"]), None
+
+    method = _Method(name, "llama-server", k, run)
+    return method
 
 
 def _verispec_method(decoder: Decoder, name: str, kind: str, k: int, speculative: bool,
@@ -170,9 +189,15 @@ def _hf_method(decoder: Decoder, name: str, k: int | None, assisted: bool, match
     return _Method(name, "hf", k, run)
 
 
-def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float) -> list[_Method]:
+def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float,
+                  llama_servers: dict | None = None) -> list[_Method]:
+    """The methods of one temperature; ``llama_servers``: running llama-server processes by k
+    (None: plain decoding), each added as a method."""
     methods = [_verispec_method(decoder, "verispec plain", "baseline", 1, False, settings,
                                 temperature)]
+    for k, server in (llama_servers or {}).items():
+        name = "llama-server plain" if k is None else f"llama-server spec k={k}"
+        methods.append(_llama_server_method(name, server, k, settings, temperature))
     if settings.include_hf:
         methods.append(_hf_method(decoder, "hf generate (target)", None, False, False, settings,
                                   temperature))
@@ -212,8 +237,8 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float)
 
 
 def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSettings,
-              temperature: float, progress: Callable[[str], None] | None = None
-              ) -> list[MethodResult]:
+              temperature: float, progress: Callable[[str], None] | None = None,
+              llama_servers: dict | None = None) -> list[MethodResult]:
     """Time every method on every prompt; return per-method results.
 
     Interleaved at the finest grain: for each prompt every method runs back to back (the order
@@ -221,7 +246,7 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     alike instead of on whichever method happened to be running. A method's time for a repeat
     is the sum over prompts; its reported time is the median over repeats.
     """
-    methods = build_methods(decoder, settings, temperature)
+    methods = build_methods(decoder, settings, temperature, llama_servers)
     results = {m.name: MethodResult(m.name, m.kind, m.k) for m in methods}
     metrics = {m.name: GenerationMetrics() for m in methods}
     outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
@@ -258,6 +283,8 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     for method in methods:
         _summarise(results[method.name], metrics[method.name], num_tokens, plain_step,
                    baseline.seconds)
+        if method.drafted:  # llama-server reports its drafts' fate itself
+            results[method.name].acceptance_rate = method.accepted / method.drafted
         if temperature == 0:
             results[method.name].matches_baseline = outputs[method.name] == outputs[methods[0].name]
     return [results[m.name] for m in methods]

@@ -37,8 +37,12 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
     bench.add_argument("--hf-ks", type=int, nargs="*", default=None, metavar="K",
                        help="k values for matched HF assisted generation (default: --ks)")
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], metavar="T")
-    bench.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch intra-op threads (default: torch's choice)")
+    bench.add_argument("--llama-server", metavar="PATH", default=None,
+                       help="a llama-server binary: with GGUF files on the llama.cpp backend, "
+                       "also time llama.cpp's own server on them, plain and with its draft-model "
+                       "speculation (over HTTP on loopback)")
+    bench.add_argument("--llama-server-ks", type=int, nargs="+", default=None, metavar="K",
+                       help="draft depths of llama-server's speculation (default: --ks)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
     bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive policies")
     bench.add_argument("--ngram-ks", type=int, nargs="*", default=[1, 2, 3], metavar="K",
@@ -106,8 +110,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--repeats, --num-prompts and --max-new-tokens must be >= 1.")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is invalid: expected an integer >= 1, or no "
-                          "--threads for torch's default.")
+                          "--threads for the default (one per core).")
+    if args.llama_server is not None and not Path(args.llama_server).is_file():
+        raise ConfigError(f"--llama-server {args.llama_server!r} is not a file; pass the path of "
+                          "a llama-server binary built from llama.cpp's source.")
     for flag, ks in (("--ks", args.ks), ("--hf-ks", args.hf_ks or []),
+                     ("--llama-server-ks", args.llama_server_ks or []),
                      ("--ngram-ks", args.ngram_ks), ("--hybrid-ks", args.hybrid_ks)):
         bad = [k for k in ks if not 1 <= k <= MAX_NUM_DRAFT_TOKENS]
         if bad:
@@ -148,17 +156,25 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     from .api import load
     from .bench import BenchSettings, environment, run_bench, to_json
+    from .cli import llama_cpp_config
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     decoder = load(args.target, args.draft, device=args.device, dtype=args.dtype,
-                   backend=args.backend)
+                   backend=args.backend, llama_cpp_config=llama_cpp_config(args))
+    on_llama_cpp = decoder.target.matmul == "llama.cpp"
+    if args.llama_server is not None and not (on_llama_cpp and decoder.draft is not None):
+        raise ConfigError("--llama-server compares llama.cpp's server with verispec on the same "
+                          "GGUF pair: pass --target and --draft .gguf files on the llama.cpp "
+                          "backend.")
     prompts = [decoder.tokenizer.encode(p) for p in texts]
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                              ks=tuple(args.ks),
                              hf_ks=tuple(args.ks if args.hf_ks is None else args.hf_ks),
                              temperatures=tuple(args.temperatures),
-                             seed=args.seed, include_hf=not args.no_hf,
+                             seed=args.seed,
+                             # transformers' generate() needs a transformers model
+                             include_hf=not args.no_hf and not on_llama_cpp,
                              include_adaptive=not args.no_adaptive,
                              ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks))
     console = Console(stderr=True)
@@ -172,13 +188,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
                   f"{env['processor']}, torch {env['torch']}, {device} {args.dtype}, "
                   f"matmul {matmul}")
     all_results: dict[float, list[MethodResult]] = {}
-    with Progress(console=console, transient=True) as progress, torch.inference_mode():
-        task = progress.add_task("bench", total=len(settings.temperatures))
-        for temperature in settings.temperatures:
-            all_results[temperature] = run_bench(
-                decoder, prompts, settings, temperature,
-                progress=lambda text: progress.update(task, description=text))
-            progress.advance(task)
+    servers = _start_llama_servers(args, decoder) if args.llama_server else {}
+    try:
+        with Progress(console=console, transient=True) as progress, torch.inference_mode():
+            task = progress.add_task("bench", total=len(settings.temperatures))
+            for temperature in settings.temperatures:
+                all_results[temperature] = run_bench(
+                    decoder, prompts, settings, temperature,
+                    progress=lambda text: progress.update(task, description=text),
+                    llama_servers=servers)
+                progress.advance(task)
+    finally:
+        for server in servers.values():
+            server.stop()
     out = Console(width=200)  # the table is wide; do not wrap it in pipes and logs
     for temperature, results in all_results.items():
         out.print(results_table(results, temperature))
@@ -191,6 +213,30 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown_tables(all_results))
     return 0
+
+
+def _start_llama_servers(args: argparse.Namespace, decoder) -> dict:
+    """llama-server processes on the bench's GGUF pair: plain (key None) and speculative at
+    each of --llama-server-ks, all with the threads and context of verispec's models."""
+    import tempfile
+
+    from .bench_llama_server import start_llama_server
+
+    threads = decoder.target.config.threads()
+    context = decoder.target.max_positions
+    log_dir = Path(tempfile.mkdtemp(prefix="verispec-llama-server-"))
+    servers = {}
+    try:
+        servers[None] = start_llama_server(args.llama_server, args.target, None, 0, threads,
+                                           context, log_dir)
+        for k in args.llama_server_ks or args.ks:
+            servers[k] = start_llama_server(args.llama_server, args.target, args.draft, k,
+                                            threads, context, log_dir)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -232,13 +278,15 @@ def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
     for temperature, results in all_results.items():
         title = "greedy" if temperature == 0 else "seeded sampling"
         lines += [f"**Temperature {temperature:g} ({title})**", "",
-                  "| method | tok/s | speedup | repeats | a | tokens / target call | c | v | "
-                  "theory | achieved / theory | = plain |", "|---" * 11 + "|"]
+                  "| method | tok/s | speedup | repeats | accepted / drafted | a | "
+                  "tokens / target call | c | v | theory | achieved / theory | = plain |",
+                  "|---" * 12 + "|"]
         for r in results:
             same = _matches_column(r)
             spread = (f"{min(r.speedup_per_repeat):.2f}-{max(r.speedup_per_repeat):.2f}"
                       if r.speedup_per_repeat else "-")
             lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {_fmt(r.speedup)} | {spread} | "
+                         f"{_fmt(r.acceptance_rate)} | "
                          f"{_fmt(r.token_acceptance)} | {_fmt(r.mean_accepted_length)} | "
                          f"{_fmt(r.cost_ratio)} | {_fmt(r.verify_cost)} | "
                          f"{_fmt(r.theoretical_speedup)} | {_fmt(r.achieved_over_theoretical)} | "

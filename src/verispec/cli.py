@@ -44,9 +44,24 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: float32)")
-    models.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
-                        help="forward implementation: 'fast' is a flat Llama forward, "
-                        "'transformers' the model's own; auto = fast where supported")
+    models.add_argument("--backend", default="auto",
+                        choices=["auto", "fast", "transformers", "llama.cpp"],
+                        help="forward implementation: 'llama.cpp' runs .gguf files on llama.cpp "
+                        "(the llamacpp extra), 'fast' is a flat Llama forward, 'transformers' "
+                        "the model's own; auto = llama.cpp for .gguf files when installed, "
+                        "else fast where supported")
+    models.add_argument("--threads", type=_int, default=None, metavar="N",
+                        help="llama.cpp backend: decoding threads (default: one per core)")
+    models.add_argument("--context-size", type=_int, default=None, metavar="N",
+                        help="llama.cpp backend: KV-cache tokens per sequence (default: the "
+                        "model's trained context, at most 4096)")
+
+
+def llama_cpp_config(args: argparse.Namespace):
+    """The LlamaCppConfig of --threads and --context-size."""
+    from .models.llama_cpp import LlamaCppConfig
+
+    return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size)
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +79,10 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--seed", type=_int, default=None, metavar="S")
     sampling.add_argument("--stop", nargs="+", default=None, metavar="STR",
                           help="stop strings (excluded from the output)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="do not stop at end-of-generation tokens (fixed-length output)")
+    sampling.add_argument("--min-tokens", type=_int, default=0, metavar="N",
+                          help="no end-of-generation token before N new tokens (default: 0)")
     sampling.add_argument("--ngram", action="store_true",
                           help="draft by prompt lookup (tokens that followed the latest earlier "
                           "occurrence of the last 1-3 tokens) instead of a draft model")
@@ -102,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "speedup and its range (and, at temperature 0, whether the tokens "
                           "are identical)")
     generate.set_defaults(handler=_generate)
+    export = commands.add_parser(
+        "export-gguf", help="write a Llama checkpoint as a .gguf file (for the llama.cpp backend)",
+        description="Write the Llama-architecture transformers checkpoint in DIR (byte-level BPE "
+        "tokenizer) to OUT.gguf, as llama.cpp's converter would. With no DIR: the shipped demo "
+        "target; --demo-draft: the demo draft.")
+    export.add_argument("source", nargs="?", default=None, metavar="DIR",
+                        help="model directory (default: the demo target)")
+    export.add_argument("out", metavar="OUT.gguf", help="the file to write")
+    export.add_argument("--demo-draft", action="store_true",
+                        help="export the shipped demo draft (instead of DIR)")
+    export.add_argument("--quantization", default="F32", choices=["F32", "Q8_0"],
+                        help="tensor type of the matrices (default: F32, exact)")
+    export.set_defaults(handler=_export_gguf)
     from .bench_report import add_bench_parser  # the bench command's own module
 
     add_bench_parser(commands, _add_model_options)
@@ -179,11 +211,12 @@ def _generate(args: argparse.Namespace) -> int:
     decoder = load(args.target, NgramDraft() if args.ngram else args.draft, device=args.device,
                    dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
                    adaptive=named_policy(args.adaptive),
-                   hybrid=args.hybrid)
+                   hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args))
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
-                            speculative=not args.no_draft)
+                            speculative=not args.no_draft, ignore_eos=args.ignore_eos,
+                            min_new_tokens=args.min_tokens)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)
@@ -229,7 +262,8 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
         completion = decoder.generate(
             prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-            num_draft_tokens=args.k, speculative=speculative)
+            num_draft_tokens=args.k, speculative=speculative, ignore_eos=args.ignore_eos,
+            min_new_tokens=args.min_tokens)
         return completion.token_ids, time.perf_counter() - started
 
     rates: dict[bool, list[float]] = {True: [], False: []}
@@ -247,6 +281,26 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
             "repeats": COMPARE_REPEATS,
             "same_tokens": (all(ids == tokens[False][0] for ids in tokens[True] + tokens[False])
                             if args.temperature == 0 else None)}
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .gguf_export import export_gguf
+
+    if args.source is not None and args.demo_draft:
+        raise ConfigError("--demo-draft exports the shipped demo draft; drop DIR (or the flag).")
+    source = args.source
+    if source is None:
+        from .demo import demo_pair
+
+        pair = demo_pair()
+        source = pair.draft if args.demo_draft else pair.target
+    if not str(args.out).lower().endswith(".gguf"):
+        raise ConfigError(f"OUT={args.out!r} is invalid: expected a file name ending in .gguf.")
+    path = export_gguf(source, args.out, args.quantization)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.quantization})",
+          file=sys.stderr)
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -116,6 +116,8 @@ class GenerationConfig:
 
     num_draft_tokens: speculation depth k (1 to 32); the starting k when ``adaptive`` is set.
     stop_token_ids: generation ends at the first of these (it is emitted, nothing after it).
+    min_new_tokens: no stop token is generated before this many new tokens: the target's
+        distribution at those positions is renormalised without them (vLLM's min_tokens).
     seed: seeds the generation's own torch.Generator; None draws a fresh seed from the OS.
     adaptive: an adaptive-depth policy config (ThresholdPolicyConfig, GoodputPolicyConfig) or None.
     cost_ratio: c = time of one draft step / time of one target step, for the modelled speedup;
@@ -126,6 +128,7 @@ class GenerationConfig:
     num_draft_tokens: int = 4
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
     seed: int | None = None
     adaptive: AdaptivePolicyConfig | None = None
     cost_ratio: float | None = None
@@ -143,6 +146,9 @@ class GenerationConfig:
         stops = self.stop_token_ids
         _require(isinstance(stops, tuple) and all(_is_int(t) and t >= 0 for t in stops),
                  "stop_token_ids", stops, "a tuple of non-negative token ids, e.g. (2,)")
+        _require(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+                 "min_new_tokens", self.min_new_tokens,
+                 f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
         check_seed(self.seed)
         if self.adaptive is not None:
             _require(isinstance(self.adaptive, AdaptivePolicyConfig), "adaptive", self.adaptive,

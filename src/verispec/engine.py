@@ -174,7 +174,7 @@ class DecodingRun:
         draft_time = _synced_elapsed(draft_started, draft_tokens)
         # 2. score: one target pass over the pending token and the k draft tokens
         target_started = time.perf_counter()
-        target_logits = self.target.score(draft_tokens)  # [B, K+1, V]
+        target_logits = self._ban_early_stops(self.target.score(draft_tokens))  # [B, K+1, V]
         if self.config.sampling.is_greedy:  # point masses: the argmax is all that is needed
             target_out = greedy_tokens(target_logits)  # [B, K+1]
         else:
@@ -205,6 +205,26 @@ class DecodingRun:
             if self._carry_key is not None:  # the next generation resumes from a copy of this
                 self._carried[self._carry_key] = self.policy
         return chunk
+
+    def _ban_early_stops(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """min_new_tokens: stop tokens get -inf logits at positions before it, so the target's
+        distribution there is renormalised without them. Only the target is masked: a stop token
+        the draft proposes there has target probability 0 and is always rejected (a point-mass
+        draft included), so the output still has exactly the masked target's law; masking the
+        draft too would only save those rejections.
+        target_logits [B, K+1, V]; position j of row b is new token num_generated[b] + j."""
+        need = self.config.min_new_tokens
+        width = target_logits.shape[1]
+        if not self.stop_ids or need <= min(self.num_generated):
+            return target_logits
+        banned = torch.tensor([[n + j < need for j in range(width)]
+                               for n in self.num_generated])  # [B, K+1] bool
+        stop_ids = torch.tensor(sorted(self.stop_ids), device=target_logits.device)
+        masked = target_logits.clone()
+        columns = masked[:, :, stop_ids]  # [B, K+1, S] (a copy)
+        columns[banned.to(target_logits.device)] = -torch.inf
+        masked[:, :, stop_ids] = columns
+        return masked
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if k == 0 or self.proposer is None:

@@ -55,3 +55,7 @@ class ContextLengthExceeded(VerispecError, ValueError):
 
 class UnsupportedFeatureError(VerispecError, NotImplementedError):
     """The request asks for something verispec does not do (yet)."""
+
+
+class BackendError(VerispecError, RuntimeError):
+    """A model backend (llama.cpp) failed at run time: a decode or cache operation."""

@@ -89,7 +89,9 @@ class GenerationService:
         return self.decoder.stream(
             prompt_ids, max_new_tokens=max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop,
-            num_draft_tokens=params.num_draft_tokens, speculative=self.speculative)
+            num_draft_tokens=params.num_draft_tokens, speculative=self.speculative,
+            ignore_eos=params.ignore_eos,
+            min_new_tokens=min(params.min_tokens, max_tokens))
 
     def _room(self, num_prompt_tokens: int, params: GenerationParams) -> int:
         """max_tokens when the request omits it: what fits after the prompt (and k draft

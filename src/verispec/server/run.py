@@ -23,6 +23,7 @@ def load_decoder(settings: ServerSettings):
     """The decoder the settings describe: the demo pair when no --target is given."""
     from ..api import load
     from ..demo import demo_pair
+    from ..models.llama_cpp import LlamaCppConfig
     from ..proposers.ngram import NgramDraft
 
     target, draft = settings.target, settings.draft
@@ -33,7 +34,9 @@ def load_decoder(settings: ServerSettings):
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings),
-                hybrid=settings.hybrid)
+                hybrid=settings.hybrid, backend=settings.backend,
+                llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
+                                                context_size=settings.context_size))
 
 
 def serve(settings: ServerSettings) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from ..config import GenerationConfig, SamplingConfig
 from ..errors import EmptyPromptError
@@ -42,6 +42,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     n: int | None = None
     num_draft_tokens: int | None = None  # extension: speculation depth k for this request
+    ignore_eos: StrictBool = False  # extension (vLLM, llama.cpp): do not stop at EOS tokens
+    min_tokens: StrictInt = 0  # extension (vLLM): no EOS token before this many tokens
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -89,6 +91,8 @@ class GenerationParams:
     stop: tuple[str, ...]
     num_draft_tokens: int | None  # None: the server's --k
     stream: bool
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 def completion_params(body: CompletionRequest, max_tokens_limit: int) -> GenerationParams:
@@ -119,6 +123,9 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
     if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
         raise ParameterError(f"max_tokens={max_tokens} is invalid: expected an integer from 1 to "
                              f"{max_tokens_limit} (the server's --max-tokens-limit).", "max_tokens")
+    if not 0 <= body.min_tokens <= (max_tokens or max_tokens_limit):
+        raise ParameterError(f"min_tokens={body.min_tokens} is invalid: expected an integer from "
+                             f"0 to max_tokens ({max_tokens or max_tokens_limit}).", "min_tokens")
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     sampling = SamplingConfig(temperature=temperature, top_k=body.top_k, top_p=body.top_p)
     # the library's own range checks, before the request is queued (ConfigError -> 400)
@@ -126,7 +133,8 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
                      sampling=sampling, seed=body.seed)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return GenerationParams(prompt, max_tokens, temperature, body.top_k, body.top_p, body.seed,
-                            stop, body.num_draft_tokens, body.stream)
+                            stop, body.num_draft_tokens, body.stream, body.ignore_eos,
+                            body.min_tokens)
 
 
 def _completion_prompt(prompt: str | list) -> TextPrompt | TokenPrompt:

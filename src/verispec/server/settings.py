@@ -20,6 +20,7 @@ from ..config import MAX_NUM_DRAFT_TOKENS
 from ..errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("auto", "fast", "transformers", "llama.cpp")  # api.BACKENDS (api imports torch)
 
 
 def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hybrid: bool,
@@ -67,6 +68,13 @@ class ServerSettings:
                               "code path")
     device: str = _setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = _setting("float32", "model dtype", choices=DTYPES)
+    backend: str = _setting("auto", "forward implementation: 'llama.cpp' runs .gguf files on "
+                            "llama.cpp (the llamacpp extra), 'fast' a flat Llama forward, "
+                            "'transformers' the model's own; auto = llama.cpp for .gguf files "
+                            "when installed, else fast where supported", choices=BACKENDS)
+    context_size: int | None = _setting(
+        None, "llama.cpp backend: KV-cache tokens per sequence (default: the model's trained "
+        "context, at most 4096)", metavar="N", value_type=int)
     num_draft_tokens: int | None = _setting(
         None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
         "with num_draft_tokens (default: 4 on a GPU and on CPUs where the target runs on packed "
@@ -81,9 +89,9 @@ class ServerSettings:
                                 "estimates the previous requests left (same sampling settings) "
                                 "instead of from priors; a seeded sampled request's tokens then "
                                 "depend on earlier requests")
-    threads: int | None = _setting(None, "torch intra-op threads of the server process "
-                                   "(default: torch's choice, one per core)", metavar="N",
-                                   value_type=int)
+    threads: int | None = _setting(None, "torch intra-op threads of the server process, and "
+                                   "llama.cpp's decoding threads (default: one per core)",
+                                   metavar="N", value_type=int)
     host: str = _setting("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the "
                          "network", metavar="ADDR")
     port: int = _setting(8000, "TCP port", metavar="PORT")
@@ -124,6 +132,9 @@ class ServerSettings:
                "a non-empty key, or no --api-key for an open server")
         _check(bool(self.model_name), "model_name", self.model_name, "a non-empty name")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _check(self.backend in BACKENDS, "backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        _check(self.context_size is None or self.context_size >= 1, "context_size",
+               self.context_size, "an integer >= 1, or no --context-size for the default")
         for name in ("max_tokens_limit", "max_prompt_tokens", "max_queue", "max_body_bytes"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
 
@@ -152,7 +163,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "device", "dtype",
-                           "num_draft_tokens", "adaptive", "carry_over", "threads"})
+                           "backend", "context_size", "num_draft_tokens", "adaptive",
+                           "carry_over", "threads"})
 
 
 # the field annotations used above (strings: this module has postponed annotations)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench bench-llama
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,14 +22,37 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
+DEMO_GGUF := build/demo-gguf
+
+# the demo pair as GGUF files, for the llama.cpp backend (verispec export-gguf, F32: exact)
+$(DEMO_GGUF)/target.gguf: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/verispec export-gguf $@
+$(DEMO_GGUF)/draft.gguf: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/verispec export-gguf --demo-draft $@
+
+# the demo pair on PyTorch, then the same pair on llama.cpp's forward
+demo: $(STAMP) $(DEMO_GGUF)/target.gguf $(DEMO_GGUF)/draft.gguf
 	HF_HUB_OFFLINE=1 $(BIN)/verispec generate "def fibonacci(n):" --max-new-tokens 64 --temperature 0 --compare
+	HF_HUB_OFFLINE=1 $(BIN)/verispec generate "def fibonacci(n):" --max-new-tokens 64 --temperature 0 --compare \
+		--target $(DEMO_GGUF)/target.gguf --draft $(DEMO_GGUF)/draft.gguf --backend llama.cpp
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run_bench.py --ks 1 2 3 4 5 6 8
+
+# verispec on llama.cpp against llama.cpp's own server on the demo pair's GGUF files. The
+# llama-server comparison needs a binary built from llama.cpp's source: make bench-llama
+# LLAMA_SERVER=/path/to/llama-server (without it, verispec's rows alone).
+LLAMA_SERVER ?=
+bench-llama: $(STAMP) $(DEMO_GGUF)/target.gguf $(DEMO_GGUF)/draft.gguf
+	HF_HUB_OFFLINE=1 $(BIN)/verispec bench --target $(DEMO_GGUF)/target.gguf \
+		--draft $(DEMO_GGUF)/draft.gguf --backend llama.cpp --ks 1 2 3 4 5 6 8 \
+		--max-new-tokens 96 --ngram-ks --hybrid-ks 3 \
+		$(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER) --llama-server-ks 3 5 8) \
+		--json benchmarks/results/bench_llama_cpp.json \
+		--markdown benchmarks/results/bench_llama_cpp.md
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

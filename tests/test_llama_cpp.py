@@ -243,7 +243,7 @@ CASES = {
     "t1-k2": (SamplingConfig(temperature=1.0), 2),
     "t1-k4": (SamplingConfig(temperature=1.0), 4),
     "topk5-k3": (SamplingConfig(temperature=1.0, top_k=5), 3),
-    "topp08-k2": (SamplingConfig(temperature=1.0, top_p=0.8), 2),
+    "topp05-k2": (SamplingConfig(temperature=1.0, top_p=0.5), 2),
 }
 
 
@@ -261,7 +261,11 @@ def test_first_two_tokens_follow_llama_cpp_law(tiny, tiny_engine, case):
     sampling, k = CASES[case]
     law_lm = LlamaCppLM(LlamaCppModel(tiny["target"]), config=LlamaCppConfig(context_size=8))
     law, logits = _exact_first_two_law(law_lm, sampling)
-    margin = truncation_margin(logits, sampling)
+    # the cut's distance from a tie, where samples land: after the prompt, and after each x1
+    # of probability > 1e-3 (with 300 contexts some rarely reached row is always near a top-p
+    # tie; llama.cpp's logits of one context differ by ~1e-6 between batch shapes)
+    reached = [0] + [1 + x1 for x1, mass in enumerate(law.sum(1)) if mass > 1e-3]
+    margin = truncation_margin(logits[reached], sampling)
     assert margin > 1e-4, f"fixture too close to a top-k/top-p tie: margin {margin}"
     _, engine = tiny_engine
     tokens, acceptance = _first_two_tokens(engine, sampling, k, seed=sum(map(ord, case)))

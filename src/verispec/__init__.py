@@ -7,6 +7,7 @@ from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
 from .config import GenerationConfig, SamplingConfig
 from .engine import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (
+    BackendError,
     ConfigError,
     ContextLengthExceeded,
     DraftContractError,
@@ -23,6 +24,7 @@ from .errors import (
 from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
 from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
+from .models.llama_cpp import LlamaCppConfig  # llama_cpp itself is imported when a model loads
 from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
 from .sampling import greedy_tokens, make_generator, sample, to_probs
 from .verify import VerifyResult, verify, verify_rows
@@ -46,6 +48,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "load", "Decoder", "Completion", "demo_pair",
+    "LlamaCppConfig", "BackendError",
     "ConfigError", "ContextLengthExceeded", "DraftContractError", "EmptyPromptError",
     "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
     "TokenOutOfRangeError", "UnsupportedFeatureError", "VerispecError",

@@ -234,9 +234,7 @@ class LlamaCppLM:
 
     def context(self, session: LlamaCppSession, num_rows: int) -> _Context:
         """The context for ``session``'s ``num_rows`` rows, emptied (grown when too small)."""
-        if session is not self._live:
-            raise BackendError("this llama.cpp session was replaced by a newer one on the same "
-                               "model; a model serves one generation at a time.")
+        self.check_live(session)
         if not 1 <= num_rows <= MAX_ROWS:
             raise ConfigError(f"a batch of {num_rows} rows is invalid on llama.cpp: a context "
                               f"holds 1 to {MAX_ROWS} sequences; split the batch.")
@@ -340,12 +338,11 @@ class LlamaCppSession:
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self._context = self.lm.context(self, len(prompts))
         self.lengths = [0] * len(prompts)
-        rows = [(row, list(prompt)) for row, prompt in enumerate(prompts)]
         self._check_room(max((len(p) for p in prompts), default=0))
-        # 1. prefill without logits, in chunks of the batch capacity
-        flat_rows = np.array([r for r, p in rows for _ in p], dtype=np.int64)
-        flat_tokens = np.array([t for _, p in rows for t in p], dtype=np.int32)
-        flat_positions = np.array([i for _, p in rows for i in range(len(p))], dtype=np.int32)
+        # prefill without logits, in chunks of the batch capacity
+        flat_rows = np.array([r for r, p in enumerate(prompts) for _ in p], dtype=np.int64)
+        flat_tokens = np.array([t for p in prompts for t in p], dtype=np.int32)
+        flat_positions = np.array([i for p in prompts for i in range(len(p))], dtype=np.int32)
         for begin in range(0, len(flat_tokens), self._context.capacity):
             end = begin + self._context.capacity
             self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],

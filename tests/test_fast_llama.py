@@ -255,3 +255,46 @@ def test_matmul_choice_errors_name_the_value_and_the_fix():
         resolve_matmul("onednn", torch.device("cuda"), torch.float32)
     with pytest.raises(UnsupportedFeatureError, match="float16"):
         resolve_matmul("onednn", torch.device("cpu"), torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-compatible architectures: Mistral and Qwen2 (q/k/v biases) without a window
+
+
+def llama_compatible(model_type: str, seed: int, **overrides):
+    from arch_specs import Arch
+
+    arch = Arch(model_type, model_type, "", dict(hidden_size=64, **overrides))
+    model = arch.build(3, seed=seed, vocab_size=VOCAB)
+    with torch.no_grad():  # random init leaves Qwen2's biases at zero: make them count
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_llama_compatible_architectures_take_the_fast_path_exactly(model_type):
+    target = llama_compatible(model_type, seed=21, sliding_window=None)
+    draft = llama_compatible(model_type, seed=22, sliding_window=None)
+    assert supports(target) and isinstance(wrap_model(target, VOCAB, "auto"), FastLlamaLM)
+    if model_type == "qwen2":
+        assert target.model.layers[0].self_attn.q_proj.bias is not None
+    check_logits_after_random_extend_and_rewind(target, FastLlamaLM(target).new_session(), VOCAB)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
+                              sampling=SamplingConfig(temperature=0.0))
+    fast = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
+    reference = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    assert fast.generate(PROMPTS, config).token_ids == reference.generate(PROMPTS, config).token_ids
+
+
+@pytest.mark.parametrize("model_type, window", [("mistral", dict(sliding_window=8)),
+                                                ("qwen2", dict(sliding_window=8,
+                                                               use_sliding_window=True,
+                                                               max_window_layers=1))])
+def test_a_windowed_model_takes_the_transformers_path(model_type, window):
+    model = llama_compatible(model_type, seed=23, **window)
+    assert not supports(model)
+    assert isinstance(wrap_model(model, VOCAB, "auto"), TransformersLM)
+    with pytest.raises(ConfigError, match="fast Llama path does not support"):
+        wrap_model(model, VOCAB, "fast")

@@ -99,11 +99,11 @@ def truncation_margin(logits: torch.Tensor, sampling: SamplingConfig) -> float:
 
 
 def first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
-                     seed: int) -> tuple[np.ndarray, float]:
-    """One batched generation of NUM_SAMPLES copies of PROMPT -> tokens [N, 2], acceptance."""
+                     seed: int, prompt: list[int] = PROMPT) -> tuple[np.ndarray, float]:
+    """One batched generation of NUM_SAMPLES copies of prompt -> tokens [N, 2], acceptance."""
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
                               seed=seed)
-    run = engine.stream([PROMPT] * NUM_SAMPLES, config)
+    run = engine.stream([prompt] * NUM_SAMPLES, config)
     for _ in run:
         if min(map(len, run.token_ids)) >= 2:
             break

@@ -19,6 +19,7 @@ from .errors import (
     ShapeError,
     TokenOutOfRangeError,
     UnsupportedFeatureError,
+    UnsupportedModelError,
     VerispecError,
 )
 from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
@@ -51,7 +52,7 @@ __all__ = [
     "LlamaCppConfig", "BackendError",
     "ConfigError", "ContextLengthExceeded", "DraftContractError", "EmptyPromptError",
     "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
-    "TokenOutOfRangeError", "UnsupportedFeatureError", "VerispecError",
+    "TokenOutOfRangeError", "UnsupportedFeatureError", "UnsupportedModelError", "VerispecError",
     "GenerationConfig", "SamplingConfig", "ThresholdPolicyConfig", "GoodputPolicyConfig",
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",

@@ -57,5 +57,10 @@ class UnsupportedFeatureError(VerispecError, NotImplementedError):
     """The request asks for something verispec does not do (yet)."""
 
 
+class UnsupportedModelError(UnsupportedFeatureError):
+    """A model whose layers verispec cannot run exactly (recurrent or state-space layers, an
+    attention kind it does not mask): raised when the model is loaded, never at generation."""
+
+
 class BackendError(VerispecError, RuntimeError):
     """A model backend (llama.cpp) failed at run time: a decode or cache operation."""

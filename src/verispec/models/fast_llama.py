@@ -1,4 +1,5 @@
-"""A flat forward pass for Llama-architecture models: the fast path for small models at batch 1.
+"""A flat forward pass for Llama-architecture models (and Mistral and Qwen2 without a window): the
+fast path for small models at batch 1.
 
 Legend: B batch, n fed tokens, T cache capacity, L layers, H query heads, Hkv kv heads,
 D head dim, E hidden size, V vocabulary.
@@ -18,7 +19,8 @@ after a 12 s compile per shape, with logits that differ from the eager ones by ~
 It is a fast path with a reference: tests/test_fast_llama.py checks its logits against the
 transformers forward and its greedy output against ``generate()``. ``supports()`` admits only
 configurations whose math this function reproduces (default RoPE via the model's own rotary
-module, SiLU MLP, no sliding window); anything else uses the transformers adapter.
+module, SiLU MLP, biases where the model has them, no sliding window); anything else uses the
+transformers adapter.
 """
 
 from __future__ import annotations
@@ -32,19 +34,26 @@ from transformers import PreTrainedModel
 from ..errors import ConfigError, ShapeError
 from .attention import attention_kernels
 from .base import as_ints
+from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
 from .transformers import max_positions, output_width
+
+
+# Llama's forward, and the architectures whose forward is Llama's up to what this path already
+# computes: Mistral (Llama + an optional sliding window) and Qwen2 (Llama + q/k/v biases + an
+# optional window). A window is not computed here: a model using one takes the transformers path.
+MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def supports(model: PreTrainedModel) -> bool:
     """Whether :class:`FastLlamaLM` reproduces this model's forward exactly."""
     config = model.config
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    return (getattr(config, "model_type", None) == "llama"
+    return (getattr(config, "model_type", None) in MODEL_TYPES
             and getattr(rotary, "rope_type", None) == "default"
             and getattr(config, "hidden_act", None) == "silu"
             and getattr(config, "pretraining_tp", 1) == 1
-            and getattr(config, "sliding_window", None) is None
+            and mask_plan(config).layer_types == (FULL,)  # causal, no window
             and _plain_float_linears(model))
 
 

@@ -14,7 +14,7 @@ What this is not: a sampler or a server. llama.cpp only computes logits here; te
 top-k/top-p, acceptance and every random draw stay in verispec (sampling.py, verify.py), with
 an explicit torch.Generator. The tokenizer adapter is in llama_cpp_tokenizer.py.
 
-Refused at load (UnsupportedFeatureError): models whose memory cannot drop a suffix of a
+Refused at load (UnsupportedModelError): models whose memory cannot drop a suffix of a
 sequence exactly (recurrent and hybrid state-space models such as Mamba or RWKV, whose state
 has no per-position entries) and encoder-decoder models. Sliding-window models keep a full-size
 cache (``swa_full``) so that a rewind never needs a position the window already evicted.
@@ -43,6 +43,7 @@ from ..errors import (
     ContextLengthExceeded,
     ModelLoadError,
     UnsupportedFeatureError,
+    UnsupportedModelError,
 )
 from .base import as_ints
 
@@ -162,16 +163,16 @@ class LlamaCppModel:
         self.trained_context = llama_cpp.llama_model_n_ctx_train(handle)
         self.architecture = self.metadata("general.architecture") or "unknown"
         if llama_cpp.llama_model_is_recurrent(handle) or llama_cpp.llama_model_is_hybrid(handle):
-            raise UnsupportedFeatureError(
+            raise UnsupportedModelError(
                 f"the {role} {str(path)!r} is a recurrent or hybrid state-space model "
                 f"({self.architecture}): its state cannot drop rejected draft tokens exactly, "
                 "so verispec cannot verify it; use a transformer model.")
         if llama_cpp.llama_model_is_diffusion(handle):
-            raise UnsupportedFeatureError(
+            raise UnsupportedModelError(
                 f"the {role} {str(path)!r} is a diffusion language model ({self.architecture}); "
                 "verispec decodes autoregressive models.")
         if llama_cpp.llama_model_has_encoder(handle):
-            raise UnsupportedFeatureError(
+            raise UnsupportedModelError(
                 f"the {role} {str(path)!r} is an encoder-decoder model ({self.architecture}); "
                 "verispec decodes causal (decoder-only) models.")
 

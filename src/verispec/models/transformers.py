@@ -2,16 +2,22 @@
 
 Legend: B batch, n fed tokens, T cache capacity, H kv heads, D head dim, V vocabulary.
 
-The only module (with loading.py) that imports transformers. A session owns a preallocated
+The only module (with loading.py and masks.py) that imports transformers. A session owns a preallocated
 :class:`RowCache`: per layer, keys and values [B, H, T, D] plus each row's length. Feeding n
 tokens writes their keys/values at positions length[b] .. length[b] + n - 1 of row b, with
-position ids and a 4D attention mask built from those lengths, so rows of a batch may hold
-different lengths (ragged acceptance). Rewind only lowers the lengths: the stale entries are
+position ids and attention masks built from those lengths (models/masks.py: one per layer kind,
+full, sliding-window or chunked, by transformers' own rules), so rows of a batch may hold
+different lengths (ragged acceptance). The cache keeps every key (a window is a mask, not a ring
+buffer), so a windowed layer rewinds exactly. Rewind only lowers the lengths: the stale entries are
 masked out and overwritten by the next write. The prompt is prefilled once; each ``extend`` is
 one forward pass over the new tokens; nothing re-runs the full context.
 
 After any propose / verify / rewind sequence the next logits equal a fresh forward over the same
-tokens (tests/test_transformers_adapter.py checks it).
+tokens (tests/test_transformers_adapter.py checks it; tests/test_architectures.py on every
+architecture accepted). A model verispec cannot run exactly is refused when it is wrapped
+(UnsupportedModelError): transformers marks it stateful (recurrent, state-space, hybrid), its
+config lists non-attention layers, or a load-time check of prefill, extend and rewind on two
+ragged rows against fresh forwards fails.
 
 Vocabulary: models over one tokenizer may pad their output layers to different widths (e.g.
 50257 vs 50304). ``vocab_size`` restricts the logits to the tokenizer's ids, so draft and target
@@ -20,14 +26,17 @@ distributions live on the same support and padding ids can never be sampled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from ..errors import ConfigError, ShapeError
+from ..errors import ConfigError, ShapeError, UnsupportedModelError
 from .attention import attention_kernels
+from .masks import MaskPlan, build_masks, mask_plan
 
 
 def output_width(model: PreTrainedModel) -> int:
@@ -48,6 +57,56 @@ def max_positions(model: PreTrainedModel) -> int | None:
     return None
 
 
+# architectures whose attention verispec's masks cannot reach, and why
+REFUSED = {
+    "gpt_neo": "its local-attention layers take their window from a fixed causal buffer that "
+               "assumes every row ends at the last cache slot, so ragged rows would see the "
+               "wrong window",
+}
+
+
+def check_supported(model: PreTrainedModel, role: str = "model") -> MaskPlan:
+    """The model's :class:`MaskPlan`, or UnsupportedModelError naming the architecture and why."""
+    config = model.config.get_text_config()
+    architecture = getattr(config, "model_type", type(model).__name__)
+    if architecture in REFUSED:
+        raise UnsupportedModelError(f"the {role} ({architecture}) is not supported: "
+                                    f"{REFUSED[architecture]}.")
+    if getattr(model, "_is_stateful", False):  # transformers' own mark, which refuses assisted
+        # generation for the same reason
+        raise UnsupportedModelError(
+            f"the {role} ({architecture}) has recurrent or state-space layers (transformers "
+            "marks it stateful): their state cannot drop rejected draft tokens exactly, so "
+            "verispec cannot verify it; use a transformer (attention-only) model.")
+    return mask_plan(config, role)
+
+
+@contextlib.contextmanager
+def alibi_from_slots(model: PreTrainedModel) -> Iterator[None]:
+    """For models that build ALiBi from a 2D padding mask (Bloom): build it from cache slots.
+
+    Such a model computes key positions as cumsum(mask) - 1; verispec hands it a 4D mask, and its
+    rows keep token p in slot p, so the bias for slot j is slope * j, the same as an unpadded
+    row's (a constant per query, which softmax ignores, is the only difference ALiBi's relative
+    form would make).
+    """
+    base = model.base_model
+    if not hasattr(type(base), "build_alibi_tensor"):
+        yield
+        return
+    original = base.build_alibi_tensor
+
+    def from_slots(mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        slots = torch.ones(mask.shape[0], mask.shape[-1], dtype=torch.int64, device=mask.device)
+        return original(slots, num_heads, dtype)  # mask [B, 1, n, T] -> slots [B, T]
+
+    base.build_alibi_tensor = from_slots  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del base.build_alibi_tensor
+
+
 class TransformersLM:
     """Wraps a loaded ``PreTrainedModel`` (put in eval mode) as a :class:`LanguageModel`."""
 
@@ -62,6 +121,11 @@ class TransformersLM:
         self.model = model.eval()
         self.vocab_size = vocab_size
         self.max_positions = max_positions(model)
+        self.mask_plan = check_supported(model)
+        # transformers 5 renamed forward's past_key_values to cache (the old name is deprecated)
+        parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._check_rewind()
 
     @property
     def device(self) -> torch.device:
@@ -69,6 +133,45 @@ class TransformersLM:
 
     def new_session(self) -> TransformersSession:
         return TransformersSession(self)
+
+    def _check_rewind(self) -> None:
+        """At load: ragged prefill, extend, rewind, extend must give a fresh forward's logits.
+
+        A few tokens through two rows of different lengths: catches a model whose layers keep
+        state the cache does not hold, or whose forward does not take verispec's masks, before
+        it can produce a wrong token. (Windows are checked by the test matrix, not here: a real
+        window is longer than a load-time check can afford.)
+        """
+        ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        rows, fed = [ids[:5], ids[:3]], [[ids[5], ids[6]], [ids[7], ids[8]]]
+        try:
+            session = self.new_session()
+            session.start(rows)
+            session.extend(torch.tensor(fed))
+            session.rewind([2, 1])  # row 0 back to its prompt, row 1 keeps ids[7]
+            fed = [[ids[9], ids[10]], [ids[11], ids[9]]]
+            logits = session.extend(torch.tensor(fed))  # [2, 2, V]
+            sequences = [rows[0] + fed[0], rows[1] + [ids[7]] + fed[1]]
+            with torch.inference_mode():
+                expected = [self.model(torch.tensor([seq], device=self.device)).logits[0, -2:]
+                            for seq in sequences]
+        except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
+            raise self._refusal(f"its forward failed on a ragged cached batch ({type(exc).__name__}"
+                                f": {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        tolerance = 1e-3 if self.model.dtype == torch.float32 else 5e-2
+        for row, reference in enumerate(expected):
+            reference = reference[:, : self.vocab_size].float()
+            error = float((logits[row].float() - reference).abs().max())
+            if not error <= tolerance * max(1.0, float(reference.abs().max())):
+                raise self._refusal(f"after a rewind its logits differ from a fresh forward's "
+                                    f"by {error:.3g} (row {row})")
+
+    def _refusal(self, reason: str) -> UnsupportedModelError:
+        architecture = getattr(self.model.config, "model_type", type(self.model).__name__)
+        return UnsupportedModelError(
+            f"{architecture} cannot be verified exactly: {reason}. Its layers keep state that "
+            "verispec's cache cannot rewind, or attend in a way verispec does not mask; it is "
+            "refused rather than run inexactly.")
 
 
 class RowCache(Cache):
@@ -170,13 +273,11 @@ class TransformersSession:
         if used > self.cache.capacity:
             self.cache.grow(max(used, 2 * self.cache.capacity))
         self.cache.positions, self.cache.used = positions, used
-        # row b, query i sees keys at positions <= positions[b, i]: its own prefix, nothing stale
-        visible = torch.arange(used, device=tokens.device)[None, None, :] <= positions[:, :, None]
-        dtype = self.lm.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)  # additive: eager and sdpa alike
-        with torch.inference_mode(), attention_kernels(self.lm.device):
-            out = self.lm.model(input_ids=tokens, position_ids=positions,
-                                attention_mask=mask[:, None], past_key_values=self.cache,
-                                use_cache=True, logits_to_keep=logits_to_keep)
+        # row b, query i sees its own prefix (within the layer's window), nothing stale
+        masks = build_masks(self.lm.mask_plan, positions, used, self.lm.model.dtype)
+        with torch.inference_mode(), attention_kernels(self.lm.device), \
+                alibi_from_slots(self.lm.model):
+            out = self.lm.model(input_ids=tokens, position_ids=positions, attention_mask=masks,
+                                use_cache=True, logits_to_keep=logits_to_keep,
+                                **{self.lm.cache_argument: self.cache})
         return out.logits

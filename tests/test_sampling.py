@@ -367,3 +367,28 @@ def test_sample_from_logits_raises_for_non_finite_logits(bad_row, sampling):
             sample_from_logits(logits, sampling, [0.5] * logits.shape[0])
     with pytest.raises(NonFiniteError, match="NaN or \\+inf"):
         sample_from_logits(torch.tensor([bad_row]), SamplingConfig(), [0.5])
+
+
+# ---------------------------------------------------------------------------------------------
+# extreme values: the limit the math gives, never NaN (issue: temperature 1e-40 was a 500)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_vanishing_temperature_is_the_point_mass_on_the_argmax(temperature):
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.0, -1.0, 4.0, 4.0]])
+    probs = to_probs(logits, SamplingConfig(temperature=temperature))
+    # the limit of softmax(l / T) as T -> 0: the argmax (ties share the mass)
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]]))
+
+
+def test_a_vanishing_temperature_still_refuses_non_finite_logits():
+    logits = torch.tensor([[1.0, float("nan"), 0.0]])
+    with pytest.raises(NonFiniteError):
+        to_probs(logits, SamplingConfig(temperature=1e-40))
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 5e-324])
+def test_a_top_p_below_float32_keeps_only_the_top_token(top_p):
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5]])
+    probs = to_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))

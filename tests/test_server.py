@@ -28,6 +28,7 @@ from verispec.errors import ConfigError
 from verispec.models.matmul import resolve_matmul
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
+from verispec.server.http import VerispecServer, uvicorn_config
 from verispec.server.prompts import ChatMessage, ChatPrompt, render_chat, render_plain_chat
 from verispec.server.run import adaptive_policy
 from verispec.server.settings import add_settings_arguments
@@ -56,7 +57,9 @@ class ServerThread:
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        # as `verispec serve` runs it: the guarded protocol, timeouts, draining on shutdown
+        self.server = VerispecServer(uvicorn_config(app, app.state.settings,
+                                                    log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        daemon=True)
 
@@ -106,7 +109,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+                      headers={"Authorization": f"Bearer {API_KEY}",
+                               "Content-Type": "application/json"}) as session:
         yield session
 
 
@@ -170,15 +174,19 @@ def test_stop_string_cuts_the_text(client, reference):
 
 def test_streamed_completion_equals_the_whole(client, reference):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
-                                            temperature=1.0, seed=9, stream=True))
+                                            temperature=1.0, seed=9, stream=True,
+                                            stream_options={"include_usage": True}))
     expected = reference.generate(PROMPT, max_new_tokens=24, temperature=1.0, seed=9)
-    assert len(chunks) >= 2 and all(c.object == "text_completion" for c in chunks)
-    assert "".join(c.choices[0].text for c in chunks) == expected.text
-    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-    last = chunks[-1]
-    assert last.choices[0].finish_reason == expected.finish_reason
-    assert last.usage.completion_tokens == len(expected.token_ids)
-    assert last.model_extra["speculation"]["drafted"] == expected.metrics.num_drafted
+    *content, usage_chunk = chunks  # include_usage: a last chunk with no choices, the usage
+    assert len(content) >= 2 and all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in content) == expected.text
+    assert [c.choices[0].finish_reason for c in content[:-1]] == [None] * (len(content) - 1)
+    finishing = content[-1]
+    assert finishing.choices[0].finish_reason == expected.finish_reason
+    assert finishing.model_extra["speculation"]["drafted"] == expected.metrics.num_drafted
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(
+        expected.token_ids)
+    assert all(c.usage is None for c in content)
 
 
 def test_stream_framing_ends_with_done(http):
@@ -191,8 +199,9 @@ def test_stream_framing_ends_with_done(http):
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
     assert all(e.startswith("data: ") for e in events[:-1])
-    assert "usage" in payloads[-1] and "speculation" in payloads[-1]
-    assert all("usage" not in p for p in payloads[:-1])
+    # OpenAI's shape: no usage unless stream_options.include_usage asks for it (defect 9)
+    assert "speculation" in payloads[-1] and payloads[-1]["choices"][0]["finish_reason"]
+    assert all("usage" not in p for p in payloads)
 
 
 def test_chat_greedy_equals_decoder_on_the_plain_template(client, reference):
@@ -231,7 +240,7 @@ def test_chat_stream(client, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
-    assert chunks[-1].usage.total_tokens == expected.num_prompt_tokens + len(expected.token_ids)
+    assert chunks[-1].usage is None  # not asked for
 
 
 @pytest.fixture(scope="module")

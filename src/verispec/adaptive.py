@@ -90,6 +90,12 @@ class AdaptivePolicyConfig:
     def clamp(self, k: int) -> int:
         return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))
 
+    @property
+    def reproducible(self) -> bool:
+        """Whether k is a function of the request alone, so that a seed fixes a sampled
+        request's tokens (see the module docstring): never with carry-over."""
+        return not self.carry_over
+
     def build(self, initial_num_draft_tokens: int,
               previous: AdaptivePolicy | None = None) -> AdaptivePolicy:  # pragma: no cover
         """A policy for one generation: fresh at the (clamped) initial k, or, given the
@@ -192,6 +198,11 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
                                                       and self.probe_every >= 0):
             raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
                               ">= 0 (0 never probes).")
+
+    @property
+    def reproducible(self) -> bool:
+        """Measured costs are wall-clock timings: k then depends on the machine's load."""
+        return super().reproducible and self.cost_ratio is not None
 
     def build(self, initial_num_draft_tokens: int,
               previous: AdaptivePolicy | None = None) -> AdaptivePolicy:

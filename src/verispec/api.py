@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -66,7 +67,8 @@ def _num_logits(model: LoadedModel) -> int:
 
 @dataclass(frozen=True)
 class Completion:
-    """text: the new text (cut before a stop string); token_ids: the new tokens only."""
+    """text: the new text (cut before a stop string); token_ids: the new tokens only, up to the
+    one where the text ends (tokens verified past a stop string's start are not included)."""
 
     text: str
     token_ids: list[int]
@@ -234,8 +236,8 @@ class Decoder:
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  num_draft_tokens: int | None = None, speculative: bool = True,
-                 adaptive: AdaptivePolicyConfig | None = None, ignore_eos: bool = False,
-                 min_new_tokens: int = 0) -> Completion:
+                 adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
+                 ignore_eos: bool = False, min_new_tokens: int = 0) -> Completion:
         """Generate a completion of ``prompt`` (text, or token ids). See :meth:`stream`."""
         run = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
                           num_draft_tokens, speculative, adaptive, ignore_eos, min_new_tokens)
@@ -247,14 +249,15 @@ class Decoder:
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, stop: str | Sequence[str] | None = None,
                num_draft_tokens: int | None = None, speculative: bool = True,
-               adaptive: AdaptivePolicyConfig | None = None, ignore_eos: bool = False,
-               min_new_tokens: int = 0) -> TextStream:
+               adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
+               ignore_eos: bool = False, min_new_tokens: int = 0) -> TextStream:
         """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
 
         Generation stops at the tokenizer's EOS token, at a stop string (excluded from the
         text), or after max_new_tokens. ``speculative=False`` decodes with the target alone
         through the same code path. ``num_draft_tokens`` and ``adaptive`` override the
-        decoder's defaults for this call (k is the starting depth under a policy).
+        decoder's defaults for this call (k is the starting depth under a policy;
+        ``adaptive=False``: a fixed k for this call whatever the decoder's default).
         ``ignore_eos``: do not stop at end-of-generation tokens (they are generated and kept
         like any other token; for benchmarks that need a fixed length). ``min_new_tokens``: no
         end-of-generation token before this many new tokens (the target's distribution there is
@@ -273,7 +276,7 @@ class Decoder:
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
             stop_token_ids=() if ignore_eos else _stop_token_ids(self.tokenizer),
             min_new_tokens=min_new_tokens, seed=seed,
-            adaptive=self.adaptive if adaptive is None else adaptive)
+            adaptive=self.adaptive if adaptive is None else (adaptive or None))
         stop_strings = _check_stop(stop)
         prompt_ids = self._encode(prompt)
         self._check_context(len(prompt_ids), config, speculative)
@@ -393,12 +396,31 @@ class TextStream:
         """Build the completion and yield whatever text is left (possibly nothing)."""
         result = self.run.result()
         reason = "stop" if self._stopped_by_string else result.finish_reasons[0]
-        self.completion = Completion(self.text, self.token_ids, reason, self.run.metrics,
+        token_ids = list(self.token_ids)
+        if self._stopped_by_string:  # the tokens after the stop string's start were not shown
+            token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
+        self.completion = Completion(self.text, token_ids, reason, self.run.metrics,
                                      self.num_prompt_tokens)
         rest, self._emitted = self.text[self._emitted :], len(self.text)
         if rest:
             return rest
         raise StopIteration
+
+    def _tokens_covering(self, token_ids: list[int], text: str) -> int:
+        """The fewest leading tokens whose decode starts with ``text`` (a round may verify
+        several tokens past a stop string; the client gets, and is billed for, only those up to
+        the one where the kept text ends: a character split over tokens needs all of them, as
+        its partial decode is U+FFFD). Binary search over prefix decodes."""
+        low, high = 0, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            decoded = self._detokenizer.tokenizer.decode(token_ids[:middle],
+                                                         skip_special_tokens=True)
+            if decoded.startswith(text):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def _find_stop(self, text: str) -> int | None:
         start = max(0, self._emitted - max((len(s) for s in self.stop), default=0))

@@ -74,7 +74,15 @@ def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     """Temperature, top-k, softmax, top-p: [..., V] -> [..., V] fp32, not checked for NaN."""
     logits = logits.float()  # a no-op for fp32 logits (to_probs has converted them already)
     if sampling.temperature != 1.0:  # dividing by 1.0 is the identity: skip the pass over V
-        logits = logits / sampling.temperature
+        # shifted by the row's max first: softmax does not change, and a tiny temperature
+        # (1e-40) sends every other logit to -inf instead of overflowing to +inf - +inf = NaN,
+        # which is the limit the math gives (a point mass on the argmax, shared by ties).
+        # NaN, +inf and all -inf rows still come out NaN (max - max), for to_probs' check.
+        logits = logits - logits.amax(dim=-1, keepdim=True)  # [..., V], <= 0 (or NaN)
+        if sampling.temperature >= _FP32_TINY:
+            logits = logits / sampling.temperature
+        else:  # the temperature is 0 in fp32: the limit directly (0 stays 0, NaN stays NaN)
+            logits = logits.masked_fill(logits < 0, float("-inf"))
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -102,6 +110,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
+_FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32 temperature we divide by
+
 _NON_FINITE_LOGITS = (
     "logits contain NaN or +inf, or a row where every logit is -inf; expected finite logits "
     "(-inf only to mask tokens). Check the model's dtype (fp16 overflow) and its inputs."
@@ -112,7 +122,10 @@ def _truncate_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest most-likely set whose mass reaches top_p; renormalise. [..., V] -> same."""
     sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop_sorted = mass_before >= top_p  # the top token always has mass_before = 0 and is kept
+    drop_sorted = mass_before >= top_p
+    # the top token is always kept (its mass_before is 0, but a top_p below fp32's smallest
+    # number, e.g. 1e-300, compares as 0 and would drop it too, leaving nothing)
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(-1, sorted_ids, drop_sorted)
     kept = probs.masked_fill(drop, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)

@@ -14,22 +14,30 @@ table in errors.py.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..api import Decoder
 from .errors import (
     AuthenticationFailed,
+    BodyTimeout,
     BodyTooLarge,
+    ClientDisconnected,
+    HostNotAllowed,
     InvalidJSON,
     ModelNotFound,
+    UnsupportedMediaType,
+    error_response,
     install_error_handlers,
 )
 from .generation import GenerationService
@@ -57,12 +65,68 @@ def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="verispec", version=__version__, lifespan=lifespan)
     app.state.worker = worker
+    app.state.settings = settings
+    app.state.drain = service.drain  # called by run.VerispecServer on SIGTERM / Ctrl-C
     install_error_handlers(app)
     app.include_router(_openai_routes(service, settings),
                        dependencies=[Depends(_api_key_check(settings.api_key))])
     app.include_router(_operations_routes(service, metrics))
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestGuard, host_names=settings.host_names())
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts refusals
     return app
+
+
+class RequestGuard:
+    """Pure ASGI, before any route: the Host (and a browser's Origin) must be one this server
+    answers to, and a POST body must be declared JSON.
+
+    Why: a server on 127.0.0.1 with no key is reachable from any web page the user visits. A
+    cross-site form or fetch can POST text/plain without a CORS preflight, and a DNS-rebinding
+    page (evil.example.com resolving to 127.0.0.1) can also read the answer; the first is
+    stopped by requiring application/json (which needs a preflight this server never grants),
+    the second by the Host check (the browser sends Host: evil.example.com).
+    """
+
+    def __init__(self, app, host_names: frozenset[str]) -> None:
+        self.app = app
+        self.host_names = host_names
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> Exception | None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1")
+                   for name, value in scope["headers"]}
+        host = _host_name(headers.get("host", ""))
+        if not self._allowed(host):
+            return HostNotAllowed(f"Host {headers.get('host', '')!r} is not one this server "
+                                  "answers to; connect by one of its names, or start it with "
+                                  "--allowed-hosts.", "Host")
+        origin = headers.get("origin")
+        if origin is not None and not self._allowed(urlsplit(origin).hostname or ""):
+            return HostNotAllowed(f"Origin {origin!r} is not allowed: browser pages from other "
+                                  "sites may not call this server (--allowed-hosts).", "Origin")
+        content_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["method"] == "POST" and content_type != "application/json":
+            return UnsupportedMediaType(f"Content-Type {content_type or 'missing'!r} is not "
+                                        "accepted: send the body as application/json.",
+                                        "Content-Type")
+        return None
+
+    def _allowed(self, host: str) -> bool:
+        return "*" in self.host_names or host.lower() in self.host_names
+
+
+def _host_name(host: str) -> str:
+    """'127.0.0.1:8000' -> '127.0.0.1', '[::1]:8000' -> '::1', 'localhost' -> 'localhost'."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def _openai_routes(service: GenerationService, settings: ServerSettings) -> APIRouter:
@@ -81,16 +145,14 @@ def _openai_routes(service: GenerationService, settings: ServerSettings) -> APIR
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        body = CompletionRequest.model_validate(await _read_json(request,
-                                                                 settings.max_body_bytes))
+        body = CompletionRequest.model_validate(await _read_json(request, settings))
         _check_model(body.model, settings.model_name)
         params = completion_params(body, settings.max_tokens_limit)
         return await service.respond(request, params, CompletionFormat)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = ChatCompletionRequest.model_validate(await _read_json(request,
-                                                                     settings.max_body_bytes))
+        body = ChatCompletionRequest.model_validate(await _read_json(request, settings))
         _check_model(body.model, settings.model_name)
         params = chat_params(body, settings.max_tokens_limit)
         return await service.respond(request, params, ChatFormat)
@@ -138,12 +200,34 @@ def _check_model(model: str | None, served: str) -> None:
                             "(see GET /v1/models).", "model")
 
 
-async def _read_json(request: Request, max_bytes: int) -> object:
-    """The body as JSON, at most ``max_bytes`` (413 beyond); NaN/Infinity are not JSON (400)."""
+MAX_JSON_DEPTH = 32  # OpenAI's bodies nest 5 deep (messages -> content parts -> fields)
+
+
+async def _read_json(request: Request, settings) -> object:
+    """The body as JSON: at most --max-body-bytes (413), within --body-timeout seconds (408),
+    nested at most MAX_JSON_DEPTH deep; NaN/Infinity are not JSON (400). A client that goes
+    away mid-upload is ClientDisconnected (499, nothing logged as a fault)."""
+    max_bytes = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body has {declared} bytes, more than this server reads "
                            f"({max_bytes}); shorten the prompt.")
+    try:
+        raw = await asyncio.wait_for(_read_body(request, max_bytes), settings.body_timeout)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {settings.body_timeout:g} s "
+                          "(--body-timeout); send it at once.") from None
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection while sending its body"
+                                 ) from None
+    _check_depth(raw)
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity
+        raise InvalidJSON(f"the body is not valid JSON ({exc}); send one JSON object.") from None
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -151,10 +235,32 @@ async def _read_json(request: Request, max_bytes: int) -> object:
             raise BodyTooLarge(f"the body has more than {max_bytes} bytes, more than this server "
                                "reads; shorten the prompt.")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
-    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity
-        raise InvalidJSON(f"the body is not valid JSON ({exc}); send one JSON object.") from None
+    return b"".join(chunks)
+
+
+def _check_depth(raw: bytes) -> None:
+    """InvalidJSON if brackets nest deeper than MAX_JSON_DEPTH (outside strings), before the
+    parser recurses into them (Python's json raises RecursionError near depth 1000)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:  # C-speed: most bodies stop here
+        return
+    depth, in_string, escaped = 0, False, False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidJSON(f"the body nests deeper than {MAX_JSON_DEPTH} levels; send a "
+                                  "flat OpenAI request object.")
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
 
 
 def _reject_constant(name: str) -> float:

@@ -68,7 +68,24 @@ class BodyTooLarge(RequestError):
 
 
 class ServerOverloaded(RequestError):
-    """The generation queue is full (--max-queue requests already wait)."""
+    """The generation queue is full (--max-queue requests already wait): an expected state, not a
+    fault (logged at INFO, one line)."""
+
+
+class ServerShuttingDown(ServerOverloaded):
+    """The server is draining (SIGTERM or Ctrl-C): no new requests; running ones were cut."""
+
+
+class HostNotAllowed(RequestError):
+    """The Host (or a browser's Origin) is not one this server answers to (--allowed-hosts)."""
+
+
+class UnsupportedMediaType(RequestError):
+    """A POST body that is not declared application/json."""
+
+
+class BodyTimeout(RequestError):
+    """The client did not send its whole body within --body-timeout seconds."""
 
 
 class ClientDisconnected(RequestError):
@@ -81,6 +98,7 @@ class ErrorKind:
     type: str
     code: str
     headers: tuple[tuple[str, str], ...] = ()
+    fault: bool = False  # a server bug: generic message, ERROR log with the traceback
 
 
 _INVALID = "invalid_request_error"
@@ -96,15 +114,20 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     UnsupportedFeatureError: ErrorKind(400, _INVALID, "unsupported_parameter"),
     AuthenticationFailed: ErrorKind(401, "authentication_error", "invalid_api_key",
                                     (("WWW-Authenticate", "Bearer"),)),
+    HostNotAllowed: ErrorKind(403, _INVALID, "host_not_allowed"),
     ModelNotFound: ErrorKind(404, _INVALID, "model_not_found"),
+    BodyTimeout: ErrorKind(408, _INVALID, "request_timeout"),
     StarletteHTTPException: ErrorKind(None, _INVALID, "invalid_route"),  # 404, 405
     PromptTooLarge: ErrorKind(413, _INVALID, "prompt_too_large"),
     BodyTooLarge: ErrorKind(413, _INVALID, "request_too_large"),
+    UnsupportedMediaType: ErrorKind(415, _INVALID, "unsupported_media_type"),
     pydantic.ValidationError: ErrorKind(422, _INVALID, "validation_error"),
     ClientDisconnected: ErrorKind(499, "client_closed_request", "client_disconnected"),
     ServerOverloaded: ErrorKind(503, "server_overloaded", "queue_full", (("Retry-After", "1"),)),
-    VerispecError: ErrorKind(500, "server_error", "internal_error"),  # NonFinite, DraftContract..
-    Exception: ErrorKind(500, "server_error", "internal_error"),
+    ServerShuttingDown: ErrorKind(503, "server_overloaded", "shutting_down",
+                                  (("Retry-After", "5"),)),
+    VerispecError: ErrorKind(500, "server_error", "internal_error", fault=True),  # DraftContract
+    Exception: ErrorKind(500, "server_error", "internal_error", fault=True),
 }
 
 
@@ -123,7 +146,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, object]]:
     message, param = _message(exc), getattr(exc, "param", None)
     if isinstance(exc, pydantic.ValidationError):
         param = ".".join(str(part) for part in exc.errors()[0]["loc"]) or None
-    if status >= 500:
+    if kind.fault:
         message = f"internal server error ({type(exc).__name__}); see the server log"
     return status, {"error": {"message": message, "type": kind.type, "param": param,
                               "code": kind.code}}
@@ -140,12 +163,25 @@ def _message(exc: BaseException) -> str:
     return str(exc)
 
 
-async def _handle(request: Request, exc: Exception) -> JSONResponse:
+def log_error(where: str, exc: BaseException) -> None:
+    """A fault: ERROR with its traceback. An expected refusal (overload, shutdown): INFO, one
+    line. Client errors (4xx) are the access log's business."""
     kind = error_kind(exc)
+    if kind.fault:
+        logger.error("%s failed", where, exc_info=exc)
+    elif (kind.status or 0) >= 500:
+        logger.info("%s: %s (%s)", where, type(exc).__name__, exc)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The OpenAI error JSON response for ``exc``, with its row's headers."""
     status, body = error_body(exc)
-    if status >= 500:
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(body, status_code=status, headers=dict(kind.headers))
+    return JSONResponse(body, status_code=status, headers=dict(error_kind(exc).headers))
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    log_error(f"{request.method} {request.url.path}", exc)
+    return error_response(exc)
 
 
 def install_error_handlers(app: FastAPI) -> None:

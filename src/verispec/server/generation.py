@@ -19,7 +19,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..api import Completion, Decoder, TextStream
-from .errors import ClientDisconnected, PromptTooLarge, error_body
+from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
 from .schemas import GenerationParams
@@ -52,6 +52,31 @@ class GenerationService:
         self.worker = worker
         self.metrics = metrics
         self.speculative = decoder.engine.proposer is not None  # a draft model or n-grams
+        self.draining = False
+
+    def drain(self) -> None:
+        """Shutdown has begun (SIGTERM, Ctrl-C): refuse new requests now; after
+        --drain-timeout seconds, end the running and queued ones with ServerShuttingDown (an
+        error event and [DONE] for a stream), so no response is cut off without a word."""
+        if self.draining:
+            return
+        self.draining = True
+        error = ServerShuttingDown(f"the server shut down before this request finished (it "
+                                   f"had {self.settings.drain_timeout:g} s); retry it.")
+        asyncio.get_running_loop().call_later(self.settings.drain_timeout,
+                                              self.worker.fail_all, error)
+
+    def depth_policy(self, params: GenerationParams) -> str | None:
+        """The adaptive policy a request runs under: None for a fixed k. A seeded sampled
+        request runs at a fixed k when the policy picks depths from timings (goodput's measured
+        costs) or from earlier requests (carry-over): those would change which random numbers
+        its tokens use, and the seed would not fix its output."""
+        policy = self.decoder.adaptive
+        if not self.speculative or policy is None:
+            return None
+        if params.seed is not None and params.temperature > 0 and not policy.reproducible:
+            return None
+        return self.settings.adaptive
 
     def num_draft_tokens(self, params: GenerationParams) -> int:
         """The k a request runs with; 0 when the server decodes without a draft."""
@@ -61,7 +86,10 @@ class GenerationService:
 
     async def respond(self, request: Request, params: GenerationParams,
                       response_format: type[CompletionFormat | ChatFormat]) -> Response:
-        fmt = response_format(self.settings.model_name, self.num_draft_tokens(params))
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down; retry later.")
+        fmt = response_format(self.settings.model_name, self.num_draft_tokens(params),
+                              self.depth_policy(params))
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
         job = Job(partial(self._start_stream, params), asyncio.get_running_loop())
         self.worker.submit(job)  # ServerOverloaded -> 503
@@ -69,8 +97,8 @@ class GenerationService:
         try:
             await _next_event(job, watcher)  # STARTED, or the error that stopped it
             if params.stream:
-                return StreamingResponse(_sse(job, fmt, clock), media_type="text/event-stream",
-                                         headers=SSE_HEADERS)
+                return StreamingResponse(_sse(job, fmt, clock, params.include_usage),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
             return JSONResponse(fmt.body(await _collect(job, watcher, clock)))
         except BaseException:
             job.cancel()
@@ -90,7 +118,7 @@ class GenerationService:
             prompt_ids, max_new_tokens=max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop,
             num_draft_tokens=params.num_draft_tokens, speculative=self.speculative,
-            ignore_eos=params.ignore_eos,
+            adaptive=None if self.depth_policy(params) else False, ignore_eos=params.ignore_eos,
             min_new_tokens=min(params.min_tokens, max_tokens))
 
     def _room(self, num_prompt_tokens: int, params: GenerationParams) -> int:
@@ -138,10 +166,12 @@ async def _collect(job: Job, watcher: asyncio.Future, clock: FirstTokenClock) ->
             return value
 
 
-async def _sse(job: Job, fmt: CompletionFormat | ChatFormat, clock: FirstTokenClock):
-    """The event stream: opening chunks, one chunk per verified delta, a final chunk with
-    finish_reason, usage and speculation, then [DONE]. An error after the headers went out is
-    sent as one {"error": ...} event (the openai client raises it)."""
+async def _sse(job: Job, fmt: CompletionFormat | ChatFormat, clock: FirstTokenClock,
+               include_usage: bool):
+    """The event stream: opening chunks, one chunk per verified delta, a finishing chunk with
+    finish_reason and speculation, the usage chunk if asked for, then [DONE]. An error after the
+    headers went out (a fault, or the server shutting down) is sent as one {"error": ...} event
+    (the openai client raises it), then [DONE]."""
     try:
         for chunk in fmt.opening_chunks():
             yield sse(chunk)
@@ -152,13 +182,14 @@ async def _sse(job: Job, fmt: CompletionFormat | ChatFormat, clock: FirstTokenCl
                 yield sse(fmt.delta_chunk(value))
             elif event is Event.DONE:
                 yield sse(fmt.final_chunk(value))
+                if include_usage:
+                    yield sse(fmt.usage_chunk(value))
                 yield DONE_LINE
                 return
             elif event is Event.ERROR:
-                status, body = error_body(value)
-                if status >= 500:
-                    logger.error("generation failed mid-stream", exc_info=value)
-                yield sse(body)
+                log_error("a streamed generation", value)
+                yield sse(error_body(value)[1])
+                yield DONE_LINE
                 return
     finally:
         job.cancel()  # a no-op when the job finished; stops it when the client went away

@@ -1,15 +1,20 @@
 """OpenAI response bodies and stream chunks for the two endpoints.
 
-Every body and the last chunk of every stream carry ``usage`` and an extra top-level
-``speculation`` summary (clients built on the openai package keep unknown fields:
+Every body carries ``usage``; a stream carries it only when the request asks
+(``stream_options: {"include_usage": true}``), as OpenAI does: in one last chunk with
+``choices: []`` before ``[DONE]``. Every body and the finishing chunk of every stream carry an
+extra top-level ``speculation`` summary (clients built on the openai package keep unknown fields:
 ``response.model_extra["speculation"]``):
 
-    "speculation": {"num_draft_tokens": 4, "drafted": 60, "accepted": 41,
-                    "acceptance_rate": 0.683, "mean_accepted_length": 3.73,
+    "speculation": {"num_draft_tokens": 4, "depth_policy": "fixed", "drafted": 60,
+                    "accepted": 41, "acceptance_rate": 0.683, "mean_accepted_length": 3.73,
                     "per_position_acceptance": [0.8, 0.7, 0.6, 0.6]}
 
-num_draft_tokens is the k the request ran with (0 for plain decoding); mean_accepted_length is
-the tokens produced per target call (see verispec.metrics).
+num_draft_tokens is the k the request ran with (0 for plain decoding), or where its policy
+started; depth_policy is "fixed", or the --adaptive policy that moved k between rounds ("fixed"
+for a seeded sampled request when that policy picks depths from timings or earlier requests,
+which would change its tokens); mean_accepted_length is the tokens produced per target call
+(see verispec.metrics).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ def usage(completion: Completion) -> dict[str, int]:
             "total_tokens": completion.num_prompt_tokens + num_completion}
 
 
-def speculation(completion: Completion, num_draft_tokens: int) -> dict[str, object]:
+def speculation(completion: Completion, num_draft_tokens: int,
+                depth_policy: str | None = None) -> dict[str, object]:
     metrics = completion.metrics
-    return {"num_draft_tokens": num_draft_tokens, "drafted": metrics.num_drafted,
+    return {"num_draft_tokens": num_draft_tokens, "depth_policy": depth_policy or "fixed",
+            "drafted": metrics.num_drafted,
             "accepted": metrics.num_accepted, "acceptance_rate": metrics.acceptance_rate,
             "mean_accepted_length": metrics.mean_accepted_length,
             "per_position_acceptance": list(metrics.per_position_acceptance)}
@@ -47,19 +54,33 @@ class _Format:
 
     id_prefix = ""
 
-    def __init__(self, model: str, num_draft_tokens: int) -> None:
+    def __init__(self, model: str, num_draft_tokens: int, depth_policy: str | None = None
+                 ) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.num_draft_tokens = num_draft_tokens
+        self.depth_policy = depth_policy
 
-    def _envelope(self, object_name: str, choice: dict[str, object],
-                  completion: Completion | None = None) -> dict[str, object]:
+    object_name = ""  # of a stream's chunks
+
+    def _envelope(self, object_name: str, choice: dict[str, object] | None,
+                  completion: Completion | None = None, with_usage: bool = True
+                  ) -> dict[str, object]:
         body: dict[str, object] = {"id": self.id, "object": object_name, "created": self.created,
-                                   "model": self.model, "choices": [choice]}
+                                   "model": self.model,
+                                   "choices": [] if choice is None else [choice]}
         if completion is not None:
-            body["usage"] = usage(completion)
-            body["speculation"] = speculation(completion, self.num_draft_tokens)
+            if with_usage:
+                body["usage"] = usage(completion)
+            body["speculation"] = speculation(completion, self.num_draft_tokens,
+                                              self.depth_policy)
+        return body
+
+    def usage_chunk(self, completion: Completion) -> dict[str, object]:
+        """The last chunk of a stream that asked for include_usage: no choices, the usage."""
+        body = self._envelope(self.object_name, None)
+        body["usage"] = usage(completion)
         return body
 
 
@@ -67,6 +88,7 @@ class CompletionFormat(_Format):
     """/v1/completions: object "text_completion" for the body and for each chunk."""
 
     id_prefix = "cmpl-"
+    object_name = "text_completion"
 
     def body(self, completion: Completion) -> dict[str, object]:
         return self._envelope("text_completion", self._choice(completion.text,
@@ -81,7 +103,7 @@ class CompletionFormat(_Format):
 
     def final_chunk(self, completion: Completion) -> dict[str, object]:
         return self._envelope("text_completion", self._choice("", completion.finish_reason),
-                              completion)
+                              completion, with_usage=False)
 
     @staticmethod
     def _choice(text: str, finish_reason: str | None) -> dict[str, object]:
@@ -93,6 +115,7 @@ class ChatFormat(_Format):
     first chunk carries the assistant role, as OpenAI's does)."""
 
     id_prefix = "chatcmpl-"
+    object_name = "chat.completion.chunk"
 
     def body(self, completion: Completion) -> dict[str, object]:
         choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
@@ -111,7 +134,7 @@ class ChatFormat(_Format):
     def _chunk(self, delta: dict[str, str], finish_reason: str | None,
                completion: Completion | None = None) -> dict[str, object]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("chat.completion.chunk", choice, completion)
+        return self._envelope(self.object_name, choice, completion, with_usage=False)
 
 
 ResponseFormat = CompletionFormat | ChatFormat

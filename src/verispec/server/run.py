@@ -41,15 +41,16 @@ def load_decoder(settings: ServerSettings):
 
 def serve(settings: ServerSettings) -> int:
     """Serve until interrupted: Ctrl-C is a graceful shutdown and returns 0 (SIGTERM shuts down
-    as gracefully, then uvicorn re-raises it, so the process ends with status 143)."""
+    as gracefully, then uvicorn re-raises it, so the process ends with status 143). Either way,
+    requests still running after --drain-timeout seconds end with a 503 (a stream: an error
+    event and [DONE])."""
     listener = bind_address(settings.host, settings.port)  # first: it is quick to fail
     try:
         import torch
 
         try:
-            import uvicorn
-
             from .app import create_app
+            from .http import VerispecServer, uvicorn_config
         except ModuleNotFoundError as exc:
             raise UnsupportedFeatureError(
                 f"verispec serve needs the serve extra ({exc.name} is not installed): pip "
@@ -64,9 +65,8 @@ def serve(settings: ServerSettings) -> int:
         print(f"verispec: serving {settings.model_name!r} on http://{url_host}:{port} "
               f"({describe_decoding(decoder, settings)}; API key {auth}; OpenAI routes under "
               "/v1)", flush=True)
-        config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
         try:
-            uvicorn.Server(config).run(sockets=[listener])
+            VerispecServer(uvicorn_config(app, settings)).run(sockets=[listener])
         except KeyboardInterrupt:
             # uvicorn re-raises the Ctrl-C it shut down on, unless SIGINT was ignored when the
             # process started (a background job): either way the shutdown was graceful, so 0
@@ -92,9 +92,11 @@ def describe_decoding(decoder, settings: ServerSettings) -> str:
 
 
 def bind_address(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (not yet listening: until the server starts, connections
-    are refused rather than left waiting). ConfigError names the address, the reason and the fix
-    when the host does not resolve or the port cannot be bound."""
+    """A TCP socket bound to host:port and listening (connections that arrive while the models
+    load wait in the backlog). ConfigError names the address, the reason and the fix when the
+    host does not resolve or the port cannot be bound or listened on: with SO_REUSEADDR two
+    processes may both bind one port if neither listens yet, so listening here, at once, is what
+    makes the second of two servers started together fail in one line instead of in uvicorn."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -105,6 +107,7 @@ def bind_address(host: str, port: int) -> socket.socket:
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         listener.bind(address)
+        listener.listen(2048)  # uvicorn's default backlog
     except OSError as exc:
         listener.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass another "

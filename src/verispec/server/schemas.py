@@ -8,7 +8,9 @@ Two layers of checks, two status codes:
        n != 1, logprobs, penalties, several prompts (ParameterError here), and the library's own
        range checks (temperature >= 0, top_p in (0, 1], top_k >= 1, seed, num_draft_tokens),
        run here by building the library's configs, before the request is queued.
-Unknown fields are ignored, as OpenAI-compatible servers do.
+Types are strict, as OpenAI's schema is: an integer field takes a JSON integer (not true, not
+"5"), a number field a JSON number, a boolean field true or false. Unknown fields are ignored, as
+OpenAI-compatible servers do.
 
 Defaults: temperature 1.0 (OpenAI's); max_tokens omitted = as many tokens as fit in the context
 window after the prompt, at most --max-tokens-limit.
@@ -17,9 +19,9 @@ window after the prompt, at most --max-tokens-limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt, StrictStr
 
 from ..config import GenerationConfig, SamplingConfig
 from ..errors import EmptyPromptError
@@ -27,55 +29,63 @@ from .errors import ParameterError, UnsupportedParameter
 from .prompts import ChatMessage, ChatPrompt, TextPrompt, TokenPrompt
 
 DEFAULT_TEMPERATURE = 1.0
+Number = Annotated[float, Strict()]  # a JSON number (an integer too), never a bool or a string
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int | None = None
-    num_draft_tokens: int | None = None  # extension: speculation depth k for this request
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None  # extension
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = None
+    num_draft_tokens: StrictInt | None = None  # extension: speculation depth k for this request
     ignore_eos: StrictBool = False  # extension (vLLM, llama.cpp): do not stop at EOS tokens
     min_tokens: StrictInt = 0  # extension (vLLM): no EOS token before this many tokens
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: int | None = None
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str
-    text: str | None = None
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessageBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageBody]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,7 @@ class GenerationParams:
     stream: bool
     ignore_eos: bool = False
     min_tokens: int = 0
+    include_usage: bool = False  # stream_options.include_usage: a final usage chunk
 
 
 def completion_params(body: CompletionRequest, max_tokens_limit: int) -> GenerationParams:
@@ -132,9 +143,13 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
     GenerationConfig(max_new_tokens=max_tokens or 1, num_draft_tokens=body.num_draft_tokens or 1,
                      sampling=sampling, seed=body.seed)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if body.stream_options is not None and not body.stream:
+        raise ParameterError("stream_options is only allowed with stream: true.",
+                             "stream_options")
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
     return GenerationParams(prompt, max_tokens, temperature, body.top_k, body.top_p, body.seed,
                             stop, body.num_draft_tokens, body.stream, body.ignore_eos,
-                            body.min_tokens)
+                            body.min_tokens, include_usage)
 
 
 def _completion_prompt(prompt: str | list) -> TextPrompt | TokenPrompt:

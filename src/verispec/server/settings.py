@@ -83,8 +83,11 @@ class ServerSettings:
     adaptive: str | None = _setting(None, "adapt k between rounds, starting at --k: goodput "
                                     "measures which depth is fastest here, goodput-plain may "
                                     "also choose plain rounds (k = 0), threshold follows "
-                                    "acceptance (default: a fixed k)", choices=POLICY_NAMES,
-                                    value_type=str)
+                                    "acceptance (default: a fixed k). A sampled request with a "
+                                    "seed runs at the fixed --k under goodput (its timing-chosen "
+                                    "depths would change the tokens; the reply's "
+                                    "speculation.depth_policy says 'fixed')",
+                                    choices=POLICY_NAMES, value_type=str)
     carry_over: bool = _setting(False, "with --adaptive: each request starts from the depth "
                                 "estimates the previous requests left (same sampling settings) "
                                 "instead of from priors; a seeded sampled request's tokens then "
@@ -107,6 +110,24 @@ class ServerSettings:
                               metavar="N")
     max_body_bytes: int = _setting(1 << 20, "largest request body in bytes; larger bodies get 413",
                                    metavar="N")
+    allowed_hosts: str | None = _setting(
+        None, "comma-separated host names the server answers to (the Host header, and the "
+        "Origin of browser requests); '*' allows any. Default: the loopback names (localhost, "
+        "127.0.0.1, ::1), plus the bound address when it is not a loopback one; other Hosts get "
+        "403 (a DNS-rebinding page cannot reach a local server)", metavar="NAMES")
+    max_connections: int = _setting(256, "open connections at most; more are closed at once",
+                                    metavar="N")
+    header_timeout: float = _setting(10.0, "seconds a client has to send a request's headers "
+                                     "(slow or stalled clients are disconnected)",
+                                     metavar="SECONDS")
+    body_timeout: float = _setting(30.0, "seconds a client has to send a request's body "
+                                   "(408 after)", metavar="SECONDS")
+    keep_alive_timeout: float = _setting(5.0, "seconds an idle keep-alive connection stays open",
+                                         metavar="SECONDS")
+    drain_timeout: float = _setting(5.0, "on SIGTERM or Ctrl-C, seconds running and queued "
+                                    "requests get to finish; then each ends with an error (503) "
+                                    "and, when streaming, an error event and [DONE]",
+                                    metavar="SECONDS")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # kinds first, so the range checks below compare like with like
@@ -128,15 +149,32 @@ class ServerSettings:
         _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
         _check(self.threads is None or self.threads >= 1, "threads", self.threads,
                "an integer >= 1, or no --threads for torch's default")
-        _check(self.api_key is None or bool(self.api_key), "api_key", self.api_key,
-               "a non-empty key, or no --api-key for an open server")
+        _check(self.api_key is None or _header_safe(self.api_key), "api_key", self.api_key,
+               "a non-empty key of printable ASCII without spaces (an HTTP header carries it), "
+               "or no --api-key for an open server")
+        _check(self.allowed_hosts is None or bool(_host_names(self.allowed_hosts)),
+               "allowed_hosts", self.allowed_hosts,
+               "comma-separated host names (or '*'), or no --allowed-hosts for the default")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "drain_timeout"):
+            _check(0 < getattr(self, name) < float("inf"), name, getattr(self, name),
+                   "a number of seconds > 0")
         _check(bool(self.model_name), "model_name", self.model_name, "a non-empty name")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         _check(self.backend in BACKENDS, "backend", self.backend, f"one of {', '.join(BACKENDS)}")
         _check(self.context_size is None or self.context_size >= 1, "context_size",
                self.context_size, "an integer >= 1, or no --context-size for the default")
-        for name in ("max_tokens_limit", "max_prompt_tokens", "max_queue", "max_body_bytes"):
+        for name in ("max_tokens_limit", "max_prompt_tokens", "max_queue", "max_body_bytes",
+                     "max_connections"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+
+    def host_names(self) -> frozenset[str]:
+        """The Host names this server answers to (lower case, no port); '*' means any."""
+        if self.allowed_hosts is not None:
+            return frozenset(_host_names(self.allowed_hosts))
+        names = set(LOOPBACK_NAMES)
+        if self.host not in ("0.0.0.0", "::"):  # a wildcard bind has no one name: loopback only
+            names.add(self.host.strip("[]").lower())
+        return frozenset(names)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -169,9 +207,22 @@ _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "de
 
 # the field annotations used above (strings: this module has postponed annotations)
 _KINDS = {"int": (int,), "int | None": (int, None), "str": (str,), "str | None": (str, None),
-          "str | PathLike | None": (str, PathLike, None), "bool": (bool,)}
-_KIND_NAMES = {int: "an integer", str: "a string", PathLike: "a path", bool: "True or False",
+          "float": (float, int), "str | PathLike | None": (str, PathLike, None), "bool": (bool,)}
+_KIND_NAMES = {float: "a number", int: "an integer", str: "a string", PathLike: "a path",
+               bool: "True or False",
                None: "None"}
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _host_names(value: str) -> list[str]:
+    return [name.strip().strip("[]").lower() for name in value.split(",") if name.strip()]
+
+
+def _header_safe(key: str) -> bool:
+    """Printable ASCII, no whitespace: what an Authorization header can carry unchanged."""
+    return bool(key) and key.isascii() and key.isprintable() and not any(c.isspace() for c in key)
 
 
 def _is_kind(value: object, kind: type | None) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..api import TextStream
-from .errors import ServerOverloaded
+from .errors import ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")
 
@@ -81,9 +81,18 @@ class GenerationWorker:
         """Cancel the running job, drain the queue, end the thread."""
         if self._thread is None:
             return
+        self.fail_all(ServerShuttingDown("the server is shutting down; retry later."))
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def fail_all(self, error: Exception) -> None:
+        """End the running job and every queued one with ``error`` (their requests answer it:
+        a status, or an error event and [DONE] once streaming). Any thread."""
         running = self._running
         if running is not None:
             running.cancel()
+            running.post(Event.ERROR, error)
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -91,11 +100,7 @@ class GenerationWorker:
                 break
             if job is not None:
                 job.cancel()
-                job.post(Event.ERROR, ServerOverloaded("the server is shutting down; retry "
-                                                       "later."))
-        self._queue.put(None)
-        self._thread.join(timeout)
-        self._thread = None
+                job.post(Event.ERROR, error)
 
     @property
     def queue_depth(self) -> int:

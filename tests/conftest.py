@@ -33,3 +33,16 @@ def _one_torch_thread_for_the_suite():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def demo_decoder():
+    """The shipped demo pair through verispec.load (skipped where its assets are missing)."""
+    import verispec
+    from verispec.demo import DemoAssetsMissingError, demo_pair
+
+    try:
+        pair = demo_pair()
+    except DemoAssetsMissingError as exc:
+        pytest.skip(str(exc))
+    return verispec.load(pair.target, pair.draft)

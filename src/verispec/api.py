@@ -10,7 +10,7 @@ detokenisation; the engine below it sees token ids only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -19,6 +19,13 @@ import torch
 from transformers import PreTrainedModel
 
 from .adaptive import AdaptivePolicyConfig
+from .constraints import (
+    ConstraintSet,
+    Grammar,
+    InvalidConstraintError,
+    TokenizerIndex,
+    compile_response_format,
+)
 from .config import (GenerationConfig, SamplingConfig, as_index, check_text,
                      default_num_draft_tokens)
 from .detokenize import IncrementalDetokenizer
@@ -231,16 +238,19 @@ class Decoder:
                                  if num_draft_tokens is None else num_draft_tokens)
         GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked
         self.adaptive = adaptive
+        self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  num_draft_tokens: int | None = None, speculative: bool = True,
                  adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
-                 ignore_eos: bool = False, min_new_tokens: int = 0) -> Completion:
+                 ignore_eos: bool = False, min_new_tokens: int = 0,
+                 response_format: Mapping[str, object] | Grammar | None = None) -> Completion:
         """Generate a completion of ``prompt`` (text, or token ids). See :meth:`stream`."""
         run = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                          num_draft_tokens, speculative, adaptive, ignore_eos, min_new_tokens)
+                          num_draft_tokens, speculative, adaptive, ignore_eos, min_new_tokens,
+                          response_format)
         for _ in run:
             pass
         return run.completion
@@ -250,7 +260,8 @@ class Decoder:
                seed: int | None = None, stop: str | Sequence[str] | None = None,
                num_draft_tokens: int | None = None, speculative: bool = True,
                adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
-               ignore_eos: bool = False, min_new_tokens: int = 0) -> TextStream:
+               ignore_eos: bool = False, min_new_tokens: int = 0,
+               response_format: Mapping[str, object] | Grammar | None = None) -> TextStream:
         """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
 
         Generation stops at the tokenizer's EOS token, at a stop string (excluded from the
@@ -262,6 +273,9 @@ class Decoder:
         like any other token; for benchmarks that need a fixed length). ``min_new_tokens``: no
         end-of-generation token before this many new tokens (the target's distribution there is
         renormalised without them, exactly, as vLLM's min_tokens); stop strings still apply.
+        ``response_format``: constrain the output (constraints.compile_response_format: a JSON
+        schema, any JSON object, a regex, a Lark grammar, in OpenAI's dict shape); draft and
+        target are masked alike, so the output has exactly the constrained target's law.
         """
         if not isinstance(speculative, bool):
             raise ConfigError(f"speculative={speculative!r} is invalid: expected True or False.")
@@ -280,8 +294,29 @@ class Decoder:
         stop_strings = _check_stop(stop)
         prompt_ids = self._encode(prompt)
         self._check_context(len(prompt_ids), config, speculative)
-        run = self.engine.stream([prompt_ids], config, speculative)
+        constraints = self._constraints(response_format, min_new_tokens, max_new_tokens)
+        run = self.engine.stream([prompt_ids], config, speculative, constraints)
         return TextStream(run, self.tokenizer, stop_strings, len(prompt_ids))
+
+    def _constraints(self, response_format: Mapping[str, object] | Grammar | None,
+                     min_new_tokens: int, max_new_tokens: int) -> ConstraintSet | None:
+        grammar = (response_format if isinstance(response_format, Grammar)
+                   else compile_response_format(response_format))
+        if grammar is None:
+            return None
+        if min_new_tokens:
+            raise ConfigError("min_new_tokens cannot be combined with response_format: the "
+                              "grammar decides where the output may end; drop one.")
+        if self._constraint_index is None:  # built once: about a second for a large vocabulary
+            self._constraint_index = TokenizerIndex(self.tokenizer, self.target.vocab_size,
+                                                    _stop_token_ids(self.tokenizer))
+        constraints = ConstraintSet(self._constraint_index, [grammar])
+        forced = constraints.forced_lengths()[0]
+        if forced > max_new_tokens:
+            raise InvalidConstraintError(
+                f"response_format ({grammar.kind}) forces {forced} tokens before its output can "
+                f"end, more than max_new_tokens={max_new_tokens}: raise max_new_tokens.")
+        return constraints
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -14,6 +14,9 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched):
   5. emit:    each row's new tokens, cut at the first stop token and at max_new_tokens.
 Plain decoding is the same loop with k = 0 and no proposer: the "bonus" is an ordinary sample
 from the target, so both paths share every line that touches the target.
+Under a grammar (constraints.py) every distribution of the round, the draft's k and the
+target's k + 1, is masked by the grammar state its token extends, and the grammar commits and
+rolls back with the caches; the output then has exactly the constrained target's law.
 
 The engine knows nothing about tokenisers, HTTP or printing; it sees token ids and the
 protocols in models/base.py and proposers/base.py.
@@ -29,6 +32,7 @@ import torch
 
 from .adaptive import AdaptivePolicy, RoundStats
 from .config import GenerationConfig
+from .constraints import ConstraintSet
 from .errors import (
     ConfigError,
     EmptyPromptError,
@@ -92,17 +96,20 @@ class SpeculativeDecoder:
         return cls(target, DraftModelProposer(draft))
 
     def stream(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-               speculative: bool = True) -> DecodingRun:
-        """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow."""
+               speculative: bool = True, constraints: ConstraintSet | None = None
+               ) -> DecodingRun:
+        """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow.
+        ``constraints``: a grammar per row (constraints.py), applied to draft and target alike."""
         if not isinstance(config, GenerationConfig):
             raise ConfigError(f"config={config!r:.60} is invalid: expected a verispec."
                               "GenerationConfig, e.g. GenerationConfig(max_new_tokens=32).")
         return DecodingRun(self, _check_prompts(prompts, self.target.vocab_size), config,
-                           speculative and self.proposer is not None)
+                           speculative and self.proposer is not None, constraints)
 
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                 speculative: bool = True) -> GenerationResult:
-        run = self.stream(prompts, config, speculative)
+                 speculative: bool = True, constraints: ConstraintSet | None = None
+                 ) -> GenerationResult:
+        run = self.stream(prompts, config, speculative, constraints)
         for _ in run:
             pass
         return run.result()
@@ -112,8 +119,10 @@ class DecodingRun:
     """One generation in progress. Iterate it for chunks; read ``result()`` at the end."""
 
     def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]],
-                 config: GenerationConfig, speculative: bool) -> None:
+                 config: GenerationConfig, speculative: bool,
+                 constraints: ConstraintSet | None = None) -> None:
         self.config = config
+        self.constraints = constraints if constraints is not None and constraints.active else None
         self.device = decoder.target.device  # where the target's logits, and verification, live
         self.generator = make_generator(config.seed, self.device)
         self.target = TargetScorer(decoder.target.new_session(), prompts)
@@ -167,18 +176,24 @@ class DecodingRun:
             n for n, is_active in zip(self.num_generated, active) if is_active)
         k = min(self.num_draft_tokens, remaining - 1)  # never draft past max_new_tokens
 
-        # 1. propose
+        # 1. propose (under a grammar: each draft token drawn from its masked distribution)
         draft_started = time.perf_counter()
         draft_tokens, draft_probs = self._propose(k)
+        allowed = None  # the grammar's masks for the target's k + 1 positions [B, K+1, V]
+        if self.constraints is not None:  # a deterministic proposal is cut where it leaves it
+            kept = self.constraints.cover(draft_tokens)
+            draft_tokens = draft_tokens[:, :kept]
+            draft_probs = None if draft_probs is None else draft_probs[:, :kept]
+            allowed = self.constraints.round_masks()
         k = draft_tokens.shape[1]  # a proposer may find fewer (an n-gram lookup: maybe none)
         draft_time = _synced_elapsed(draft_started, draft_tokens)
         # 2. score: one target pass over the pending token and the k draft tokens
         target_started = time.perf_counter()
         target_logits = self._ban_early_stops(self.target.score(draft_tokens))  # [B, K+1, V]
         if self.config.sampling.is_greedy:  # point masses: the argmax is all that is needed
-            target_out = greedy_tokens(target_logits)  # [B, K+1]
-        else:
-            target_out = to_probs(target_logits, self.config.sampling)  # [B, K+1, V] fp32
+            target_out = greedy_tokens(target_logits, allowed)  # [B, K+1]
+        else:  # [B, K+1, V] fp32, masked like the draft's
+            target_out = to_probs(target_logits, self.config.sampling, allowed)
         target_time = _synced_elapsed(target_started, target_out)
         # 3. verify, on the host at temperature 0 (no random numbers, a loop over K+1 ints);
         # either way the round's result comes over once, as lists
@@ -190,10 +205,12 @@ class DecodingRun:
             num_accepted, output_tokens = verify_rows(draft_tokens, draft_probs, target_out,
                                                       self.generator)
         next_tokens = [row[n] for row, n in zip(output_tokens, num_accepted)]  # recovered/bonus
-        # 4. commit / rewind both sides to the accepted prefix + the new token
+        # 4. commit / rewind both sides (and the grammar) to the accepted prefix + the new token
         self.target.commit(num_accepted, next_tokens)
         if self.proposer is not None:
             self.proposer.commit(num_accepted, next_tokens)
+        if self.constraints is not None:
+            self.constraints.commit(num_accepted, next_tokens)
         # 5. emit
         chunk = self._emit(output_tokens, num_accepted, active)
         verify_time = time.perf_counter() - verify_started
@@ -227,10 +244,12 @@ class DecodingRun:
         return masked
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.constraints is not None:
+            self.constraints.start_round()
         if k == 0 or self.proposer is None:
             return torch.empty((len(self.token_ids), 0), dtype=torch.int64,
                                device=self.device), None
-        proposal = self.proposer.propose(k, self.generator)
+        proposal = self.proposer.propose(k, self.generator, self.constraints)
         # tokens meet the target's probs on its device (an n-gram lookup proposes host tensors;
         # the draft's probs are on the draft's device, which load() makes the target's)
         return proposal.draft_tokens.to(self.device), proposal.draft_probs

@@ -33,15 +33,18 @@ def _check_floating(name: str, tensor: torch.Tensor) -> None:
         raise ShapeError(f"{name} must be a floating-point tensor [..., V]; got {got}.")
 
 
-def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+def to_probs(logits: torch.Tensor, sampling: SamplingConfig,
+             allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Turn logits into the fp32 distribution a token is sampled from.
 
     Shapes: logits [..., V] (any float dtype; -inf marks an impossible token) -> probs [..., V] fp32.
+    allowed [..., V] bool (a grammar's mask, constraints.py): tokens it excludes get probability
+    0 and the rest are renormalised, before temperature, top-k and top-p.
     temperature 0 gives a point mass on the argmax (ties go to the lowest id).
-    Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
+    Raises NonFiniteError for NaN or +inf logits or a row with no finite (allowed) logit.
     """
     _check_floating("logits", logits)
-    logits = logits.float()
+    logits = _masked(logits.float(), allowed)
     if sampling.is_greedy:
         tokens = greedy_tokens(logits)[..., None]
         return torch.zeros_like(logits).scatter_(-1, tokens, 1.0)
@@ -53,8 +56,8 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     return probs
 
 
-def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms: list[float]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms: list[float],
+                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """to_probs and an inverse-CDF draw in one: what a sampling draft does at every step.
 
     Shapes: logits [B, V], uniforms B host floats in [0, 1) -> (probs [B, V] fp32, tokens [B]).
@@ -66,7 +69,7 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms:
     """
     _check_floating("logits", logits)
     assert not sampling.is_greedy and logits.dim() == 2 and len(uniforms) == logits.shape[0]
-    probs = _sampled_probs(logits, sampling)  # [B, V] fp32
+    probs = _sampled_probs(_masked(logits, allowed), sampling)  # [B, V] fp32
     return probs, _inverse_cdf(probs, uniforms, _NON_FINITE_LOGITS)
 
 
@@ -92,14 +95,23 @@ def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     return probs
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The temperature-0 choice: the argmax of logits [..., V], ties to the lowest id. -> [...].
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits [..., V] with -inf where allowed [..., V] (bool) is False; unchanged for None."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def greedy_tokens(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The temperature-0 choice: the argmax of logits [..., V] (among the ``allowed`` tokens
+    when a grammar's mask [..., V] is given), ties to the lowest id. -> [...].
 
     to_probs at temperature 0 is the point mass on exactly this token; a greedy draft calls
     this directly because it reports no distribution (it is verified as a point mass).
     Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
     """
     _check_floating("logits", logits)
+    logits = _masked(logits, allowed)
     # one reduction gives both: max propagates NaN and +inf, is -inf only for a row with no
     # finite logit, and its index is the first maximal one (the lowest id), as argmax's is
     best_logits, tokens = logits.max(dim=-1)

@@ -28,14 +28,28 @@ class Proposal:
     draft_probs: torch.Tensor | None
 
 
+class RoundConstraint(Protocol):
+    """A grammar's view of one round (constraints.ConstraintSet): the allowed tokens at the
+    current draft depth, and the draft tokens that extend it."""
+
+    def allowed(self) -> torch.Tensor:
+        """[B, V] bool: the tokens the next draft token may be."""
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """One drawn draft token per row (host ints)."""
+
+
 class ProposerSession(Protocol):
     """One generation's proposer state, synchronised with the committed sequence."""
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
+    def propose(self, num_draft_tokens: int, generator: torch.Generator,
+                constraint: RoundConstraint | None = None) -> Proposal:
         """Draft up to ``num_draft_tokens`` >= 1 tokens per row after the committed sequence:
         a [B, K] proposal with K <= num_draft_tokens, the same K for every row (a draft model
         always gives all of them; an n-gram lookup may find fewer, K = 0 making the round a
-        plain decoding step)."""
+        plain decoding step). A sampling proposer given a ``constraint`` draws each token under
+        ``constraint.allowed()`` and reports it with ``advance``; a deterministic one may
+        ignore it (the engine checks and cuts its tokens)."""
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended;

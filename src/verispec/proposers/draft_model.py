@@ -29,7 +29,7 @@ import torch
 from ..config import SamplingConfig
 from ..models.base import LanguageModel, LMSession, as_ints
 from ..sampling import greedy_tokens, sample_from_logits
-from .base import Proposal
+from .base import Proposal, RoundConstraint
 
 
 class DraftModelProposer:
@@ -54,8 +54,10 @@ class DraftModelSession:
         self.unfed = [[p[-1]] for p in prompts]  # B host rows of u ids, fed by the next propose
         self._proposal: torch.Tensor | None = None  # draft tokens [B, K] of this round
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
-        """Sample k tokens per row; draft_probs are the exact distributions sampled from."""
+    def propose(self, num_draft_tokens: int, generator: torch.Generator,
+                constraint: RoundConstraint | None = None) -> Proposal:
+        """Sample k tokens per row; draft_probs are the exact distributions sampled from (with
+        a ``constraint``: masked by the grammar state each token extends, constraints.py)."""
         assert num_draft_tokens >= 1
         draft_tokens, draft_probs = [], []
         if not self.sampling.is_greedy:
@@ -65,11 +67,14 @@ class DraftModelSession:
                                   dtype=torch.float64, device=generator.device).tolist()
         for step in range(num_draft_tokens):
             logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
+            allowed = None if constraint is None else constraint.allowed()  # [B, V] or None
             if self.sampling.is_greedy:
-                token = greedy_tokens(logits)  # deterministic: verified as a point mass
-            else:  # probs [B, V] fp32: to_probs(logits), exactly what token is drawn from
-                probs, token = sample_from_logits(logits, self.sampling, uniforms[step])
+                token = greedy_tokens(logits, allowed)  # deterministic: verified as a point mass
+            else:  # probs [B, V] fp32: to_probs(logits, allowed), exactly what token is drawn from
+                probs, token = sample_from_logits(logits, self.sampling, uniforms[step], allowed)
                 draft_probs.append(probs)
+            if constraint is not None:
+                constraint.advance(token.tolist())
             draft_tokens.append(token)
             inputs = token[:, None]
         self._proposal = torch.stack(draft_tokens, dim=1)  # [B, K]

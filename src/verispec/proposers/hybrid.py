@@ -27,7 +27,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import as_ints
-from .base import Proposal
+from .base import Proposal, RoundConstraint
 from .draft_model import DraftModelProposer, DraftModelSession
 from .ngram import NgramDraft, NgramSession
 
@@ -65,7 +65,8 @@ class HybridSession:
         self.num_ngram_rounds = 0  # rounds proposed by lookup / by the draft model
         self.num_draft_rounds = 0
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
+    def propose(self, num_draft_tokens: int, generator: torch.Generator,
+                constraint: RoundConstraint | None = None) -> Proposal:
         """n-gram tokens (draft_probs None) if every row has a match, else the draft model's."""
         found = self.ngram.lookup(num_draft_tokens)
         self._by_ngram = all(found)
@@ -74,7 +75,7 @@ class HybridSession:
             proposal = self.ngram.propose_found(found)
         else:
             self.num_draft_rounds += 1
-            proposal = self.draft.propose(num_draft_tokens, generator)
+            proposal = self.draft.propose(num_draft_tokens, generator, constraint)
         self._proposal = proposal.draft_tokens.tolist()
         return proposal
 

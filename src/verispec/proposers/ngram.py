@@ -32,7 +32,7 @@ import torch
 from ..config import SamplingConfig
 from ..errors import ConfigError
 from ..models.base import as_ints
-from .base import Proposal
+from .base import Proposal, RoundConstraint
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,11 @@ class NgramSession:
         self.rows = [_RowIndex(list(prompt), config) for prompt in prompts]
         self._proposal: list[list[int]] | None = None  # this round's [B][K] host rows
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator) -> Proposal:
+    def propose(self, num_draft_tokens: int, generator: torch.Generator,
+                constraint: RoundConstraint | None = None) -> Proposal:
         """Up to ``num_draft_tokens`` per row (fewer, or none, where the history is short of a
-        match); deterministic: draft_probs None. ``generator`` is not used."""
+        match); deterministic: draft_probs None. ``generator`` is not used, nor ``constraint``:
+        the engine cuts a lookup where it leaves the grammar (ConstraintSet.cover)."""
         assert num_draft_tokens >= 1
         return self.propose_found(self.lookup(num_draft_tokens))
 

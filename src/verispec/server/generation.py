@@ -89,7 +89,7 @@ class GenerationService:
         if self.draining:
             raise ServerShuttingDown("the server is shutting down; retry later.")
         fmt = response_format(self.settings.model_name, self.num_draft_tokens(params),
-                              self.depth_policy(params))
+                              self.depth_policy(params), params.tool_names)
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
         job = Job(partial(self._start_stream, params), asyncio.get_running_loop())
         self.worker.submit(job)  # ServerOverloaded -> 503
@@ -119,6 +119,7 @@ class GenerationService:
             top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop,
             num_draft_tokens=params.num_draft_tokens, speculative=self.speculative,
             adaptive=None if self.depth_policy(params) else False, ignore_eos=params.ignore_eos,
+            response_format=params.grammar,
             min_new_tokens=min(params.min_tokens, max_tokens))
 
     def _room(self, num_prompt_tokens: int, params: GenerationParams) -> int:
@@ -179,9 +180,12 @@ async def _sse(job: Job, fmt: CompletionFormat | ChatFormat, clock: FirstTokenCl
             event, value = await job.events.get()
             if event is Event.DELTA:
                 clock.tick()
-                yield sse(fmt.delta_chunk(value))
+                chunk = fmt.delta_chunk(value)
+                if chunk is not None:  # None: a tool call, sent whole at the end
+                    yield sse(chunk)
             elif event is Event.DONE:
-                yield sse(fmt.final_chunk(value))
+                for chunk in fmt.final_chunks(value):
+                    yield sse(chunk)
                 if include_usage:
                     yield sse(fmt.usage_chunk(value))
                 yield DONE_LINE

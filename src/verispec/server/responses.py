@@ -54,13 +54,14 @@ class _Format:
 
     id_prefix = ""
 
-    def __init__(self, model: str, num_draft_tokens: int, depth_policy: str | None = None
-                 ) -> None:
+    def __init__(self, model: str, num_draft_tokens: int, depth_policy: str | None = None,
+                 tool_names: tuple[str, ...] = ()) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.depth_policy = depth_policy
+        self.tool_names = tool_names  # chat with tools: the output is a call, not content
 
     object_name = ""  # of a stream's chunks
 
@@ -101,9 +102,9 @@ class CompletionFormat(_Format):
     def delta_chunk(self, text: str) -> dict[str, object]:
         return self._envelope("text_completion", self._choice(text, None))
 
-    def final_chunk(self, completion: Completion) -> dict[str, object]:
-        return self._envelope("text_completion", self._choice("", completion.finish_reason),
-                              completion, with_usage=False)
+    def final_chunks(self, completion: Completion) -> list[dict[str, object]]:
+        return [self._envelope("text_completion", self._choice("", completion.finish_reason),
+                               completion, with_usage=False)]
 
     @staticmethod
     def _choice(text: str, finish_reason: str | None) -> dict[str, object]:
@@ -118,18 +119,40 @@ class ChatFormat(_Format):
     object_name = "chat.completion.chunk"
 
     def body(self, completion: Completion) -> dict[str, object]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                  "logprobs": None, "finish_reason": completion.finish_reason}
+        message: dict[str, object] = {"role": "assistant", "content": completion.text}
+        call = self._tool_call(completion)
+        if call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        choice = {"index": 0, "message": message, "logprobs": None,
+                  "finish_reason": "tool_calls" if call is not None else completion.finish_reason}
         return self._envelope("chat.completion", choice, completion)
 
     def opening_chunks(self) -> list[dict[str, object]]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def delta_chunk(self, text: str) -> dict[str, object]:
+    def delta_chunk(self, text: str) -> dict[str, object] | None:
+        if self.tool_names:  # a call is sent whole at the end, once its JSON is complete
+            return None
         return self._chunk({"content": text}, None)
 
-    def final_chunk(self, completion: Completion) -> dict[str, object]:
-        return self._chunk({}, completion.finish_reason, completion)
+    def final_chunks(self, completion: Completion) -> list[dict[str, object]]:
+        call = self._tool_call(completion)
+        if call is None:
+            if self.tool_names:  # cut by max_tokens before the call was complete: as text
+                return [self._chunk({"content": completion.text}, None),
+                        self._chunk({}, completion.finish_reason, completion)]
+            return [self._chunk({}, completion.finish_reason, completion)]
+        return [self._chunk({"tool_calls": [{"index": 0, **call}]}, None),
+                self._chunk({}, "tool_calls", completion)]
+
+    def _tool_call(self, completion: Completion) -> dict[str, object] | None:
+        """OpenAI's tool_calls entry for an output constrained to {"name", "arguments"}; None
+        without tools, or when max_tokens cut the call short (finish_reason "length")."""
+        if not self.tool_names or completion.finish_reason != "stop":
+            return None
+        call = json.loads(completion.text)  # the grammar made it valid JSON of this shape
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
     def _chunk(self, delta: dict[str, str], finish_reason: str | None,
                completion: Completion | None = None) -> dict[str, object]:

@@ -10,7 +10,11 @@ Two layers of checks, two status codes:
        run here by building the library's configs, before the request is queued.
 Types are strict, as OpenAI's schema is: an integer field takes a JSON integer (not true, not
 "5"), a number field a JSON number, a boolean field true or false. Unknown fields are ignored, as
-OpenAI-compatible servers do.
+OpenAI-compatible servers do, except those that would change the output (functions,
+guided_json, ...: OUTPUT_CHANGING_FIELDS), which are refused (400 unsupported_parameter).
+response_format (json_schema, json_object, and the regex and grammar extensions) and tools
+(tool_choice "required" or a named function) constrain the output (constraints.py); an invalid
+schema, regex or grammar is a 400 naming the problem.
 
 Defaults: temperature 1.0 (OpenAI's); max_tokens omitted = as many tokens as fit in the context
 window after the prompt, at most --max-tokens-limit.
@@ -21,15 +25,62 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
 from ..config import GenerationConfig, SamplingConfig
+from ..constraints import Grammar, InvalidConstraintError, compile_response_format
 from ..errors import EmptyPromptError
 from .errors import ParameterError, UnsupportedParameter
 from .prompts import ChatMessage, ChatPrompt, TextPrompt, TokenPrompt
 
 DEFAULT_TEMPERATURE = 1.0
 Number = Annotated[float, Strict()]  # a JSON number (an integer too), never a bool or a string
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format, plus two extensions: {"type": "regex", "regex": ...} and
+    {"type": "grammar", "grammar": <a Lark grammar>}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaSpec | None = None
+    regex: StrictStr | None = None
+    grammar: StrictStr | None = None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -39,7 +90,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept only to refuse OUTPUT_CHANGING_FIELDS
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -57,6 +108,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,6 +138,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +158,15 @@ class GenerationParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
+    grammar: Grammar | None = None  # response_format or tools, compiled (constraints.py)
+    tool_names: tuple[str, ...] = ()  # tools: the output is a call of one of these functions
+
+
+# fields other servers take that would change the output, which verispec does not implement:
+# refused rather than ignored (a dropped constraint is a wrong answer, not a degraded one)
+OUTPUT_CHANGING_FIELDS = ("functions", "function_call", "guided_json", "guided_regex",
+                          "guided_choice", "guided_grammar", "structured_outputs", "grammar",
+                          "json_schema", "prediction")
 
 
 def completion_params(body: CompletionRequest, max_tokens_limit: int) -> GenerationParams:
@@ -112,7 +175,8 @@ def completion_params(body: CompletionRequest, max_tokens_limit: int) -> Generat
     _refuse(bool(body.echo), "echo", "echo is not supported; omit it")
     _refuse(body.best_of not in (None, 1), "best_of", "best_of must be 1 (or omitted)")
     _refuse(bool(body.suffix), "suffix", "suffix (insertion) is not supported; omit it")
-    return _params(body, _completion_prompt(body.prompt), body.max_tokens, max_tokens_limit)
+    return _params(body, _completion_prompt(body.prompt), body.max_tokens, max_tokens_limit,
+                   _response_grammar(body))
 
 
 def chat_params(body: ChatCompletionRequest, max_tokens_limit: int) -> GenerationParams:
@@ -120,11 +184,59 @@ def chat_params(body: ChatCompletionRequest, max_tokens_limit: int) -> Generatio
             "logprobs are not returned by verispec; omit logprobs")
     messages = tuple(ChatMessage(m.role, _content_text(m, i)) for i, m in enumerate(body.messages))
     max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-    return _params(body, ChatPrompt(messages), max_tokens, max_tokens_limit)
+    grammar, tool_names = _response_grammar(body), ()
+    if body.tools and body.tool_choice != "none":
+        _refuse(grammar is not None, "tools", "tools and response_format cannot be combined: "
+                "send one of them")
+        grammar, tool_names = _tool_grammar(body.tools, body.tool_choice)
+    return _params(body, ChatPrompt(messages), max_tokens, max_tokens_limit, grammar, tool_names)
+
+
+def _response_grammar(body: _SamplingFields) -> Grammar | None:
+    extra = body.model_extra or {}
+    for name in OUTPUT_CHANGING_FIELDS:
+        _refuse(extra.get(name) is not None, name, f"{name} is not supported by verispec; use "
+                "response_format (json_schema, json_object, regex, grammar) or tools")
+    if body.response_format is None:
+        return None
+    return _compiled(body.response_format.model_dump(by_alias=True, exclude_none=True),
+                     "response_format")
+
+
+def _tool_grammar(tools: list[Tool], choice) -> tuple[Grammar, tuple[str, ...]]:
+    """The output as one call of a tool: {"name": ..., "arguments": {...}} (its parameters'
+    schema), for tool_choice "required" (any of the tools) or a named function."""
+    names = [tool.function.name for tool in tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise ParameterError(f"tool_choice names function {choice.function.name!r}, which "
+                                 f"is not among the tools ({', '.join(names)}).", "tool_choice")
+        tools = [tool for tool in tools if tool.function.name == choice.function.name]
+    else:
+        _refuse(choice != "required", "tool_choice", f"tool_choice={choice or 'auto'!r} is not "
+                "supported (the model would have to choose between text and a call): send "
+                "tool_choice 'required' or {\"type\": \"function\", \"function\": {\"name\": "
+                "...}}, or 'none'")
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": tool.function.name},
+                             "arguments": tool.function.parameters or {"type": "object"}}}
+             for tool in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    grammar = _compiled({"type": "json_schema", "json_schema": {"name": "tool_call",
+                                                                "schema": schema}}, "tools")
+    return grammar, tuple(tool.function.name for tool in tools)
+
+
+def _compiled(response_format: dict, param: str) -> Grammar | None:
+    try:
+        return compile_response_format(response_format)
+    except InvalidConstraintError as exc:
+        raise ParameterError(str(exc), param) from None
 
 
 def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt,
-            max_tokens: int | None, max_tokens_limit: int) -> GenerationParams:
+            max_tokens: int | None, max_tokens_limit: int, grammar: Grammar | None = None,
+            tool_names: tuple[str, ...] = ()) -> GenerationParams:
     _refuse(body.n not in (None, 1), "n", f"n={body.n} is not supported: verispec returns one "
             "choice per request; omit n (or send n=1) and make several requests")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -149,7 +261,7 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return GenerationParams(prompt, max_tokens, temperature, body.top_k, body.top_p, body.seed,
                             stop, body.num_draft_tokens, body.stream, body.ignore_eos,
-                            body.min_tokens, include_usage)
+                            body.min_tokens, include_usage, grammar, tool_names)
 
 
 def _completion_prompt(prompt: str | list) -> TextPrompt | TokenPrompt:

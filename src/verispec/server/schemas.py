@@ -255,6 +255,9 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
     GenerationConfig(max_new_tokens=max_tokens or 1, num_draft_tokens=body.num_draft_tokens or 1,
                      sampling=sampling, seed=body.seed)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if not all(stop):
+        raise ParameterError(f"stop={body.stop!r} is invalid: expected a non-empty string or a "
+                             "list of non-empty strings.", "stop")
     if body.stream_options is not None and not body.stream:
         raise ParameterError("stream_options is only allowed with stream: true.",
                              "stream_options")

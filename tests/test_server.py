@@ -308,6 +308,16 @@ def test_models(client):
         client.models.retrieve("gpt-4")
 
 
+def test_openapi_documents_the_request_bodies(server):
+    document = httpx.get(server.url + "/openapi.json").json()
+    for path, model in (("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert "max_tokens" in document["components"]["schemas"][model]["properties"]
+    assert "ResponseFormat" in document["components"]["schemas"]  # a nested model, moved
+
+
 def test_health_needs_no_key(server):
     response = httpx.get(server.url + "/health")
     assert response.status_code == 200

@@ -73,7 +73,33 @@ def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     app.include_router(_operations_routes(service, metrics))
     app.add_middleware(RequestGuard, host_names=settings.host_names())
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts refusals
+    _document_request_bodies(app)
     return app
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    """/openapi.json with the POST routes' bodies: they are read by hand (size cap, strict
+    JSON), so FastAPI does not see them; their pydantic models are added here, with the models
+    they nest under components/schemas, so clients and fuzzers see the real request schema."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = generate()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/completions", CompletionRequest),
+                            ("/v1/chat/completions", ChatCompletionRequest)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs", {}))
+            schemas[model.__name__] = body
+            document["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi
 
 
 class RequestGuard:

@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import ConfigError, UnsupportedFeatureError
@@ -248,11 +249,15 @@ class ConstraintSet:
         bits = torch.full((num_rows, words), -1, dtype=torch.int32)  # all allowed: free rows
         live = [(m, row) for row, m in enumerate(self.matchers)
                 if m is not None and not m.is_stopped()]
-        if live:
+        if len(live) == 1:  # one row (a server request): no executor round trip
+            matcher, row = live[0]
+            matcher.unsafe_compute_mask_ptr(bits[row].data_ptr(), words * 4)
+        elif live:
             self.index.executor.unsafe_compute_mask_ptr(live, bits.data_ptr(), words * 4,
                                                         num_rows)
-        allowed = ((bits[:, :, None] >> _BIT_SHIFTS) & 1).bool()  # [B, words, 32]
-        allowed = allowed.reshape(num_rows, -1)[:, : self.vocab_size].clone()  # [B, V]
+        # token 32 w + j is bit j of word w (little-endian): one numpy call unpacks them all
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(unpacked[:, : self.vocab_size].astype(np.bool_))  # [B, V]
         for row, matcher in enumerate(self.matchers):
             if matcher is not None and matcher.is_stopped():  # finished: only a stop token
                 allowed[row] = self._stops_only
@@ -260,5 +265,3 @@ class ConstraintSet:
         self.num_masks += 1
         return allowed
 
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # token 32 w + j is bit j of word w

@@ -25,13 +25,15 @@ BEGIN, END = "<!-- architectures: begin (scripts/arch_table.py) -->", "<!-- arch
 
 def readme_block() -> str:
     names = sorted({arch.name.split(",")[0] for arch in SUPPORTED})
-    refused = ", ".join(r.name for r in REFUSED)
+    by_reason: dict[str, list[str]] = {}
+    for refused in REFUSED:
+        by_reason.setdefault(refused.why, []).append(refused.name)
+    refusals = "; ".join(f"{', '.join(names_)} ({why})" for why, names_ in by_reason.items())
     return (f"Exact (tested, see below) on {len(names)} transformers architectures: "
             f"{', '.join(names)}; sliding windows (also mixed local and global layers), chunked "
             "attention, ALiBi, partial rotary, multi-query and latent attention included. "
-            f"Refused at load with `UnsupportedModelError`, never run inexactly: {refused}. "
-            "What each case exercises and why each refusal: "
-            "[docs/architectures.md](docs/architectures.md).")
+            f"Refused at load with `UnsupportedModelError`, never run inexactly: {refusals}. "
+            "What each case exercises: [docs/architectures.md](docs/architectures.md).")
 
 
 def docs_block() -> str:

@@ -113,8 +113,9 @@ class ServerSettings:
     allowed_hosts: str | None = _setting(
         None, "comma-separated host names the server answers to (the Host header, and the "
         "Origin of browser requests); '*' allows any. Default: the loopback names (localhost, "
-        "127.0.0.1, ::1), plus the bound address when it is not a loopback one; other Hosts get "
-        "403 (a DNS-rebinding page cannot reach a local server)", metavar="NAMES")
+        "127.0.0.1, ::1), plus --host when it is a specific address (with 0.0.0.0, list the "
+        "names clients connect by); other Hosts get 403 (a DNS-rebinding page cannot reach a "
+        "local server)", metavar="NAMES")
     max_connections: int = _setting(256, "open connections at most; more are closed at once",
                                     metavar="N")
     header_timeout: float = _setting(10.0, "seconds a client has to send a request's headers "

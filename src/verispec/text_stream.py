@@ -1,0 +1,130 @@
+"""Text out of a decoding run: stop strings, incremental detokenisation, the Completion.
+
+A :class:`TextStream` turns the token chunks of one row of a :class:`verispec.engine.DecodingRun`
+into text deltas: never a split multi-byte character, never text that may turn out to be the
+start of a stop string; at the end, a :class:`Completion` whose text and token ids stop where the
+client's text stops. What this is not: the decoding (engine.py) or the tokenizer's loading (api.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .detokenize import IncrementalDetokenizer
+from .engine import DecodingRun
+from .errors import ConfigError
+from .metrics import GenerationMetrics
+
+
+@dataclass(frozen=True)
+class Completion:
+    """text: the new text (cut before a stop string); token_ids: the new tokens only, up to the
+    one where the text ends (tokens verified past a stop string's start are not included)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    metrics: GenerationMetrics
+    num_prompt_tokens: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+                "metrics": self.metrics.to_dict()}
+
+
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    # a string is one stop; a list is many; anything else is checked as one (and fails)
+    stops = tuple(stop) if isinstance(stop, Sequence) and not isinstance(stop, str) else (stop,)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
+                          "non-empty strings.")
+    return stops
+
+
+class TextStream:
+    """Text deltas of a :class:`DecodingRun`, never splitting a multi-byte character and never
+    showing text that may turn out to be the start of a stop string. Each round's tokens are
+    detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole output."""
+
+    def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
+                 num_prompt_tokens: int) -> None:
+        self.run = run
+        self.stop = stop
+        self.num_prompt_tokens = num_prompt_tokens
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self.token_ids = self._detokenizer.token_ids  # the new tokens so far
+        self.text = ""  # their text so far: what was emitted, plus held-back text
+        self._emitted = 0  # characters of text already yielded
+        self._stopped_by_string = False
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        while self.completion is None:
+            chunk = next(self.run, None)
+            # at the end, partial bytes of a character are decoded too (as U+FFFD)
+            self.text += self._detokenizer.add(chunk.token_ids[0] if chunk else (),
+                                               final=chunk is None)
+            cut = self._find_stop(self.text)
+            if cut is not None:
+                self.text, self._stopped_by_string = self.text[:cut], True
+                return self._finish()
+            if chunk is None:
+                return self._finish()
+            safe_end = len(self.text) - self._held_back(self.text)
+            if safe_end > self._emitted:
+                delta, self._emitted = self.text[self._emitted : safe_end], safe_end
+                return delta
+        raise StopIteration
+
+    def _finish(self) -> str:
+        """Build the completion and yield whatever text is left (possibly nothing)."""
+        result = self.run.result()
+        reason = "stop" if self._stopped_by_string else result.finish_reasons[0]
+        token_ids = list(self.token_ids)
+        if self._stopped_by_string:  # the tokens after the stop string's start were not shown
+            token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
+        self.completion = Completion(self.text, token_ids, reason, self.run.metrics,
+                                     self.num_prompt_tokens)
+        rest, self._emitted = self.text[self._emitted :], len(self.text)
+        if rest:
+            return rest
+        raise StopIteration
+
+    def _tokens_covering(self, token_ids: list[int], text: str) -> int:
+        """The fewest leading tokens whose decode starts with ``text`` (a round may verify
+        several tokens past a stop string; the client gets, and is billed for, only those up to
+        the one where the kept text ends: a character split over tokens needs all of them, as
+        its partial decode is U+FFFD). Binary search over prefix decodes."""
+        low, high = 0, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            decoded = self._detokenizer.tokenizer.decode(token_ids[:middle],
+                                                         skip_special_tokens=True)
+            if decoded.startswith(text):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def _find_stop(self, text: str) -> int | None:
+        start = max(0, self._emitted - max((len(s) for s in self.stop), default=0))
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held_back(self, text: str) -> int:
+        """Trailing characters not safe to show yet: a suffix that starts a stop string. (Text
+        never ends inside a character here: the detokenizer waits for its last byte.)"""
+        prefix = 0
+        for s in self.stop:
+            for size in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:size]):
+                    prefix = max(prefix, size)
+                    break
+        return prefix

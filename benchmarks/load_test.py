@@ -86,13 +86,14 @@ def rss_bytes(pid: int | None) -> int | None:
     return psutil.Process(pid).memory_info().rss
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:  # a free loopback port (tiny race; fine for a benchmark)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def serve_command(args: argparse.Namespace, port: int) -> list[str]:
+    """``verispec serve`` on 127.0.0.1:port for the clients in ``args`` (also soak.py's): a
+    queue and a max_tokens limit large enough for them, --k when args has one."""
     command = [sys.executable, "-m", "verispec.server", "--host", "127.0.0.1", "--port",
-               str(port), "--k", str(args.k), "--max-queue", str(max(64, 2 * args.clients)),
+               str(port), "--max-queue", str(max(64, 2 * args.clients)),
                "--max-tokens-limit", str(max(1024, args.max_tokens))]
+    if getattr(args, "k", None):
+        command += ["--k", str(args.k)]
     if args.target:
         command += ["--target", args.target] + (["--draft", args.draft] if args.draft
                                                 else ["--no-draft"])
@@ -100,6 +101,14 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         command += ["--api-key", args.api_key]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    return command
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:  # a free loopback port (tiny race; fine for a benchmark)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = serve_command(args, port)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)

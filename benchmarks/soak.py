@@ -37,7 +37,14 @@ from urllib.parse import urlparse
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import LOOPBACK, percentile, prompts_for, rss_bytes, wait_until_healthy  # noqa: E402
+from load_test import (  # noqa: E402
+    LOOPBACK,
+    percentile,
+    prompts_for,
+    rss_bytes,
+    serve_command,
+    wait_until_healthy,
+)
 
 SERVING_LINE = re.compile(r"^verispec: serving .* on (http://\S+) ")
 SYSTEM = "You complete Python code."
@@ -110,16 +117,7 @@ def open_fds(pid: int | None) -> int | None:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """``verispec serve`` on a port the OS picks (--port 0); its URL from the startup line.
     stdout and stderr go to files, not pipes: a full pipe (uvicorn's access log) would stall it."""
-    command = [sys.executable, "-m", "verispec.server", "--host", "127.0.0.1", "--port", "0",
-               "--max-queue", str(max(64, 2 * args.clients)),
-               "--max-tokens-limit", str(max(1024, args.max_tokens))]
-    if args.target:
-        command += ["--target", args.target] + (["--draft", args.draft] if args.draft
-                                                else ["--no-draft"])
-    if args.api_key:
-        command += ["--api-key", args.api_key]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
+    command = serve_command(args, 0)
     stdout = tempfile.NamedTemporaryFile("w+", prefix="soak-server-", suffix=".out")
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=stdout,

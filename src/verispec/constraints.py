@@ -51,11 +51,10 @@ class InvalidConstraintError(ConfigError):
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled constraint: llguidance's grammar text, and what it was made from."""
+    """A compiled constraint: llguidance's grammar text, and the kind it was made from."""
 
     text: str
     kind: str  # "json_schema", "json_object", "regex", "grammar"
-    source: str  # the schema / regex / grammar as given, for messages
 
 
 FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar", "text")
@@ -99,7 +98,7 @@ def compile_response_format(response_format: Mapping[str, object] | None) -> Gra
     if error:
         raise InvalidConstraintError(f"response_format ({kind}) does not compile: "
                                      f"{_first_lines(error)}")
-    return Grammar(text, kind, source)
+    return Grammar(text, kind)
 
 
 # JSON with fixed separators and no free whitespace, as OpenAI's own output: a model cannot loop

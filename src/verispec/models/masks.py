@@ -62,11 +62,6 @@ class MaskPlan:
         assert SLIDING not in self.layer_types or (self.sliding_window or 0) > 0
         assert CHUNKED not in self.layer_types or (self.chunk_size or 0) > 0
 
-    def describe(self) -> str:
-        """E.g. 'sliding_attention (window 4096) + full_attention'."""
-        sizes = {SLIDING: f" (window {self.sliding_window})", CHUNKED: f" (chunk {self.chunk_size})"}
-        return " + ".join(kind + sizes.get(kind, "") for kind in self.layer_types)
-
 
 def recurrent_blocks(config: object) -> list[str]:
     """The non-attention block kinds a config lists (Mamba, linear attention, ...), if any."""

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -104,11 +105,13 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     return command
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, extra: Sequence[str] = ()
+                 ) -> tuple[subprocess.Popen, str]:
+    """A server for ``args`` (serve_command), with ``extra`` flags appended."""
     with socket.socket() as probe:  # a free loopback port (tiny race; fine for a benchmark)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = serve_command(args, port)
+    command = serve_command(args, port) + list(extra)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)

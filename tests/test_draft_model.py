@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiny_models import tiny_llama
+from verispec.proposers.base import DraftPlan
 from verispec import SamplingConfig
 from verispec.api import wrap_model
 from verispec.proposers.draft_model import DraftModelProposer
@@ -40,11 +41,11 @@ def test_after_every_commit_the_draft_continues_the_committed_sequence(draft_mod
     # so rows carry 1 or 2 unfed tokens into the next round, in every mix
     proposer = DraftModelProposer(wrap_model(draft_model, VOCAB, backend))
     committed = [[3, 14, 15, 9], [2, 6], [5, 3, 5, 8, 9, 7]]
-    session = proposer.start(committed, SAMPLING)
+    session = proposer.start(committed)
     generator = torch.Generator().manual_seed(0)
     patterns = [[0, min(1, k), k], [k, k, 0], [k // 2, 0, k], [k, k, k]]
     for round_index, num_accepted in enumerate(patterns):
-        proposal = session.propose(k, generator)
+        proposal = session.propose(DraftPlan.uniform(3, k, SAMPLING, generator))
         # the first drafted distribution continues the committed sequence exactly
         torch.testing.assert_close(proposal.draft_probs[:, 0], fresh_probs(draft_model, committed),
                                    atol=1e-5, rtol=1e-4)
@@ -53,15 +54,16 @@ def test_after_every_commit_the_draft_continues_the_committed_sequence(draft_mod
         session.commit(num_accepted, next_tokens)
         committed = [row + d[:n] + [t] for row, d, n, t
                      in zip(committed, drafted, num_accepted, next_tokens)]
-    final = session.propose(1, generator)
+    final = session.propose(DraftPlan.uniform(3, 1, SAMPLING, generator))
     torch.testing.assert_close(final.draft_probs[:, 0], fresh_probs(draft_model, committed),
                                atol=1e-5, rtol=1e-4)
 
 
 def test_a_rejected_round_leaves_one_token_to_feed_and_a_full_one_two(draft_model):
     proposer = DraftModelProposer(wrap_model(draft_model, VOCAB, "fast"))
-    session = proposer.start([[3, 14, 15], [2, 6, 5]], SamplingConfig(temperature=0.0))
-    proposal = session.propose(3, torch.Generator())
+    session = proposer.start([[3, 14, 15], [2, 6, 5]])
+    proposal = session.propose(DraftPlan.uniform(2, 3, SamplingConfig(temperature=0.0),
+                                                 torch.Generator()))
     assert proposal.draft_probs is None  # greedy: a point mass, verified as such
     drafted = proposal.draft_tokens.tolist()
     session.commit([1, 3], [40, 41])

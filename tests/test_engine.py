@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from verispec.proposers.base import DraftPlan
 from verispec import (
     FixedDistributionLM,
     GenerationConfig,
@@ -214,11 +215,11 @@ def test_a_sampling_draft_draws_each_token_from_the_probs_it_reports(sampling):
     # generator, and the generator must end where those calls leave it
     target = _target(order=2)
     draft = _noisy_draft(target)
-    session = DraftModelProposer(draft).start(PROMPTS, sampling)
+    session = DraftModelProposer(draft).start(PROMPTS)
     committed = [list(prompt) for prompt in PROMPTS]
     for round_index, k in enumerate((1, 3, 5, 2)):
         generator = make_generator(round_index)
-        proposal = session.propose(k, generator)
+        proposal = session.propose(DraftPlan.uniform(len(PROMPTS), k, sampling, generator))
         drafted = proposal.draft_tokens.tolist()  # [B][K]
         reference = make_generator(round_index)
         for step in range(k):

@@ -29,6 +29,7 @@ from test_losslessness import (
     inject_verify,
 )
 from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
+from verispec.proposers.base import DraftPlan
 from verispec import (
     DraftModelProposer,
     GenerationConfig,
@@ -59,8 +60,8 @@ class _CountingHybrid(HybridProposer):
         super().__init__(*args, **kwargs)
         self.sessions = []
 
-    def start(self, prompts, sampling):
-        session = super().start(prompts, sampling)
+    def start(self, prompts):
+        session = super().start(prompts)
         self.sessions.append(session)
         return session
 
@@ -74,19 +75,20 @@ def test_ragged_catch_up_equals_a_fresh_session(build, backend):
     model = wrap_model(build(50, seed=4), 50, backend)
     sampling = SamplingConfig(temperature=1.0)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    caught_up = DraftModelProposer(model).start(prompts, sampling)
+    caught_up = DraftModelProposer(model).start(prompts)
     caught_up.append_committed([[9], [10, 11, 12, 13]])  # rows now lag by 2 and 5 tokens
     full = [[1, 2, 3, 9], [4, 5, 6, 7, 8, 10, 11, 12, 13]]
-    fresh = DraftModelProposer(model).start(full, sampling)
-    got = caught_up.propose(3, make_generator(7))
-    expected = fresh.propose(3, make_generator(7))
+    fresh = DraftModelProposer(model).start(full)
+    got = caught_up.propose(DraftPlan.uniform(2, 3, sampling, make_generator(7)))
+    expected = fresh.propose(DraftPlan.uniform(2, 3, sampling, make_generator(7)))
     assert got.draft_tokens.tolist() == expected.draft_tokens.tolist()
     torch.testing.assert_close(got.draft_probs, expected.draft_probs, atol=1e-5, rtol=1e-4)
     # and the cache stays right through the next commit and proposal
     caught_up.commit([1, 3], [20, 21])
     fresh.commit([1, 3], [20, 21])
-    torch.testing.assert_close(caught_up.propose(2, make_generator(8)).draft_probs,
-                               fresh.propose(2, make_generator(8)).draft_probs,
+    plan = lambda: DraftPlan.uniform(2, 2, sampling, make_generator(8))  # noqa: E731
+    torch.testing.assert_close(caught_up.propose(plan()).draft_probs,
+                               fresh.propose(plan()).draft_probs,
                                atol=1e-5, rtol=1e-4)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+import verispec.batch
 import verispec.engine
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 from verispec import (
@@ -321,15 +322,31 @@ def _rule_verify(accept, recover):
 
 
 def inject_verify(monkeypatch, verify_fn) -> None:
-    """Make the engine verify with ``verify_fn`` (verify's signature and result) at temperature
-    > 0, where it calls verify.verify_rows: verify read back as host lists."""
+    """Make the engine verify with ``verify_fn`` (verify's signature and result, one generator)
+    at temperature > 0, where it calls verify.verify_rows: verify read back as host lists."""
 
-    def injected_verify_rows(draft_tokens, draft_probs, target_probs, generator):
-        result = verify_fn(draft_tokens, draft_probs, target_probs, generator)
-        return result.num_accepted.tolist(), result.output_tokens.tolist()
+    def injected_verify_rows(draft_tokens, draft_probs, target_probs, generators,
+                             num_draft_tokens=None):
+        # rows of equal depth k sharing a generator are verified together on their first k
+        # tokens (rows near max_new_tokens draft fewer than the round's width)
+        width = draft_tokens.shape[1]
+        counts = list(num_draft_tokens or [width] * draft_tokens.shape[0])
+        groups = {}
+        for b, (count, generator) in enumerate(zip(counts, generators)):
+            groups.setdefault((count, id(generator)), (generator, []))[1].append(b)
+        num_accepted, output_tokens = [0] * len(counts), [[]] * len(counts)
+        for (k, _), (generator, rows) in groups.items():
+            index = torch.tensor(rows)
+            result = verify_fn(draft_tokens[index, :k],
+                               None if draft_probs is None else draft_probs[index, :k],
+                               target_probs[index, : k + 1], generator)
+            for b, n, tokens in zip(rows, result.num_accepted.tolist(),
+                                    result.output_tokens.tolist()):
+                num_accepted[b], output_tokens[b] = n, tokens
+        return num_accepted, output_tokens
 
-    assert hasattr(verispec.engine, "verify_rows")  # the name the engine really calls
-    monkeypatch.setattr(verispec.engine, "verify_rows", injected_verify_rows)
+    assert hasattr(verispec.batch, "verify_rows")  # the name the engine really calls
+    monkeypatch.setattr(verispec.batch, "verify_rows", injected_verify_rows)
 
 
 CONTROL_PAIR = "reversed"

@@ -13,6 +13,7 @@ import pytest
 import verispec
 from test_losslessness import VOCAB_SIZE
 from tiny_models import save_untied_pair
+from verispec.proposers.base import DraftPlan
 from verispec import (
     GenerationConfig,
     MarkovLM,
@@ -31,11 +32,12 @@ GREEDY = SamplingConfig(temperature=0)
 
 
 def _session(prompts, config=NgramDraft()):
-    return NgramProposer(100, config).start(prompts, GREEDY)
+    return NgramProposer(100, config).start(prompts)
 
 
 def _proposed(session, k):
-    proposal = session.propose(k, make_generator(0))
+    proposal = session.propose(DraftPlan.uniform(len(session.rows), k, GREEDY,
+                                                  make_generator(0)))
     assert proposal.draft_probs is None  # deterministic: verified as a point mass
     return proposal.draft_tokens.tolist()
 

@@ -47,7 +47,8 @@ MODEL = "tiny"
 PROMPT = "def add(a, b):"
 LONG = 1500  # tokens: several seconds of generation, for the aborted and the blocking requests
 SETTINGS = ServerSettings(api_key=API_KEY, model_name=MODEL, max_tokens_limit=2000,
-                          max_prompt_tokens=64, max_queue=2, max_body_bytes=16_384)
+                          max_prompt_tokens=64, max_queue=2, max_body_bytes=16_384,
+                          max_batch_size=1)  # one row at a time: the queue tests below fill it
 
 
 class ServerThread:
@@ -481,7 +482,8 @@ def test_disconnect_while_waiting_for_a_whole_response(server, client):
 
 
 def test_queue_overflow_gets_503_and_the_queue_drains(server, http, client):
-    """max_queue=2: one running (a long stream), two waiting, the next one refused."""
+    """max_batch_size=1, max_queue=2: one running (a long stream), two waiting, the next one
+    refused."""
     with http.stream("POST", "/v1/completions", json=_long_body(stream=True)) as running:
         lines = running.iter_lines()  # keep a reference: a collected iterator closes the stream
         next(lines)  # the long generation is on the worker now

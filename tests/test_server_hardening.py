@@ -58,7 +58,7 @@ def reference(model_dirs):
     return verispec.load(*model_dirs)
 
 
-SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_queue=1,
+SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_queue=1, max_batch_size=1,
                           header_timeout=1.0, max_connections=24)
 
 

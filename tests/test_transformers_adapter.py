@@ -37,6 +37,7 @@ from tiny_models import (
 )
 
 import verispec
+from verispec.proposers.base import DraftPlan
 from verispec import (
     ContextLengthExceeded,
     GenerationConfig,
@@ -254,9 +255,9 @@ def test_draft_proposer_rounds_match_fresh_forward(tiny_pair):
     generator = make_generator(11)
     token_gen = torch.Generator().manual_seed(11)
     committed = [list(p) for p in tiny_pair.prompts[3:6]]
-    session = DraftModelProposer(TransformersLM(model)).start(committed, sampling)
+    session = DraftModelProposer(TransformersLM(model)).start(committed)
     for num_accepted in ([0, 3, 1], [3, 3, 3], [2, 0, 0], [1, 2, 3]):
-        proposal = session.propose(3, generator)
+        proposal = session.propose(DraftPlan.uniform(3, 3, sampling, generator))
         for b in range(3):
             drafted = proposal.draft_tokens[b].tolist()
             expected_logits = fresh_last_logits(model, committed[b] + drafted[:2], 3)

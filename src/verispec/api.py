@@ -11,6 +11,7 @@ strings and incremental detokenisation: text_stream.py); the engine below it see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -45,9 +46,21 @@ from .models.transformers import TransformersLM, output_width
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HYBRID_LOOKUP, HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
+from .batch_text import BatchStream, TextBatch, is_batch, row_settings
 from .text_stream import Completion, TextStream, check_stop
 
 ModelSource = str | Path | PreTrainedModel
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    """One prompt ready for the engine (Decoder.prepare): token ids, config, stop strings,
+    grammar (None: unconstrained)."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stop: tuple[str, ...]
+    constraints: ConstraintSet | None
 LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
 BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 
@@ -221,20 +234,64 @@ class Decoder:
         self.adaptive = adaptive
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+    def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 max_new_tokens: int | Sequence[int] = 64,
+                 temperature: float | Sequence[float] = 0.0,
+                 top_k: int | None | Sequence[int | None] = None,
+                 top_p: float | None | Sequence[float | None] = None,
+                 seed: int | None | Sequence[int | None] = None,
+                 stop: str | Sequence[str] | Sequence[Sequence[str] | None] | None = None,
                  num_draft_tokens: int | None = None, speculative: bool = True,
                  adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
-                 ignore_eos: bool = False, min_new_tokens: int = 0,
-                 response_format: Mapping[str, object] | Grammar | None = None) -> Completion:
-        """Generate a completion of ``prompt`` (text, or token ids). See :meth:`stream`."""
-        run = self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                          num_draft_tokens, speculative, adaptive, ignore_eos, min_new_tokens,
-                          response_format)
+                 ignore_eos: bool = False, min_new_tokens: int | Sequence[int] = 0,
+                 response_format: Mapping[str, object] | Grammar | None | Sequence[
+                     Mapping[str, object] | Grammar | None] = None
+                 ) -> Completion | list[Completion]:
+        """Generate a completion of ``prompt`` (text, or token ids); see :meth:`stream`.
+
+        A list of prompts (texts, or token-id lists) is decoded as one batch and gives one
+        Completion per prompt, each with its own metrics. Any of max_new_tokens, temperature,
+        top_k, top_p, seed, stop, min_new_tokens and response_format may then be a list with
+        one value per prompt (``stop``: one list of strings, or None, per prompt); an int
+        ``seed`` seeds prompt i with seed + i. Each row draws from its own generator, so a
+        prompt with a given seed gives the same text whatever else is in the batch.
+        """
+        settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, stop=stop, num_draft_tokens=num_draft_tokens,
+                        adaptive=adaptive, ignore_eos=ignore_eos,
+                        min_new_tokens=min_new_tokens, response_format=response_format)
+        if is_batch(prompt):
+            stream = self.stream_batch(prompt, speculative=speculative, **settings)
+            for _ in stream:
+                pass
+            return stream.completions
+        run = self.stream(prompt, speculative=speculative, **settings)
         for _ in run:
             pass
         return run.completion
+
+    def stream_batch(self, prompts: Sequence[str | Sequence[int]], speculative: bool = True,
+                     adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
+                     **settings) -> BatchStream:
+        """Decode several prompts as one batch: an iterator of (prompt index, text delta) as
+        each round is verified; ``.completions`` holds one Completion per prompt at the end.
+        ``settings``: :meth:`generate`'s, one value for all prompts or a list of one each."""
+        if not is_batch(prompts):
+            raise InputError(f"prompts must be a non-empty list of texts or token-id lists; got "
+                             f"{prompts!r:.80}.")
+        text_batch = self.open_batch(speculative, adaptive)
+        for index, row in enumerate(row_settings(settings, len(prompts))):
+            text_batch.add(prompts[index], tag=index, adaptive=adaptive, **row)
+        return BatchStream(text_batch, len(prompts))
+
+    def open_batch(self, speculative: bool = True,
+                   adaptive: AdaptivePolicyConfig | Literal[False] | None = None) -> TextBatch:
+        """An empty :class:`verispec.batch_text.TextBatch` (continuous batching): rows join with
+        ``add(prompt, **settings)`` and leave between rounds; ``step()`` runs one round.
+        ``adaptive``: the depth policy of rows that follow one (default: the decoder's)."""
+        self._check_speculative(speculative)
+        policy = self.adaptive if adaptive is None else (adaptive or None)
+        return TextBatch(self, self.engine.batch(speculative, policy, self.num_draft_tokens))
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -257,12 +314,26 @@ class Decoder:
         ``response_format``: constrain the output (constraints.compile_response_format: a JSON
         schema, any JSON object, a regex, a Lark grammar, in OpenAI's dict shape); draft and
         target are masked alike, so the output has exactly the constrained target's law.
+        For several prompts at once see :meth:`stream_batch`.
         """
-        if not isinstance(speculative, bool):
-            raise ConfigError(f"speculative={speculative!r} is invalid: expected True or False.")
-        if speculative and self.engine.proposer is None:
-            raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
-                              "(a model, or NgramDraft()) to verispec.load, or speculative=False.")
+        self._check_speculative(speculative)
+        prepared = self.prepare(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                                num_draft_tokens, speculative, adaptive, ignore_eos,
+                                min_new_tokens, response_format)
+        run = self.engine.stream([prepared.prompt_ids], prepared.config, speculative,
+                                 prepared.constraints)
+        return TextStream(run, self.tokenizer, prepared.stop, len(prepared.prompt_ids))
+
+    def prepare(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
+                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                seed: int | None = None, stop: str | Sequence[str] | None = None,
+                num_draft_tokens: int | None = None, speculative: bool = True,
+                adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
+                ignore_eos: bool = False, min_new_tokens: int = 0,
+                response_format: Mapping[str, object] | Grammar | None = None) -> PreparedRow:
+        """One prompt's :meth:`stream` arguments checked and turned into what the engine takes:
+        its token ids, GenerationConfig, stop strings and grammar. Raises the typed errors
+        :meth:`stream` documents (ConfigError, InputError, ContextLengthExceeded, ...)."""
         if not isinstance(ignore_eos, bool):
             raise ConfigError(f"ignore_eos={ignore_eos!r} is invalid: expected True or False.")
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
@@ -276,8 +347,14 @@ class Decoder:
         prompt_ids = self._encode(prompt)
         self._check_context(len(prompt_ids), config, speculative)
         constraints = self._constraints(response_format, min_new_tokens, max_new_tokens)
-        run = self.engine.stream([prompt_ids], config, speculative, constraints)
-        return TextStream(run, self.tokenizer, stop_strings, len(prompt_ids))
+        return PreparedRow(prompt_ids, config, stop_strings, constraints)
+
+    def _check_speculative(self, speculative: object) -> None:
+        if not isinstance(speculative, bool):
+            raise ConfigError(f"speculative={speculative!r} is invalid: expected True or False.")
+        if speculative and self.engine.proposer is None:
+            raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
+                              "(a model, or NgramDraft()) to verispec.load, or speculative=False.")
 
     def _constraints(self, response_format: Mapping[str, object] | Grammar | None,
                      min_new_tokens: int, max_new_tokens: int) -> ConstraintSet | None:

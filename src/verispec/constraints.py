@@ -188,6 +188,21 @@ class ConstraintSet:
     def active(self) -> bool:
         return any(m is not None for m in self.matchers)
 
+    def add_rows(self, other: ConstraintSet | None, num_rows: int) -> None:
+        """Rows joining the batch between rounds: ``other``'s rows (a set over the same
+        tokenizer index), or ``num_rows`` unconstrained ones when None."""
+        if other is None:
+            self.matchers += [None] * num_rows
+        else:
+            assert other.index is self.index and len(other.matchers) == num_rows
+            self.matchers += other.matchers
+        self.start_round()
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order (rows leaving the batch between rounds)."""
+        self.matchers = [self.matchers[row] for row in rows]
+        self.start_round()
+
     def start_round(self) -> None:
         self._masks, self._advanced = {}, 0
         self._consumed = [0] * len(self.matchers)

@@ -144,12 +144,15 @@ class MetricsRecorder:
 
     def record_round(self, num_draft_tokens: int, num_rows: int, num_accepted: int,
                      num_emitted: int, reached: list[int], accepted_at: list[int],
-                     times: dict[str, float]) -> None:
-        """One round: reached[i] / accepted_at[i] count rows tested / accepted at position i."""
+                     times: dict[str, float], num_drafted: int | None = None) -> None:
+        """One round: reached[i] / accepted_at[i] count rows tested / accepted at position i.
+        num_draft_tokens: the round's k (draft steps); num_drafted: tokens verified over the
+        rows, when rows drafted fewer than k (None: k per row)."""
         counts = self.counts
         counts["num_rounds"] += 1
         counts["num_row_rounds"] += num_rows
-        counts["num_drafted"] += num_draft_tokens * num_rows
+        counts["num_drafted"] += (num_draft_tokens * num_rows if num_drafted is None
+                                  else num_drafted)
         counts["num_accepted"] += num_accepted
         counts["num_emitted"] += num_emitted
         counts["num_draft_steps"] += num_draft_tokens

@@ -19,11 +19,13 @@ Not here: models, caches, acceptance tests (see verify.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from .config import SamplingConfig, check_seed
 from .errors import NonFiniteError, ShapeError
+from .verify_checks import check_generator
 
 
 def _check_floating(name: str, tensor: torch.Tensor) -> None:
@@ -226,3 +228,34 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         generator.manual_seed(seed)
     return generator
+
+
+def generator_groups(generators: Sequence[torch.Generator]
+                     ) -> list[tuple[torch.Generator, list[int]]]:
+    """Rows grouped by the generator they share (the same object), in order of first
+    appearance: [(generator, rows)]. A group draws its random numbers in one call, so a row
+    with a generator of its own draws the same numbers whatever else is in the batch.
+    Example: [g, h, g] -> [(g, [0, 2]), (h, [1])]."""
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for row, generator in enumerate(generators):
+        check_generator(generator)
+        groups.setdefault(id(generator), (generator, []))[1].append(row)
+    return list(groups.values())
+
+
+def draw_step_uniforms(generators: Sequence[torch.Generator], counts: Sequence[int]
+                       ) -> list[list[float]]:
+    """Per row b, counts[b] float64 uniforms (host floats): a draft's draws for one round.
+    Each generator group draws [max count, rows] at once, step-major (the numbers one
+    sampling.sample call per step would take), and row b keeps its column's first counts[b].
+    A group whose counts are all 0 draws nothing."""
+    drawn: list[list[float]] = [[] for _ in counts]
+    for generator, rows in generator_groups(generators):
+        steps = max(counts[row] for row in rows)
+        if steps == 0:
+            continue
+        table = torch.rand((steps, len(rows)), generator=generator, dtype=torch.float64,
+                           device=generator.device).tolist()  # [steps, rows]
+        for column, row in enumerate(rows):
+            drawn[row] = [table[step][column] for step in range(counts[row])]
+    return drawn

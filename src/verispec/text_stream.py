@@ -45,57 +45,43 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return stops
 
 
-class TextStream:
-    """Text deltas of a :class:`DecodingRun`, never splitting a multi-byte character and never
-    showing text that may turn out to be the start of a stop string. Each round's tokens are
-    detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole output."""
+class RowText:
+    """One row's text: its token chunks in, text deltas out, never splitting a multi-byte
+    character and never showing text that may turn out to be the start of a stop string. Each
+    chunk is detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole
+    output. Used by :class:`TextStream` (one row of a run) and by batched text
+    (batch_text.py, one per row)."""
 
-    def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
-                 num_prompt_tokens: int) -> None:
-        self.run = run
+    def __init__(self, tokenizer, stop: tuple[str, ...], num_prompt_tokens: int) -> None:
         self.stop = stop
         self.num_prompt_tokens = num_prompt_tokens
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self.token_ids = self._detokenizer.token_ids  # the new tokens so far
         self.text = ""  # their text so far: what was emitted, plus held-back text
-        self._emitted = 0  # characters of text already yielded
-        self._stopped_by_string = False
-        self.completion: Completion | None = None
+        self._emitted = 0  # characters of text already given out
+        self.stopped_by_string = False
 
-    def __iter__(self) -> Iterator[str]:
-        return self
+    def feed(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
+        """A round's new tokens (``final``: the row has ended) -> (the text now safe to show,
+        whether the text is complete: the row ended or a stop string was found)."""
+        # at the end, partial bytes of a character are decoded too (as U+FFFD)
+        self.text += self._detokenizer.add(token_ids, final=final)
+        cut = self._find_stop(self.text)
+        if cut is not None:
+            self.text, self.stopped_by_string, final = self.text[:cut], True, True
+        end = len(self.text) if final else len(self.text) - self._held_back(self.text)
+        delta = self.text[self._emitted : end] if end > self._emitted else ""
+        self._emitted = max(self._emitted, end)
+        return delta, final
 
-    def __next__(self) -> str:
-        while self.completion is None:
-            chunk = next(self.run, None)
-            # at the end, partial bytes of a character are decoded too (as U+FFFD)
-            self.text += self._detokenizer.add(chunk.token_ids[0] if chunk else (),
-                                               final=chunk is None)
-            cut = self._find_stop(self.text)
-            if cut is not None:
-                self.text, self._stopped_by_string = self.text[:cut], True
-                return self._finish()
-            if chunk is None:
-                return self._finish()
-            safe_end = len(self.text) - self._held_back(self.text)
-            if safe_end > self._emitted:
-                delta, self._emitted = self.text[self._emitted : safe_end], safe_end
-                return delta
-        raise StopIteration
-
-    def _finish(self) -> str:
-        """Build the completion and yield whatever text is left (possibly nothing)."""
-        result = self.run.result()
-        reason = "stop" if self._stopped_by_string else result.finish_reasons[0]
+    def completion(self, finish_reason: str, metrics: GenerationMetrics) -> Completion:
+        """The finished text's Completion (finish_reason: the engine's, "stop" or "length";
+        a stop string makes it "stop")."""
         token_ids = list(self.token_ids)
-        if self._stopped_by_string:  # the tokens after the stop string's start were not shown
+        if self.stopped_by_string:  # the tokens after the stop string's start were not shown
             token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
-        self.completion = Completion(self.text, token_ids, reason, self.run.metrics,
-                                     self.num_prompt_tokens)
-        rest, self._emitted = self.text[self._emitted :], len(self.text)
-        if rest:
-            return rest
-        raise StopIteration
+        reason = "stop" if self.stopped_by_string else finish_reason
+        return Completion(self.text, token_ids, reason, metrics, self.num_prompt_tokens)
 
     def _tokens_covering(self, token_ids: list[int], text: str) -> int:
         """The fewest leading tokens whose decode starts with ``text`` (a round may verify
@@ -128,3 +114,35 @@ class TextStream:
                     prefix = max(prefix, size)
                     break
         return prefix
+
+
+class TextStream:
+    """Text deltas of one row of a :class:`DecodingRun` (a one-prompt generation), through
+    :class:`RowText`; ``.completion`` is set when the text is complete."""
+
+    def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
+                 num_prompt_tokens: int) -> None:
+        self.run = run
+        self.num_prompt_tokens = num_prompt_tokens
+        self._text = RowText(tokenizer, stop, num_prompt_tokens)
+        self.token_ids = self._text.token_ids  # the new tokens so far
+        self.completion: Completion | None = None
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        while self.completion is None:
+            chunk = next(self.run, None)
+            delta, done = self._text.feed(chunk.token_ids[0] if chunk else (),
+                                          final=chunk is None or chunk.finished[0])
+            if done:
+                self.completion = self._text.completion(self.run.result().finish_reasons[0],
+                                                        self.run.metrics)
+            if delta:
+                return delta
+        raise StopIteration

@@ -31,12 +31,13 @@ the temperature-0 forms that need no random numbers (verify_greedy.py), the inpu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .errors import DraftContractError
-from .sampling import sample_with_host_uniforms, sample_with_uniform
+from .errors import DraftContractError, ShapeError
+from .sampling import generator_groups, sample_with_host_uniforms, sample_with_uniform
 from .verify_checks import (
     check_draft_tokens,
     check_generator,
@@ -129,20 +130,34 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
 
 
 def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                target_probs: torch.Tensor, generator: torch.Generator
+                target_probs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator],
+                num_draft_tokens: Sequence[int] | None = None
                 ) -> tuple[list[int], list[list[int]]]:
     """:func:`verify` with its result as host lists: what the decoding loop uses at temperature > 0.
 
-    Shapes as in :func:`verify` (every row proposes all K tokens). Returns (num_accepted, B ints;
-    output_tokens, B rows of K+1 ints as in VerifyResult.output_tokens), equal to
-    ``verify(...).num_accepted.tolist()`` and ``.output_tokens.tolist()`` for the same generator
-    state: the same random numbers, drawn in the same order. Batches of up to
+    Shapes as in :func:`verify`; num_draft_tokens: B host ints (ragged rows), None for K each.
+    ``generator``: one for the batch, or one per row; rows sharing a generator draw together
+    (sampling.generator_groups), each group its uniforms [rows, its largest k] then its
+    next_uniforms [rows], so a row with a generator of its own draws the same numbers whatever
+    else is in the batch, and one generator for all rows draws exactly what :func:`verify`
+    draws. Returns (num_accepted, B ints; output_tokens, B rows of K+1 ints as in
+    VerifyResult.output_tokens), equal to ``verify(...).num_accepted.tolist()`` and
+    ``.output_tokens.tolist()`` for the same generator state. Batches of up to
     HOST_ROWS_MAX_BATCH rows never build the result tensors only to read them back.
     """
-    uniforms, next_uniforms = _draw_uniforms(draft_tokens, generator, target_probs.device)
-    num_draft = check_verify_inputs(draft_tokens, draft_probs, target_probs, uniforms,
-                                     next_uniforms, None)
-    if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
+    batch_size, max_k = check_draft_tokens(draft_tokens)
+    counts = [max_k] * batch_size if num_draft_tokens is None else list(num_draft_tokens)
+    generators = ([generator] * batch_size if isinstance(generator, torch.Generator)
+                  else list(generator))
+    if len(counts) != batch_size or len(generators) != batch_size:
+        raise ShapeError(f"num_draft_tokens and generators need one entry per row (B = "
+                         f"{batch_size}); got {len(counts)} and {len(generators)}.")
+    uniforms, next_uniforms = _draw_grouped_uniforms(generators, counts, max_k,
+                                                     target_probs.device)
+    num_draft = check_verify_inputs(
+        draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+        None if num_draft_tokens is None else torch.tensor(counts, device=draft_tokens.device))
+    if batch_size <= HOST_ROWS_MAX_BATCH:
         return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
                             num_draft)
     result = _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
@@ -160,6 +175,32 @@ def _draw_uniforms(draft_tokens: torch.Tensor, generator: torch.Generator,
     next_uniforms = torch.rand((batch_size,), generator=generator, dtype=torch.float64,
                                device=generator.device)
     return uniforms.to(device), next_uniforms.to(device)
+
+
+def _draw_grouped_uniforms(generators: list[torch.Generator], counts: list[int], max_k: int,
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_draw_uniforms` per generator group (see :func:`verify_rows`): uniforms [B, K]
+    fp32 (zeros past a group's largest k, never read) and next_uniforms [B] fp64."""
+    groups = generator_groups(generators)
+    if len(groups) == 1:  # one generator: exactly verify's draws
+        generator = groups[0][0]
+        width = max(counts, default=0)
+        uniforms = torch.rand((len(counts), width), generator=generator, device=generator.device)
+        next_uniforms = torch.rand((len(counts),), generator=generator, dtype=torch.float64,
+                                   device=generator.device)
+        return (torch.nn.functional.pad(uniforms, (0, max_k - width)).to(device),
+                next_uniforms.to(device))
+    uniforms = torch.zeros((len(counts), max_k), device=device)
+    next_uniforms = torch.zeros((len(counts),), dtype=torch.float64, device=device)
+    for generator, rows in groups:
+        width = max(counts[row] for row in rows)
+        drawn = torch.rand((len(rows), width), generator=generator, device=generator.device)
+        drawn_next = torch.rand((len(rows),), generator=generator, dtype=torch.float64,
+                                device=generator.device)
+        index = torch.tensor(rows, device=device)
+        uniforms[index, :width] = drawn.to(device)
+        next_uniforms[index] = drawn_next.to(device)
+    return uniforms, next_uniforms
 
 
 def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

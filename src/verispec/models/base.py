@@ -69,8 +69,18 @@ class TargetScorer:
     def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]]) -> None:
         self.session = session
         session.start([list(p[:-1]) for p in prompts])
-        self.pending = torch.tensor([[p[-1]] for p in prompts], dtype=torch.int64)  # [B, 1]
+        self.pending = _pending(prompts)  # [B, 1]
         self._num_scored = 0  # draft tokens fed by the last score() call
+
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Rows joining between rounds, each with its prompt (>= 1 token)."""
+        self.session.add_rows([list(p[:-1]) for p in prompts])
+        self.pending = torch.cat([self.pending, _pending(prompts)])
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order (between rounds)."""
+        self.session.keep_rows(rows)
+        self.pending = self.pending[torch.tensor(list(rows), dtype=torch.int64)]
 
     def score(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Draft tokens [B, K] (K may be 0) -> target logits [B, K+1, V]."""
@@ -84,3 +94,8 @@ class TargetScorer:
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
         self.session.rewind([self._num_scored - n for n in num_accepted])
         self.pending = torch.tensor(next_tokens, dtype=torch.int64)[:, None]  # [B, 1]
+
+
+def _pending(prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Each prompt's last token: [B, 1] int64 (B may be 0)."""
+    return torch.tensor([p[-1] for p in prompts], dtype=torch.int64).reshape(len(prompts), 1)

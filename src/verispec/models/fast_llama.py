@@ -335,6 +335,31 @@ class FastLlamaSession:
         self._forward(padded.to(self.lm.device), logits_to_keep=1)
         self.lengths = [len(p) for p in prompts]
 
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows at the end holding these prompts, prefilled in a cache of their own and
+        then appended; the other rows' caches are copied, not recomputed."""
+        joining = FastLlamaSession(self.lm)
+        joining.start(prompts)
+        capacity = max(self.cache.capacity, joining.cache.capacity)
+        self.cache.ensure(capacity)
+        joining.cache.ensure(capacity)
+        for store, new in ((self.cache.keys, joining.cache.keys),
+                           (self.cache.values, joining.cache.values)):
+            for i, old in enumerate(store):
+                store[i] = torch.cat([old, new[i]])
+        self.lengths += joining.lengths
+        self.num_rows += joining.num_rows
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order."""
+        rows = _checked_rows(rows, self.num_rows)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.lm.device)
+        for store in (self.cache.keys, self.cache.values):
+            for i, old in enumerate(store):
+                store[i] = old.index_select(0, index)
+        self.lengths = [self.lengths[row] for row in rows]
+        self.num_rows = len(rows)
+
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V]."""
         if tokens.dim() != 2 or tokens.shape[0] != self.num_rows:
@@ -355,6 +380,9 @@ class FastLlamaSession:
 
     def _forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         num_new = tokens.shape[1]
+        if not self.lengths:  # no rows: nothing to compute
+            return torch.empty((0, num_new, self.lm.vocab_size), dtype=self.lm.dtype,
+                               device=self.lm.device)
         start = self.lengths[0]
         used = max(self.lengths) + num_new
         positions = None  # uniform rows
@@ -364,3 +392,11 @@ class FastLlamaSession:
         self.cache.ensure(used)
         with torch.inference_mode(), attention_kernels(self.lm.device):
             return self.lm.forward(tokens, positions, start, self.cache, used, logits_to_keep)
+
+
+def _checked_rows(rows: Sequence[int], num_rows: int) -> list[int]:
+    """keep_rows' argument: distinct row indices in [0, num_rows), as ints."""
+    rows = [int(row) for row in rows]
+    if len(set(rows)) != len(rows) or not all(0 <= row < num_rows for row in rows):
+        raise ShapeError(f"keep_rows expects distinct rows in [0, {num_rows}); got {rows}.")
+    return rows

@@ -39,6 +39,25 @@ class _HistorySession:
             self.history[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
 
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows at the end holding these prompts; the others unchanged."""
+        joining = type(self)(self.model)
+        joining.start(prompts)
+        width = max(self.history.shape[1], joining.history.shape[1])
+        grown = torch.zeros((self.history.shape[0] + len(prompts), width), dtype=torch.int64)
+        grown[: self.history.shape[0], : self.history.shape[1]] = self.history
+        grown[self.history.shape[0]:, : joining.history.shape[1]] = joining.history
+        self.history = grown
+        self.lengths = torch.cat([self.lengths, joining.lengths])
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order."""
+        if len(set(rows)) != len(rows) or not all(0 <= r < len(self.lengths) for r in rows):
+            raise ShapeError(f"keep_rows expects distinct rows in [0, {len(self.lengths)}); "
+                             f"got {list(rows)}.")
+        index = torch.tensor(list(rows), dtype=torch.int64)
+        self.history, self.lengths = self.history[index], self.lengths[index]
+
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V]."""
         batch_size, num_new = tokens.shape

@@ -251,6 +251,41 @@ class TransformersSession:
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64,
                                     device=self.lm.device)
 
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows at the end holding these prompts, prefilled in a cache of their own and
+        then appended; the other rows' caches are copied, not recomputed."""
+        joining = TransformersSession(self.lm)
+        joining.start(prompts)
+        ours, theirs = self.cache, joining.cache
+        capacity = max(ours.capacity, theirs.capacity)
+        for cache in (ours, theirs):
+            if cache.capacity < capacity:
+                cache.grow(capacity)
+        if not ours.keys or not theirs.keys:  # a side that never ran a forward has no layers
+            template = ours if ours.keys else theirs
+            for cache in (ours, theirs):
+                if not cache.keys:
+                    cache.keys = [k.new_zeros((cache.num_rows,) + k.shape[1:])
+                                  for k in template.keys]
+                    cache.values = [v.new_zeros((cache.num_rows,) + v.shape[1:])
+                                    for v in template.values]
+        ours.keys = [torch.cat(pair) for pair in zip(ours.keys, theirs.keys)]
+        ours.values = [torch.cat(pair) for pair in zip(ours.values, theirs.values)]
+        ours.num_rows += theirs.num_rows
+        self.lengths = torch.cat([self.lengths, joining.lengths])
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order."""
+        num_rows = self.cache.num_rows
+        rows = [int(row) for row in rows]
+        if len(set(rows)) != len(rows) or not all(0 <= row < num_rows for row in rows):
+            raise ShapeError(f"keep_rows expects distinct rows in [0, {num_rows}); got {rows}.")
+        index = torch.tensor(rows, dtype=torch.int64, device=self.lm.device)
+        self.cache.keys = [k.index_select(0, index) for k in self.cache.keys]
+        self.cache.values = [v.index_select(0, index) for v in self.cache.values]
+        self.cache.num_rows = len(rows)
+        self.lengths = self.lengths.index_select(0, index)
+
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V] (model dtype, restricted to the vocabulary)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.cache.num_rows:

@@ -22,10 +22,39 @@ from ..config import SamplingConfig
 
 @dataclass(frozen=True)
 class Proposal:
-    """draft_tokens [B, K] int64; draft_probs [B, K, V] fp32 or None (deterministic)."""
+    """draft_tokens [B, K] int64; draft_probs [B, K, V] fp32 or None (deterministic).
+    num_proposed: the tokens row b really proposes (its first num_proposed[b]; the rest is
+    padding the engine does not verify), B host ints <= K; None: K for every row."""
 
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor | None
+    num_proposed: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """What each row drafts in one round: k_b tokens, sampled under its own settings with its
+    own generator. Rows may share a generator (one generation's batch under one seed); each
+    group of rows sharing one draws its random numbers together (sampling.draw_step_uniforms),
+    so a row with a generator of its own draws the same numbers whatever else is in the batch.
+
+    num_draft_tokens: B ints >= 0, at least one >= 1 (a row past its k_b drafts padding that
+    is not verified, and draws nothing); samplings, generators: one per row.
+    """
+
+    num_draft_tokens: list[int]
+    samplings: list[SamplingConfig]
+    generators: list[torch.Generator]
+
+    @classmethod
+    def uniform(cls, num_rows: int, num_draft_tokens: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> DraftPlan:
+        """Every row drafts the same k under the same settings from one generator."""
+        return cls([num_draft_tokens] * num_rows, [sampling] * num_rows, [generator] * num_rows)
+
+    @property
+    def num_steps(self) -> int:
+        return max(self.num_draft_tokens)
 
 
 class RoundConstraint(Protocol):
@@ -40,16 +69,22 @@ class RoundConstraint(Protocol):
 
 
 class ProposerSession(Protocol):
-    """One generation's proposer state, synchronised with the committed sequence."""
+    """A batch's proposer state, synchronised with each row's committed sequence; rows join
+    (``add_rows``) and leave (``keep_rows``) between rounds, as the target's session's do."""
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator,
-                constraint: RoundConstraint | None = None) -> Proposal:
-        """Draft up to ``num_draft_tokens`` >= 1 tokens per row after the committed sequence:
-        a [B, K] proposal with K <= num_draft_tokens, the same K for every row (a draft model
-        always gives all of them; an n-gram lookup may find fewer, K = 0 making the round a
-        plain decoding step). A sampling proposer given a ``constraint`` draws each token under
+    def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
+        """Draft up to ``plan.num_draft_tokens[b]`` tokens for each row b after its committed
+        sequence: a [B, K] proposal with K <= plan.num_steps (a draft model always gives all of
+        them; an n-gram lookup may find fewer, K = 0 making the round a plain decoding step).
+        A sampling proposer given a ``constraint`` draws each token under
         ``constraint.allowed()`` and reports it with ``advance``; a deterministic one may
         ignore it (the engine checks and cuts its tokens)."""
+
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows at the end of the batch, each with its committed sequence (>= 1 token)."""
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order; between rounds only."""
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended;
@@ -65,5 +100,5 @@ class Proposer(Protocol):
     vocab_size: int
     device: torch.device | None
 
-    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> ProposerSession:
-        ...
+    def start(self, prompts: Sequence[Sequence[int]]) -> ProposerSession:
+        """A session over these rows' committed sequences (each >= 1 token; [] for none yet)."""

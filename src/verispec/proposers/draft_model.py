@@ -28,8 +28,8 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import LanguageModel, LMSession, as_ints
-from ..sampling import greedy_tokens, sample_from_logits
-from .base import Proposal, RoundConstraint
+from ..sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
+from .base import DraftPlan, Proposal, RoundConstraint
 
 
 class DraftModelProposer:
@@ -40,46 +40,53 @@ class DraftModelProposer:
         self.vocab_size = model.vocab_size
         self.device = model.device  # where draft_probs live
 
-    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
-              ) -> DraftModelSession:
-        return DraftModelSession(self.model.new_session(), prompts, sampling)
+    def start(self, prompts: Sequence[Sequence[int]]) -> DraftModelSession:
+        return DraftModelSession(self.model.new_session(), prompts)
 
 
 class DraftModelSession:
-    def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]],
-                 sampling: SamplingConfig) -> None:
+    def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]]) -> None:
         self.session = session
-        self.sampling = sampling
         session.start([list(p[:-1]) for p in prompts])
         self.unfed = [[p[-1]] for p in prompts]  # B host rows of u ids, fed by the next propose
         self._proposal: torch.Tensor | None = None  # draft tokens [B, K] of this round
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator,
-                constraint: RoundConstraint | None = None) -> Proposal:
-        """Sample k tokens per row; draft_probs are the exact distributions sampled from (with
-        a ``constraint``: masked by the grammar state each token extends, constraints.py)."""
-        assert num_draft_tokens >= 1
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        assert self._proposal is None, "rows join between rounds"
+        self.session.add_rows([list(p[:-1]) for p in prompts])
+        self.unfed += [[p[-1]] for p in prompts]
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        assert self._proposal is None, "rows leave between rounds"
+        self.session.keep_rows(rows)
+        self.unfed = [self.unfed[row] for row in rows]
+
+    def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
+        """Draft plan.num_draft_tokens[b] tokens for row b, each sampled under the row's own
+        settings; draft_probs are exactly the distributions sampled from (with a
+        ``constraint``: masked by the grammar state each token extends, constraints.py). A row
+        past its k_b (or at temperature 0) takes the argmax: padding, never verified, and no
+        random number; its draft_probs there are zeros."""
+        num_steps = plan.num_steps
+        assert num_steps >= 1 and len(plan.num_draft_tokens) == len(self.unfed)
+        # the round's uniforms, each generator group in one draw (sampling.draw_step_uniforms)
+        sampled = [0 if sampling.is_greedy else k
+                   for sampling, k in zip(plan.samplings, plan.num_draft_tokens)]
+        uniforms = draw_step_uniforms(plan.generators, sampled)
         draft_tokens, draft_probs = [], []
-        if not self.sampling.is_greedy:
-            # the round's uniforms in one draw, step-major: the same numbers, in the same order,
-            # as one sampling.sample call per step would take from the generator
-            uniforms = torch.rand((num_draft_tokens, len(self.unfed)), generator=generator,
-                                  dtype=torch.float64, device=generator.device).tolist()
-        for step in range(num_draft_tokens):
+        for step in range(num_steps):
             logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
             allowed = None if constraint is None else constraint.allowed()  # [B, V] or None
-            if self.sampling.is_greedy:
-                token = greedy_tokens(logits, allowed)  # deterministic: verified as a point mass
-            else:  # probs [B, V] fp32: to_probs(logits, allowed), exactly what token is drawn from
-                probs, token = sample_from_logits(logits, self.sampling, uniforms[step], allowed)
-                draft_probs.append(probs)
+            token, probs = _draw_step(logits, allowed, step, plan.samplings, sampled, uniforms)
             if constraint is not None:
                 constraint.advance(token.tolist())
             draft_tokens.append(token)
+            if probs is not None:
+                draft_probs.append(probs)
             inputs = token[:, None]
         self._proposal = torch.stack(draft_tokens, dim=1)  # [B, K]
         stacked_probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, K, V]
-        return Proposal(self._proposal, stacked_probs)
+        return Proposal(self._proposal, stacked_probs, list(plan.num_draft_tokens))
 
     def _feed_unfed(self) -> torch.Tensor:
         """Feed every row's unfed tokens in one pass; the logits after each row's last [B, V].
@@ -116,3 +123,35 @@ class DraftModelSession:
             self.session.rewind([max(num_draft_tokens - 1 - n, 0) for n in num_accepted])
             self.unfed = [[token] if n < num_draft_tokens else [drafted[-1], token]
                           for drafted, n, token in zip(proposal, num_accepted, next_tokens)]
+
+
+def _draw_step(logits: torch.Tensor, allowed: torch.Tensor | None, step: int,
+               samplings: Sequence[SamplingConfig], sampled: Sequence[int],
+               uniforms: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft step's tokens [B] and, when any row samples in this round, probs [B, V] fp32.
+
+    Rows that sample at this step (sampled[b] > step) are drawn by sampling.sample_from_logits,
+    each group of rows with equal settings in one call, their probs exactly what they were drawn
+    from; the others take the argmax (greedy drafts: point masses; rows past their k: padding)
+    with zero probs. One group covering every row (a batch under one setting) indexes nothing."""
+    groups: dict[SamplingConfig, list[int]] = {}
+    for row, (sampling, count) in enumerate(zip(samplings, sampled)):
+        if count > step:
+            groups.setdefault(sampling, []).append(row)
+    num_rows = logits.shape[0]
+    if len(groups) == 1 and len(next(iter(groups.values()))) == num_rows:
+        (sampling, _), = groups.items()
+        probs, tokens = sample_from_logits(logits, sampling, [u[step] for u in uniforms], allowed)
+        return tokens, probs
+    tokens = greedy_tokens(logits, allowed)  # [B]
+    if not any(sampled):
+        return tokens, None
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V]
+    for sampling, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        group_probs, group_tokens = sample_from_logits(
+            logits[index], sampling, [uniforms[row][step] for row in rows],
+            None if allowed is None else allowed[index.to(allowed.device)])
+        probs[index], tokens[index] = group_probs, group_tokens
+    return tokens, probs
+

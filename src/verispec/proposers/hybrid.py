@@ -23,11 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from ..config import SamplingConfig
 from ..models.base import as_ints
-from .base import Proposal, RoundConstraint
+from .base import DraftPlan, Proposal, RoundConstraint
 from .draft_model import DraftModelProposer, DraftModelSession
 from .ngram import NgramDraft, NgramSession
 
@@ -49,9 +46,8 @@ class HybridProposer:
         self.vocab_size = draft.vocab_size
         self.device = draft.device
 
-    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
-              ) -> HybridSession:
-        return HybridSession(self.draft.start(prompts, sampling), NgramSession(prompts, self.config))
+    def start(self, prompts: Sequence[Sequence[int]]) -> HybridSession:
+        return HybridSession(self.draft.start(prompts), NgramSession(prompts, self.config))
 
 
 class HybridSession:
@@ -65,17 +61,25 @@ class HybridSession:
         self.num_ngram_rounds = 0  # rounds proposed by lookup / by the draft model
         self.num_draft_rounds = 0
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator,
-                constraint: RoundConstraint | None = None) -> Proposal:
-        """n-gram tokens (draft_probs None) if every row has a match, else the draft model's."""
-        found = self.ngram.lookup(num_draft_tokens)
-        self._by_ngram = all(found)
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.draft.add_rows(prompts)
+        self.ngram.add_rows(prompts)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        self.draft.keep_rows(rows)
+        self.ngram.keep_rows(rows)
+
+    def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
+        """n-gram tokens (draft_probs None) if every row that drafts this round has a match,
+        else the draft model's."""
+        found = self.ngram.lookup(plan.num_draft_tokens)
+        self._by_ngram = all(match or not k for match, k in zip(found, plan.num_draft_tokens))
         if self._by_ngram:
             self.num_ngram_rounds += 1
             proposal = self.ngram.propose_found(found)
         else:
             self.num_draft_rounds += 1
-            proposal = self.draft.propose(num_draft_tokens, generator, constraint)
+            proposal = self.draft.propose(plan, constraint)
         self._proposal = proposal.draft_tokens.tolist()
         return proposal
 

@@ -18,8 +18,9 @@ updated as tokens are committed), so its draft cost c is ~0 and the target's pas
 proposal follows the previous pass with no draft steps in between.
 
 Ragged rows: a row with a shorter match (or none) is padded to the batch's longest proposal with
-its last committed token; padding is verified like any proposed token (exact either way), and a
-batch where no row matches proposes nothing: that round is a plain decoding step.
+its last committed token; the proposal says how many tokens each row found (num_proposed), and
+only those are verified. A batch where no row matches proposes nothing: that round is a plain
+decoding step.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingConfig
 from ..errors import ConfigError
 from ..models.base import as_ints
-from .base import Proposal, RoundConstraint
+from .base import DraftPlan, Proposal, RoundConstraint
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ class NgramProposer:
         self.device = None  # no model: host tokens, no probs
         self.config = config
 
-    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
-              ) -> NgramSession:
+    def start(self, prompts: Sequence[Sequence[int]]) -> NgramSession:
         return NgramSession(prompts, self.config)
 
 
@@ -95,28 +94,36 @@ class NgramSession:
     """One generation's n-gram state: each row's committed tokens and their index."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], config: NgramDraft) -> None:
+        self.config = config
         self.rows = [_RowIndex(list(prompt), config) for prompt in prompts]
         self._proposal: list[list[int]] | None = None  # this round's [B][K] host rows
 
-    def propose(self, num_draft_tokens: int, generator: torch.Generator,
-                constraint: RoundConstraint | None = None) -> Proposal:
-        """Up to ``num_draft_tokens`` per row (fewer, or none, where the history is short of a
-        match); deterministic: draft_probs None. ``generator`` is not used, nor ``constraint``:
-        the engine cuts a lookup where it leaves the grammar (ConstraintSet.cover)."""
-        assert num_draft_tokens >= 1
-        return self.propose_found(self.lookup(num_draft_tokens))
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.rows += [_RowIndex(list(prompt), self.config) for prompt in prompts]
 
-    def lookup(self, num_draft_tokens: int) -> list[list[int]]:
-        """Each row's match: up to num_draft_tokens host ids, [] where the history has none."""
-        return [row.lookup(num_draft_tokens) for row in self.rows]
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        self.rows = [self.rows[row] for row in rows]
+
+    def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
+        """Up to ``plan.num_draft_tokens[b]`` for row b (fewer, or none, where the history is
+        short of a match); deterministic: draft_probs None. The plan's samplings and generators
+        are not used, nor ``constraint``: the engine cuts a lookup where it leaves the grammar
+        (ConstraintSet.cover)."""
+        assert plan.num_steps >= 1
+        return self.propose_found(self.lookup(plan.num_draft_tokens))
+
+    def lookup(self, num_draft_tokens: Sequence[int]) -> list[list[int]]:
+        """Each row's match: up to num_draft_tokens[b] host ids, [] where the history has none."""
+        return [row.lookup(k) if k else [] for row, k in zip(self.rows, num_draft_tokens)]
 
     def propose_found(self, found: list[list[int]]) -> Proposal:
-        """The proposal made of ``found`` (from :meth:`lookup`), short rows padded."""
+        """The proposal made of ``found`` (from :meth:`lookup`), short rows padded (the padding
+        is not verified: num_proposed says how many tokens each row found)."""
         width = max(map(len, found))
         self._proposal = [match + [row.tokens[-1]] * (width - len(match))
                           for match, row in zip(found, self.rows)]
         draft_tokens = torch.tensor(self._proposal, dtype=torch.int64).reshape(len(found), width)
-        return Proposal(draft_tokens, None)  # [B, K] with K <= num_draft_tokens
+        return Proposal(draft_tokens, None, [len(match) for match in found])  # [B, K]
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)

@@ -51,7 +51,8 @@ from .worker import GenerationWorker
 def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     """A FastAPI app serving ``decoder`` under ``settings.model_name``."""
     metrics = ServerMetrics()
-    worker = GenerationWorker(settings.max_queue, metrics.record_generation)
+    worker = GenerationWorker(decoder, settings.max_queue, metrics.record_generation,
+                              settings.max_batch_size, settings.prefill_budget)
     metrics.track_queue(lambda: worker.queue_depth)
     service = GenerationService(decoder, settings, worker, metrics)
 
@@ -194,7 +195,8 @@ def _operations_routes(service: GenerationService, metrics: ServerMetrics) -> AP
         return {"status": "ok", "model": service.settings.model_name,
                 "speculative": service.speculative,
                 "num_draft_tokens": service.decoder.num_draft_tokens if service.speculative else 0,
-                "busy": service.worker.busy, "queue_depth": service.worker.queue_depth}
+                "busy": service.worker.busy, "running": service.worker.num_running,
+                "queue_depth": service.worker.queue_depth}
 
     @router.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..api import TextStream
+from ..batch_text import TextRow
 from ..metrics import GenerationMetrics
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -65,12 +65,12 @@ class ServerMetrics:
     def observe_first_token(self, endpoint: str, seconds: float) -> None:
         self.ttft.labels(endpoint).observe(seconds)
 
-    def record_generation(self, stream: TextStream, outcome: str) -> None:
+    def record_generation(self, row: TextRow, outcome: str) -> None:
         """The worker's finish hook: add one generation's counters (partial if cancelled)."""
-        metrics = stream.run.metrics
+        metrics = row.row.metrics
         self.generations.labels(outcome).inc()
-        self.prompt_tokens.inc(stream.num_prompt_tokens)
-        self.generated.inc(len(stream.token_ids))
+        self.prompt_tokens.inc(row.num_prompt_tokens)
+        self.generated.inc(len(row.token_ids))
         self.drafted.inc(metrics.num_drafted)
         self.accepted.inc(metrics.num_accepted)
         with self._lock:

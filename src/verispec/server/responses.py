@@ -45,6 +45,8 @@ def speculation(completion: Completion, num_draft_tokens: int,
     return {"num_draft_tokens": num_draft_tokens, "depth_policy": depth_policy or "fixed",
             "drafted": metrics.num_drafted,
             "accepted": metrics.num_accepted, "acceptance_rate": metrics.acceptance_rate,
+            "num_rounds": metrics.num_row_rounds,
+            "mean_num_draft_tokens": metrics.mean_num_draft_tokens,
             "mean_accepted_length": metrics.mean_accepted_length,
             "per_position_acceptance": list(metrics.per_position_acceptance)}
 

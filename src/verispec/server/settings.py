@@ -106,8 +106,15 @@ class ServerSettings:
                                      "cap when a request omits max_tokens)", metavar="N")
     max_prompt_tokens: int = _setting(2048, "longest prompt in tokens; longer prompts get 413",
                                       metavar="N")
-    max_queue: int = _setting(64, "requests that may wait behind the running one; more get 503",
-                              metavar="N")
+    max_batch_size: int = _setting(16, "requests decoded together (continuous batching: a "
+                                   "request joins the running batch between rounds); more wait "
+                                   "in the queue", metavar="N")
+    prefill_budget: int = _setting(512, "prompt tokens prefilled between two rounds at most "
+                                   "(joining requests beyond it wait a round, so a burst of long "
+                                   "prompts does not stall the running ones; a single longer "
+                                   "prompt is prefilled alone)", metavar="TOKENS")
+    max_queue: int = _setting(64, "requests that may wait for a place in the batch; more get "
+                              "503", metavar="N")
     max_body_bytes: int = _setting(1 << 20, "largest request body in bytes; larger bodies get 413",
                                    metavar="N")
     allowed_hosts: str | None = _setting(
@@ -164,7 +171,8 @@ class ServerSettings:
         _check(self.backend in BACKENDS, "backend", self.backend, f"one of {', '.join(BACKENDS)}")
         _check(self.context_size is None or self.context_size >= 1, "context_size",
                self.context_size, "an integer >= 1, or no --context-size for the default")
-        for name in ("max_tokens_limit", "max_prompt_tokens", "max_queue", "max_body_bytes",
+        for name in ("max_batch_size", "prefill_budget", "max_tokens_limit", "max_prompt_tokens",
+                     "max_queue", "max_body_bytes",
                      "max_connections"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
 

@@ -1,14 +1,17 @@
-"""The one thread that runs every generation, one at a time, in arrival order.
+"""The one thread that runs every generation: continuous batching over a TextBatch.
 
 The event loop never touches a model: a request becomes a :class:`Job` whose ``start`` callable
-(run on the worker thread) encodes the prompt and returns a :class:`verispec.api.TextStream`; the
-worker iterates it and hands each verified text delta to the event loop with
-``loop.call_soon_threadsafe`` into the job's asyncio queue, so a round's text goes out as soon as
-the target has verified it.
+(run on the worker thread) encodes the prompt and adds it as a row to the running
+:class:`verispec.batch_text.TextBatch`; between rounds the worker admits waiting jobs (up to
+``max_batch_size`` rows, and ``prefill_budget`` prompt tokens per round: a burst of joining
+prompts is prefilled over several rounds instead of stalling the running rows), runs one round
+for all rows, and hands each row's verified text delta to its request's event loop queue with
+``loop.call_soon_threadsafe``, so every row's text goes out as soon as its round is verified.
 
-Back-pressure: at most ``max_queue`` jobs wait behind the running one; :meth:`submit` raises
-ServerOverloaded beyond that. Cancellation: ``job.cancel()`` (a client went away) is checked before
-a job starts and between rounds, so an abandoned generation frees the worker within one round.
+Back-pressure: at most ``max_queue`` jobs wait for a place in the batch; :meth:`submit` raises
+ServerOverloaded beyond that. Cancellation: ``job.cancel()`` (a client went away) is checked
+before a job joins and between rounds, and a cancelled row leaves the batch before the next
+round: a disconnect frees its place within one round.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from ..api import TextStream
+from ..api import Decoder
+from ..batch_text import TextBatch, TextRow
 from .errors import ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")
@@ -37,13 +41,15 @@ class Event(enum.Enum):
 class FinishHook(Protocol):
     """Called on the worker thread after each generation; outcome: completed, cancelled, failed."""
 
-    def __call__(self, stream: TextStream, outcome: str) -> None: ...
+    def __call__(self, row: TextRow, outcome: str) -> None: ...
 
 
 class Job:
-    """One request's generation: built on the event loop, run on the worker thread."""
+    """One request's generation: built on the event loop, run on the worker thread. ``start``
+    adds the request's row to the batch (raising the request's typed error if it is bad)."""
 
-    def __init__(self, start: Callable[[], TextStream], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, start: Callable[[TextBatch], TextRow],
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.start = start
         self.events: asyncio.Queue[tuple[Event, object]] = asyncio.Queue()
         self._loop = loop
@@ -65,11 +71,24 @@ class Job:
 
 
 class GenerationWorker:
-    def __init__(self, max_queue: int, on_finish: FinishHook) -> None:
+    """Continuous batching on one thread; see the module docstring. ``decoder`` opens the
+    batch (speculative when it has a draft and ``speculative``)."""
+
+    def __init__(self, decoder: Decoder, max_queue: int, on_finish: FinishHook,
+                 max_batch_size: int = 16, prefill_budget: int = 512,
+                 speculative: bool = True) -> None:
+        self._decoder = decoder
+        self._speculative = speculative and decoder.engine.proposer is not None
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finish = on_finish
+        self.max_batch_size = max_batch_size
+        self.prefill_budget = prefill_budget
         self._thread: threading.Thread | None = None
-        self._running: Job | None = None
+        self._running: dict[int, tuple[Job, TextRow]] = {}  # row id -> its job; worker thread
+        self._lock = threading.Lock()  # guards _running's membership for fail_all
+        self._stopping = False
+        self.num_rounds = 0  # rounds run, and rows over them: the mean batch size
+        self.num_row_rounds = 0
 
     def start(self) -> None:
         assert self._thread is None, "the worker is already started"
@@ -78,21 +97,23 @@ class GenerationWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, drain the queue, end the thread."""
+        """Cancel the running jobs, drain the queue, end the thread."""
         if self._thread is None:
             return
         self.fail_all(ServerShuttingDown("the server is shutting down; retry later."))
+        self._stopping = True
         self._queue.put(None)
         self._thread.join(timeout)
         self._thread = None
 
     def fail_all(self, error: Exception) -> None:
-        """End the running job and every queued one with ``error`` (their requests answer it:
+        """End every running job and every queued one with ``error`` (their requests answer it:
         a status, or an error event and [DONE] once streaming). Any thread."""
-        running = self._running
-        if running is not None:
-            running.cancel()
-            running.post(Event.ERROR, error)
+        with self._lock:
+            running = [job for job, _ in self._running.values()]
+        for job in running:
+            job.cancel()
+            job.post(Event.ERROR, error)
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -108,7 +129,11 @@ class GenerationWorker:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
 
     def submit(self, job: Job) -> None:
         try:
@@ -118,35 +143,75 @@ class GenerationWorker:
                                    "already waiting (--max-queue); retry later.") from None
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
+        batch = self._new_batch()
+        while not self._stopping:
+            try:
+                self._admit(batch)
+                if not self._running:
+                    continue
+                self._drop_cancelled(batch)
+                if len(batch):
+                    self._round(batch)
+            except Exception as exc:  # a fault mid-round: its rows get it, the batch restarts
+                logger.exception("the generation worker caught an error in a round")
+                self._fail_running(exc)
+                batch = self._new_batch()
+
+    def _new_batch(self) -> TextBatch:
+        return self._decoder.open_batch(self._speculative)
+
+    def _admit(self, batch: TextBatch) -> None:
+        """Jobs join between rounds: block for one when the batch is empty; else take the
+        waiting ones while there is room and prefill budget (at least one per round)."""
+        prefilled = 0
+        while len(self._running) < self.max_batch_size and prefilled < self.prefill_budget:
+            try:
+                job = self._queue.get(block=not self._running)
+            except queue.Empty:
+                return
+            if job is None:  # stop() was called
+                self._stopping = True
+                return
             if job.cancelled:
                 continue
-            self._running = job
             try:
-                self._run(job)
-            except Exception:  # a bug in a hook must not kill the only worker thread
-                logger.exception("the generation worker caught an unexpected error")
-            finally:
-                self._running = None
+                row = job.start(batch)
+            except Exception as exc:  # handed to the request, whose handler maps it to a status
+                job.post(Event.ERROR, exc)
+                continue
+            with self._lock:
+                self._running[row.row.id] = (job, row)
+            prefilled += row.num_prompt_tokens
+            job.post(Event.STARTED, row.num_prompt_tokens)
 
-    def _run(self, job: Job) -> None:
-        try:
-            stream = job.start()
-        except Exception as exc:  # handed to the request, whose handler maps it to a status
-            job.post(Event.ERROR, exc)
-            return
-        job.post(Event.STARTED, stream.num_prompt_tokens)
-        try:
-            for delta in stream:
-                if job.cancelled:
-                    break
+    def _drop_cancelled(self, batch: TextBatch) -> None:
+        """Rows whose client went away leave the batch before the next round."""
+        for row_id, (job, row) in list(self._running.items()):
+            if job.cancelled:
+                batch.remove(row)
+                self._finish(row_id, "cancelled")
+
+    def _round(self, batch: TextBatch) -> None:
+        self.num_rounds += 1
+        self.num_row_rounds += len(batch)
+        for row, delta in batch.step():
+            job = self._running[row.row.id][0]
+            if delta:
                 job.post(Event.DELTA, delta)
-        except Exception as exc:  # e.g. NonFiniteError mid-generation: the client gets it
-            job.post(Event.ERROR, exc)
-            self._on_finish(stream, "failed")
-            return
-        if job.cancelled:
-            self._on_finish(stream, "cancelled")
-            return
-        job.post(Event.DONE, stream.completion)
-        self._on_finish(stream, "completed")
+            if row.completion is not None:
+                job.post(Event.DONE, row.completion)
+                self._finish(row.row.id, "completed")
+
+    def _finish(self, row_id: int, outcome: str) -> None:
+        with self._lock:
+            _, row = self._running.pop(row_id)
+        try:
+            self._on_finish(row, outcome)
+        except Exception:  # a bug in a hook must not kill the only worker thread
+            logger.exception("the generation worker's finish hook failed")
+
+    def _fail_running(self, error: Exception) -> None:
+        """A round failed (e.g. NonFiniteError): every running request gets the error."""
+        for row_id, (job, _) in list(self._running.items()):
+            job.post(Event.ERROR, error)
+            self._finish(row_id, "failed")

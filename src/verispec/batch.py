@@ -1,0 +1,333 @@
+"""The speculative decoding loop over a batch whose rows join and leave between rounds.
+
+Legend: B rows, K draft tokens this round (the largest row's k), V vocabulary.
+
+Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
+  1. propose: the proposer drafts k_b tokens for each row b, under the row's own sampling
+              settings and from the row's own generator (proposers.base.DraftPlan);
+  2. score:   the target runs ONE pass over [last committed token, d_1 .. d_K] for every row
+              -> K+1 logits per row; each row's are processed by sampling.to_probs under its
+              own settings (at temperature 0 only their argmax, sampling.greedy_tokens);
+  3. verify:  greedy rows by verify_greedy.verify_greedy_rows (no random numbers), sampled rows
+              by verify.verify_rows, each reading only its first k_b draft tokens and k_b + 1
+              distributions, with uniforms from its own generator;
+  4. commit:  both sides rewind each row to its accepted prefix and append the new token;
+  5. emit:    each row's new tokens, cut at its first stop token and at its max_new_tokens;
+              finished rows leave the batch.
+Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
+caches untouched) and leave (:meth:`Batch.remove`, or by finishing).
+
+Exactness per row: a row's tokens are drawn from its own distributions with its own random
+numbers, so its output law is the target's whatever the other rows do, and a row with a
+generator of its own and a fixed k draws the same numbers whatever else is in the batch (its
+tokens then differ only where batched arithmetic rounds its logits differently).
+Depth: rows follow the batch's adaptive policy (adaptive.py) or keep a fixed k (rows.Row); the
+policy is one per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
+depends on how many rows it carries, and may choose k = 0: a plain round for the whole batch.
+
+The loop knows nothing about tokenisers, HTTP or printing; it sees token ids and the protocols
+in models/base.py and proposers/base.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .adaptive import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .config import GenerationConfig
+from .constraints import ConstraintSet
+from .errors import EmptyPromptError, InputError, TokenOutOfRangeError
+from .metrics import MetricsRecorder
+from .models.base import LanguageModel, TargetScorer
+from .proposers.base import DraftPlan, Proposer
+from .rows import Row
+from .sampling import greedy_tokens, to_probs
+from .verify import verify_rows
+from .verify_greedy import verify_greedy_rows
+
+
+class Batch:
+    """Rows decoded together, round by round; see the module docstring.
+
+    ``policy``: the adaptive depth policy rows with an ``adaptive`` config follow (built per
+    batch-size bucket, starting at ``initial_num_draft_tokens``); ``carried``: where policies
+    with carry_over are kept between batches (SpeculativeDecoder.carried_policies).
+    ``metrics``: the whole batch's rounds; each row has its own.
+    """
+
+    def __init__(self, target: LanguageModel, proposer: Proposer | None,
+                 policy: AdaptivePolicyConfig | None = None, initial_num_draft_tokens: int = 1,
+                 carried: dict[tuple[object, ...], AdaptivePolicy] | None = None,
+                 cost_ratio: float | None = None) -> None:
+        self.device = target.device  # where the target's logits, and verification, live
+        self.vocab_size = target.vocab_size
+        self.target = TargetScorer(target.new_session(), [])
+        self.proposer = None if proposer is None else proposer.start([])
+        self.policy_config = policy if proposer is not None else None
+        self.initial_num_draft_tokens = initial_num_draft_tokens
+        self._policies: dict[int, AdaptivePolicy] = {}  # batch-size bucket -> its policy
+        self._carried = carried
+        self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
+        self.rows: list[Row] = []
+        self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
+        self.recorder = MetricsRecorder(cost_ratio)
+
+    @property
+    def speculative(self) -> bool:
+        return self.proposer is not None
+
+    def add(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig],
+            generators: Sequence[torch.Generator],
+            constraints: ConstraintSet | None = None) -> list[Row]:
+        """Rows joining between rounds: one prompt (token ids), config and generator each;
+        ``constraints``: their grammars (a ConstraintSet over these rows) or None. The joining
+        rows are prefilled in one pass; the rows already here are not touched."""
+        prompts = check_prompts(prompts, self.vocab_size)
+        assert len(configs) == len(prompts) == len(generators)
+        rows = [Row(prompt, config, generator,
+                    follows_policy=self.policy_config is not None and config.adaptive is not None)
+                for prompt, config, generator in zip(prompts, configs, generators)]
+        self.target.add_rows(prompts)
+        if self.proposer is not None:
+            self.proposer.add_rows(prompts)
+        joining = constraints if constraints is not None and constraints.active else None
+        if self.constraints is None and joining is not None:
+            self.constraints = ConstraintSet(joining.index, [None] * len(self.rows))
+        if self.constraints is not None:
+            self.constraints.add_rows(joining, len(rows))
+        self.rows += rows
+        return rows
+
+    def remove(self, rows: Sequence[Row]) -> None:
+        """Rows leaving between rounds (a cancelled request): they end as "cancelled"."""
+        leaving = {row.id for row in rows}
+        for row in rows:
+            row.cancel()
+        self._keep([i for i, row in enumerate(self.rows) if row.id not in leaving])
+
+    def step(self) -> list[tuple[Row, list[int]]]:
+        """One round over every row: [(row, its new tokens)]; rows that finish leave."""
+        assert self.rows, "a round needs at least one row"
+        started = time.perf_counter()
+        policy = self._policy()
+        policy_k = None if policy is None else policy.num_draft_tokens
+        # 1. propose (under a grammar: each draft token drawn from its masked distribution)
+        draft_tokens, draft_probs, num_draft = self._propose(
+            [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in self.rows])
+        allowed = None  # the grammar's masks for the target's K + 1 positions [B, K+1, V]
+        constraints = self._active_constraints()
+        if constraints is not None:  # a deterministic proposal is cut where it leaves it
+            kept = constraints.cover(draft_tokens)
+            draft_tokens = draft_tokens[:, :kept]
+            draft_probs = None if draft_probs is None else draft_probs[:, :kept]
+            num_draft = [min(k, kept) for k in num_draft]
+            allowed = constraints.round_masks()
+        draft_time = _synced_elapsed(started, draft_tokens)
+        # 2. score: one target pass over each row's pending token and the K draft tokens
+        target_started = time.perf_counter()
+        target_logits = self._ban_early_stops(self.target.score(draft_tokens))  # [B, K+1, V]
+        target_out = self._target_outputs(target_logits, allowed)
+        target_time = _synced_elapsed(target_started, target_logits)
+        # 3. verify each row on its first k_b tokens
+        verify_started = time.perf_counter()
+        num_accepted, output_tokens = self._verify(draft_tokens, draft_probs, num_draft,
+                                                   target_out)
+        next_tokens = [row[n] for row, n in zip(output_tokens, num_accepted)]  # recovered/bonus
+        # 4. commit / rewind both sides (and the grammar) to the accepted prefix + the new token
+        self.target.commit(num_accepted, next_tokens)
+        if self.proposer is not None:
+            self.proposer.commit(num_accepted, next_tokens)
+        if self.constraints is not None:
+            self.constraints.commit(num_accepted, next_tokens)
+        # 5. emit
+        emitted = [(row, row.emit(tokens[: n + 1]))
+                   for row, tokens, n in zip(self.rows, output_tokens, num_accepted)]
+        times = {"draft_time": draft_time, "target_time": target_time,
+                 "verify_time": time.perf_counter() - verify_started,
+                 "wall_time": time.perf_counter() - started}
+        self._record(draft_tokens.shape[1], num_draft, num_accepted, emitted, times, policy)
+        self._keep([i for i, row in enumerate(self.rows) if not row.finished])
+        return emitted
+
+    def _policy(self) -> AdaptivePolicy | None:
+        """The policy of the current batch size's bucket, built on first use."""
+        if self.policy_config is None or not any(row.follows_policy for row in self.rows):
+            return None
+        bucket = 1 << (len(self.rows) - 1).bit_length()  # 1, 2, 4, 8, ...
+        if bucket not in self._policies:
+            previous = None if not self.policy_config.carry_over or self._carried is None else (
+                self._carried.get(self._carry_key(bucket)))
+            self._policies[bucket] = self.policy_config.build(self.initial_num_draft_tokens,
+                                                              previous)
+        return self._policies[bucket]
+
+    def _carry_key(self, bucket: int) -> tuple[object, ...]:
+        return (self.policy_config, bucket)
+
+    def _active_constraints(self) -> ConstraintSet | None:
+        return self.constraints if self.constraints is not None and (
+            self.constraints.active) else None
+
+    def _propose(self, num_draft: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """-> draft_tokens [B, K], draft_probs [B, K, V] or None, each row's k_b <= K (a
+        proposer may find fewer than asked: an n-gram lookup)."""
+        constraints = self._active_constraints()
+        if constraints is not None:
+            constraints.start_round()
+        if self.proposer is None or max(num_draft) == 0:
+            return (torch.empty((len(self.rows), 0), dtype=torch.int64, device=self.device),
+                    None, [0] * len(self.rows))
+        plan = DraftPlan(num_draft, [row.config.sampling for row in self.rows],
+                         [row.generator for row in self.rows])
+        proposal = self.proposer.propose(plan, constraints)
+        width = proposal.draft_tokens.shape[1]
+        found = proposal.num_proposed or [width] * len(num_draft)
+        num_draft = [min(k, width, n) for k, n in zip(num_draft, found)]
+        # tokens meet the target's probs on its device (an n-gram lookup proposes host tensors;
+        # the draft's probs are on the draft's device, which load() makes the target's)
+        return proposal.draft_tokens.to(self.device), proposal.draft_probs, num_draft
+
+    def _ban_early_stops(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """min_new_tokens: a row's stop tokens get -inf logits at its positions before it, so the
+        target's distribution there is renormalised without them. Only the target is masked: a
+        stop token the draft proposes there has target probability 0 and is always rejected (a
+        point-mass draft included), so the output still has exactly the masked target's law.
+        target_logits [B, K+1, V]; position j of row b is its new token num_generated + j."""
+        banned = [row.num_banned_positions() for row in self.rows]
+        if not any(banned):
+            return target_logits
+        masked = target_logits.clone()
+        for b, (row, num_positions) in enumerate(zip(self.rows, banned)):
+            if num_positions:
+                stop_ids = torch.tensor(sorted(row.stop_ids), device=masked.device)
+                masked[b, :num_positions, stop_ids] = -torch.inf
+        return masked
+
+    def _target_outputs(self, target_logits: torch.Tensor, allowed: torch.Tensor | None
+                        ) -> dict[str, object]:
+        """The target's side of verification: greedy rows' argmax tokens (host lists, [K+1]
+        each) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own settings
+        (rows with equal settings in one call; all rows in one call needs no indexing)."""
+        greedy = [b for b, row in enumerate(self.rows) if row.is_greedy]
+        sampled = [b for b, row in enumerate(self.rows) if not row.is_greedy]
+        out: dict[str, object] = {"greedy": greedy, "sampled": sampled}
+        if greedy:
+            out["greedy_tokens"] = greedy_tokens(_take(target_logits, greedy),
+                                                 _take(allowed, greedy)).tolist()
+        if sampled:
+            groups: dict[object, list[int]] = {}
+            for position, b in enumerate(sampled):
+                groups.setdefault(self.rows[b].config.sampling, []).append(position)
+            logits, masks = _take(target_logits, sampled), _take(allowed, sampled)
+            if len(groups) == 1:
+                out["target_probs"] = to_probs(logits, next(iter(groups)), masks)
+            else:
+                probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+                for sampling, positions in groups.items():
+                    probs[positions] = to_probs(logits[positions], sampling,
+                                                None if masks is None else masks[positions])
+                out["target_probs"] = probs
+        return out
+
+    def _verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                num_draft: list[int], target_out: dict[str, object]
+                ) -> tuple[list[int], list[list[int]]]:
+        """Each row's accepted count and output tokens (K+1 ints, PAD after its new token)."""
+        num_rows, width = draft_tokens.shape
+        num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
+        greedy, sampled = target_out["greedy"], target_out["sampled"]
+        if greedy:
+            draft_rows = _take(draft_tokens, greedy).tolist()
+            accepted, outputs = verify_greedy_rows(
+                [draft_rows[i][: num_draft[b]] for i, b in enumerate(greedy)],
+                [tokens[: num_draft[b] + 1] for tokens, b in zip(target_out["greedy_tokens"],
+                                                                  greedy)], self.vocab_size)
+            for b, n, tokens in zip(greedy, accepted, outputs):
+                num_accepted[b], output_tokens[b] = n, tokens
+        if sampled:
+            accepted, outputs = verify_rows(
+                _take(draft_tokens, sampled), _take(draft_probs, sampled),
+                target_out["target_probs"], [self.rows[b].generator for b in sampled],
+                [num_draft[b] for b in sampled])
+            for b, n, tokens in zip(sampled, accepted, outputs):
+                num_accepted[b], output_tokens[b] = n, tokens
+        assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
+        return num_accepted, output_tokens
+
+    def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
+                emitted: list[tuple[Row, list[int]]], times: dict[str, float],
+                policy: AdaptivePolicy | None) -> None:
+        """Add the round to the batch's and each row's metrics; give the policy its stats."""
+        reached, accepted_at = [0] * width, [0] * width
+        for (row, new), k, n in zip(emitted, num_draft, num_accepted):
+            row_reached = [1 if n >= j else 0 for j in range(k)]  # position j tested
+            row_accepted = [1 if n > j else 0 for j in range(k)]
+            row.recorder.record_round(k, 1, n, len(new), row_reached, row_accepted, times)
+            for j in range(k):
+                reached[j] += row_reached[j]
+                accepted_at[j] += row_accepted[j]
+        self.recorder.record_round(width, len(emitted), sum(num_accepted),
+                                   sum(len(new) for _, new in emitted), reached, accepted_at,
+                                   times, num_drafted=sum(num_draft))
+        self.last_policy = policy
+        if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
+            stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
+                               times["target_time"])
+            policy.next_num_draft_tokens(stats)
+            if self.policy_config is not None and self.policy_config.carry_over and (
+                    self._carried is not None):
+                self._carried[self._carry_key(1 << (len(emitted) - 1).bit_length())] = policy
+
+    def _keep(self, indices: list[int]) -> None:
+        """Keep these rows (in order) on every side; the others leave."""
+        if len(indices) == len(self.rows):
+            return
+        self.target.keep_rows(indices)
+        if self.proposer is not None:
+            self.proposer.keep_rows(indices)
+        if self.constraints is not None:
+            self.constraints.keep_rows(indices)
+        self.rows = [self.rows[i] for i in indices]
+
+
+def _take(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """tensor[rows] along dim 0; the tensor itself when rows are all of them, in order."""
+    if tensor is None or len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[torch.tensor(rows, device=tensor.device)]
+
+
+def _synced_elapsed(started: float, tensor: torch.Tensor) -> float:
+    """Seconds since ``started``, after the device that produced ``tensor`` has finished."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - started
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Validate a batch of token-id prompts; return them as lists of ints."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InputError(f"prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]]; "
+                         f"got {prompts!r:.80}.")
+    checked = []
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, int) or not isinstance(prompt, Sequence):
+            raise InputError(f"prompts[{row}]={prompt!r:.40} is not a list of token ids; pass a "
+                             "batch, e.g. [[1, 2, 3]] for one prompt.")
+        if len(prompt) == 0:
+            raise EmptyPromptError(f"prompts[{row}] is empty; a prompt needs at least one token "
+                                   "(for example the BOS token).")
+        ids = []
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InputError(f"prompts[{row}] holds {token!r}; token ids must be ints.")
+            if not 0 <= token < vocab_size:
+                raise TokenOutOfRangeError(f"prompts[{row}] holds token id {token}, outside the "
+                                           f"vocabulary [0, {vocab_size}).")
+            ids.append(token)
+        checked.append(ids)
+    return checked

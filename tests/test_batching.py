@@ -1,0 +1,224 @@
+"""Batched generation and continuous batching: rows with settings of their own, rows joining and
+leaving between rounds, and each row's output independent of the others.
+
+Three layers: the engine's batch.Batch on fixture models (exact arithmetic, so "unchanged"
+means equal token for token, and the G-test on a batch mixing temperatures, with its negative
+control); the library's Decoder.generate over a list of prompts on real models (greedy text of
+each prompt in a batch of mixed lengths == the prompt alone, k in {1, 2, 4}); the server's
+continuous batching is tested in test_server_batching.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import verispec
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec.errors import ConfigError
+from verispec.models.fixtures import MarkovLM
+from verispec.sampling import make_generator
+
+from test_losslessness import (
+    PROMPT,
+    VOCAB_SIZE,
+    _accept_all,
+    _assert_control_rejected,
+    _assert_target_law,
+    _check_law,
+    _pair,
+    _residual,
+    _rule_verify,
+    inject_verify,
+)
+from tiny_models import build_tokenizer, save_model, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+GREEDY = SamplingConfig(temperature=0.0)
+HOT, COOL = SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.6)
+
+
+def _fixture_decoder(seed: int = 3) -> SpeculativeDecoder:
+    generator = torch.Generator().manual_seed(seed)
+    target = MarkovLM.random(VOCAB_SIZE, generator, order=2)
+    noisy = target.table + 0.8 * torch.randn(target.table.shape, generator=generator)
+    return SpeculativeDecoder.from_draft_model(target, MarkovLM(noisy, order=2))
+
+
+def _run(batch, rows, until=None):
+    """Step ``batch`` until ``rows`` (or all) are finished, or ``until`` rounds."""
+    rounds = 0
+    while batch.rows and (until is None or rounds < until):
+        batch.step()
+        rounds += 1
+    return [row.token_ids for row in rows]
+
+
+def _alone(decoder, prompt, config, seed):
+    batch = decoder.batch()
+    (row,) = batch.add([prompt], [config], [make_generator(seed)])
+    return _run(batch, [row])[0]
+
+
+# --- the engine's batch: per-row settings, joins and leaves ----------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_rows_joining_and_leaving_leave_the_other_rows_unchanged(k):
+    decoder = _fixture_decoder()
+    greedy = GenerationConfig(max_new_tokens=20, num_draft_tokens=k, sampling=GREEDY)
+    hot = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, sampling=HOT)
+    cool = GenerationConfig(max_new_tokens=16, num_draft_tokens=k, sampling=COOL)
+    prompts = {"a": [1, 2, 3], "b": [4], "c": [5, 6, 7, 0, 1], "d": [2, 2]}
+    settings = {"a": (greedy, 11), "b": (hot, 12), "c": (cool, 13), "d": (hot, 14)}
+    alone = {name: _alone(decoder, prompts[name], *settings[name]) for name in prompts}
+
+    batch = decoder.batch()
+    rows = dict(zip("ab", batch.add([prompts["a"], prompts["b"]],
+                                    [settings["a"][0], settings["b"][0]],
+                                    [make_generator(11), make_generator(12)])))
+    _run(batch, [], until=2)
+    # c joins mid-generation; then a leaves (cancelled) and d joins
+    rows["c"], = batch.add([prompts["c"]], [cool], [make_generator(13)])
+    _run(batch, [], until=2)
+    batch.remove([rows["a"]])
+    rows["d"], = batch.add([prompts["d"]], [hot], [make_generator(14)])
+    _run(batch, [])
+    assert rows["a"].finish_reason == "cancelled"
+    assert rows["a"].token_ids == alone["a"][: len(rows["a"].token_ids)]
+    for name in "bcd":
+        assert rows[name].token_ids == alone[name], name
+        assert rows[name].finish_reason == "length"
+    assert rows["b"].metrics.num_target_calls >= 24 // (k + 1)
+
+
+def test_a_seeded_row_is_the_same_whatever_else_is_in_the_batch():
+    decoder = _fixture_decoder(seed=5)
+    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=3, sampling=HOT)
+    alone = _alone(decoder, [3, 1], config, seed=42)
+    for others in (1, 5):
+        batch = decoder.batch()
+        rows = batch.add([[7]] * others + [[3, 1]], [config] * (others + 1),
+                         [make_generator(100 + i) for i in range(others)] + [make_generator(42)])
+        assert _run(batch, rows)[-1] == alone
+    # the negative control: another seed in the same place gives other tokens
+    batch = decoder.batch()
+    (row,) = batch.add([[3, 1]], [config], [make_generator(43)])
+    assert _run(batch, [row])[0] != alone
+
+
+def test_rows_with_different_max_new_tokens_and_stops_end_on_their_own():
+    decoder = _fixture_decoder()
+    configs = [GenerationConfig(max_new_tokens=n, num_draft_tokens=2, sampling=GREEDY,
+                                stop_token_ids=stops) for n, stops in ((3, ()), (9, ()), (30, (0, 1)))]
+    batch = decoder.batch()
+    rows = batch.add([[1, 2]] * 3, configs, [make_generator(0)] * 3)
+    _run(batch, rows)
+    assert [len(row.token_ids) for row in rows[:2]] == [3, 9]
+    assert rows[2].finish_reason == "stop" and rows[2].token_ids[-1] in (0, 1) or (
+        len(rows[2].token_ids) == 30)
+    assert not batch.rows  # every finished row left the batch
+
+
+# --- exactness: the G-test on one batch that mixes temperatures ------------------------------
+
+NUM_ROWS = 12_000  # per temperature
+
+
+def _mixed_temperature_tokens(k: int, seed: int):
+    """Tokens [N, k+1] per temperature of one batch of 2 N interleaved rows; samplings; pair."""
+    pair = _pair("reversed")
+    decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
+    generators = {"hot": make_generator(seed), "cool": make_generator(seed + 1)}
+    samplings = {"hot": pair.sampling(1.0), "cool": pair.sampling(0.6)}
+    names = ["hot", "cool"] * NUM_ROWS  # interleaved: every round mixes both
+    batch = decoder.batch()
+    rows = batch.add([PROMPT] * len(names),
+                     [GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
+                                       sampling=samplings[name]) for name in names],
+                     [generators[name] for name in names])
+    _run(batch, rows)
+    return {name: np.array([row.token_ids for row, n in zip(rows, names) if n == name])
+            for name in generators}, samplings, pair
+
+
+@pytest.mark.parametrize("k", [2])
+def test_a_batch_mixing_temperatures_has_each_rows_target_law(k):
+    tokens, samplings, pair = _mixed_temperature_tokens(k, seed=2024)
+    for name in ("hot", "cool"):
+        _assert_target_law(f"mixed-temperatures {name} k={k}",
+                           _check_law(pair.target, tokens[name], samplings[name]))
+
+
+def test_the_mixed_temperature_g_test_rejects_a_broken_rule(monkeypatch):
+    inject_verify(monkeypatch, _rule_verify(_accept_all, _residual))
+    tokens, samplings, pair = _mixed_temperature_tokens(2, seed=2025)
+    _assert_control_rejected("mixed-temperatures accept-all hot",
+                             _check_law(pair.target, tokens["hot"], samplings["hot"]))
+
+
+# --- the library: Decoder.generate over a list of prompts ------------------------------------
+
+PROMPTS = ["def add(a, b):", "x", "import os\n\nclass Stack:\n    def push(self, item):",
+           "for i in range(10):\n    print(i)\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder(tmp_path_factory):
+    tokenizer = build_tokenizer()
+    root = tmp_path_factory.mktemp("batching_models")
+    target = save_model(tiny_llama(len(tokenizer), seed=1), tokenizer, root / "target")
+    draft = save_model(tiny_llama(len(tokenizer), seed=2, layers=1), tokenizer, root / "draft")
+    return {backend: verispec.load(target, draft, backend=backend)
+            for backend in ("fast", "transformers")}
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_batched_greedy_text_equals_each_prompt_alone(tiny_decoder, backend, k):
+    decoder = tiny_decoder[backend]
+    batched = decoder.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=k, ignore_eos=True)
+    for prompt, completion in zip(PROMPTS, batched):
+        alone = decoder.generate(prompt, max_new_tokens=24, speculative=False, ignore_eos=True)
+        assert completion.token_ids == alone.token_ids, prompt
+        assert completion.metrics.num_emitted == 24
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_demo_pair_batched_greedy_text_equals_each_prompt_alone(demo_decoder, k):
+    batched = demo_decoder.generate(PROMPTS, max_new_tokens=32, num_draft_tokens=k)
+    for prompt, completion in zip(PROMPTS, batched):
+        alone = demo_decoder.generate(prompt, max_new_tokens=32, num_draft_tokens=k)
+        assert completion.text == alone.text, prompt
+
+
+def test_per_row_settings_and_seeds(tiny_decoder):
+    decoder = tiny_decoder["fast"]
+    out = decoder.generate(PROMPTS[:3], max_new_tokens=[5, 9, 7], temperature=[0.0, 1.0, 0.8],
+                           seed=[None, 7, 8], stop=[None, ["zzz"], None], ignore_eos=True)
+    assert [len(c.token_ids) for c in out] == [5, 9, 7]
+    assert out[1].text == decoder.generate(PROMPTS[1], max_new_tokens=9, temperature=1.0,
+                                           seed=7, ignore_eos=True).text
+    # an int seed seeds prompt i with seed + i
+    seeded = decoder.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.0, seed=3,
+                              ignore_eos=True)
+    assert seeded[1].text == decoder.generate(PROMPTS[1], max_new_tokens=8, temperature=1.0,
+                                              seed=4, ignore_eos=True).text
+
+
+def test_batched_stream_yields_each_rows_deltas(tiny_decoder):
+    decoder = tiny_decoder["fast"]
+    stream = decoder.stream_batch(PROMPTS[:2], max_new_tokens=12, ignore_eos=True)
+    texts = ["", ""]
+    for index, delta in stream:
+        texts[index] += delta
+    assert texts == [c.text for c in stream.completions]
+    assert texts == [c.text for c in decoder.generate(PROMPTS[:2], max_new_tokens=12,
+                                                      ignore_eos=True)]
+
+
+def test_a_per_row_list_of_the_wrong_length_is_refused(tiny_decoder):
+    with pytest.raises(ConfigError, match="max_new_tokens has 2 values for 3 prompts"):
+        tiny_decoder["fast"].generate(PROMPTS[:3], max_new_tokens=[4, 5])

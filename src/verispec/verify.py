@@ -147,8 +147,8 @@ def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     """
     batch_size, max_k = check_draft_tokens(draft_tokens)
     counts = [max_k] * batch_size if num_draft_tokens is None else list(num_draft_tokens)
-    generators = ([generator] * batch_size if isinstance(generator, torch.Generator)
-                  else list(generator))
+    generators = (list(generator) if isinstance(generator, (list, tuple))
+                  else [generator] * batch_size)  # a non-generator fails check_generator
     if len(counts) != batch_size or len(generators) != batch_size:
         raise ShapeError(f"num_draft_tokens and generators need one entry per row (B = "
                          f"{batch_size}); got {len(counts)} and {len(generators)}.")

@@ -3,14 +3,19 @@ plain (``--no-draft``) servers, on loopback.
 
     python benchmarks/batching_load.py                        # the demo pair, greedy, 48 tokens
     python benchmarks/batching_load.py --clients 1,16 --requests-per-client 2
+    python benchmarks/batching_load.py --server-arg=--max-batch-size=8 --server-args "--k 2"
 
-For each mode a demo server is started (load_test.serve_command; extra flags with
---server-arg), every prompt is first sent alone (the reference texts), then each client count
-runs that many clients sending --requests-per-client greedy streaming requests back to back.
-Per level: aggregate completion tok/s, TTFT and latency p50/p99, the mean draft depth the server
-chose (speculation.mean_num_draft_tokens, weighted by tokens), the share of requests whose text
-equals the same prompt sent alone, non-200 replies, and the server's RSS. Ratios are taken
-within the run. Writes benchmarks/results/batching_load.{json,md,png}.
+For each mode a demo server is started (load_test.start_server; extra flags with --server-arg
+or --server-args, other models with --target/--draft), warmed up with two requests, every prompt
+is sent alone (the reference texts), then each client count runs that many clients sending
+--requests-per-client greedy streaming requests back to back (client i starts at prompt
+i * requests-per-client, so clients send different prompts at the same time).
+Per level: aggregate completion tok/s and requests/s, TTFT and latency p50/p99, the mean draft
+depth the server chose (speculation.mean_num_draft_tokens, weighted by tokens), the share of
+requests whose text equals the same prompt sent alone (and where the others first differ),
+replies by status, and the server's RSS. Ratios (speculative/plain at each client count, each
+mode at N clients over 1 client) are taken within the run. Writes batching_load.{json,md,png}
+to --out-dir (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import shlex
 import sys
 import time
 from argparse import Namespace
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -36,22 +44,36 @@ from load_test import (  # noqa: E402
 )
 
 MODES = {"speculative": [], "plain": ["--no-draft"]}
+NUM_WARMUP = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="1,4,8,16", help="client counts (default 1,4,8,16)")
-    parser.add_argument("--requests-per-client", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--requests-per-client", type=int, default=4,
+                        help="requests each client sends per level (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="per request (default 48)")
     parser.add_argument("--modes", default="speculative,plain")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra `verispec serve` flag, e.g. --server-arg=--adaptive=goodput")
+    parser.add_argument("--server-args", default="",
+                        help='extra `verispec serve` flags in one string, e.g. "--k 2 --threads 2"')
+    parser.add_argument("--target", help="target model for the servers (default: the demo pair)")
+    parser.add_argument("--draft", help="draft model for the speculative server (with --target)")
+    parser.add_argument("--threads", type=int, help="torch threads of the servers")
+    parser.add_argument("--port", type=int, help="the servers' port (default: a free one)")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     args.client_counts = [int(c) for c in args.clients.split(",")]
     args.mode_names = args.modes.split(",")
+    args.extra = args.server_arg + shlex.split(args.server_args)
     if not all(1 <= c <= 64 for c in args.client_counts) or not set(args.mode_names) <= set(MODES):
         parser.error("expected client counts in 1..64 and modes among speculative,plain")
+    if args.requests_per_client < 1 or args.max_tokens < 1:
+        parser.error("expected --requests-per-client >= 1 and --max-tokens >= 1")
+    if (args.draft and not args.target) or (args.target and not args.draft
+                                            and "speculative" in args.mode_names):
+        parser.error("--draft needs --target, and --target needs --draft for the speculative mode")
     return args
 
 
@@ -98,68 +120,111 @@ async def run_level(url: str, prompts: list[str], clients: int, per_client: int,
         return [r for rs in results for r in rs], time.perf_counter() - started
 
 
+def first_difference(text: str, reference: str) -> int:
+    """The first character offset where ``text`` and ``reference`` differ."""
+    return next((i for i, (a, b) in enumerate(zip(text, reference)) if a != b),
+                min(len(text), len(reference)))
+
+
 def summarize(results: list[dict], elapsed: float, reference: dict[str, str], rss: int | None,
               clients: int, mode: str) -> dict:
     ok = [r for r in results if r["status"] == "200"]
     tokens = sum(r["tokens"] for r in ok)
     weighted = [(r["k"], r["tokens"]) for r in ok if r["k"] is not None]
-    differ = [r["prompt"][:40] for r in ok if r["text"] != reference[r["prompt"]]]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    differ = [{"prompt": r["prompt"][:60], "offset": first_difference(r["text"],
+                                                                      reference[r["prompt"]])}
+              for r in ok if r["text"] != reference[r["prompt"]]]
     return {"mode": mode, "clients": clients, "requests": len(results),
-            "non_200": len(results) - len(ok), "tokens_per_s": tokens / elapsed,
-            "ttft_p50": percentile([r["ttft"] for r in ok if r["ttft"]], 50),
-            "ttft_p99": percentile([r["ttft"] for r in ok if r["ttft"]], 99),
+            "non_200": len(results) - len(ok),
+            "statuses": dict(Counter(r["status"] for r in results)),
+            "tokens_per_s": tokens / elapsed, "requests_per_s": len(ok) / elapsed,
+            "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "latency_p50": percentile([r["latency"] for r in ok], 50),
             "latency_p99": percentile([r["latency"] for r in ok], 99),
             "mean_k": (sum(k * n for k, n in weighted) / max(1, sum(n for _, n in weighted))
                        if weighted else None),
-            "equal_alone": 1 - len(differ) / max(1, len(ok)), "differ": differ,
+            "equal_alone": 1 - len(differ) / len(ok) if ok else None, "differ": differ,
             "rss_mib": None if rss is None else rss / 2**20, "seconds": elapsed}
+
+
+def reference_texts(url: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Warm the server up, then send every prompt alone: the texts each level is compared to."""
+    asyncio.run(run_level(url, prompts, 1, NUM_WARMUP, max_tokens))
+    alone, _ = asyncio.run(run_level(url, prompts, 1, len(prompts), max_tokens))
+    failed = Counter(r["status"] for r in alone if r["status"] != "200")
+    if failed:
+        raise SystemExit(f"the requests sent alone failed: {dict(failed)}")
+    return {r["prompt"]: r["text"] for r in alone}
 
 
 def run_mode(mode: str, args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     server_args = Namespace(clients=max(args.client_counts), max_tokens=args.max_tokens, k=None,
-                            target=None, draft=None, api_key=None, threads=None, url=None)
-    server, url = start_server(server_args, MODES[mode] + args.server_arg)
+                            target=args.target, draft=args.draft if mode == "speculative" else None,
+                            api_key=None, threads=args.threads, url=None)
+    server, url = start_server(server_args, MODES[mode] + args.extra, args.port)
     try:
         wait_until_healthy(url, server)
-        alone, _ = asyncio.run(run_level(url, prompts, 1, len(prompts), args.max_tokens))
-        reference = {r["prompt"]: r["text"] for r in alone}
+        reference = reference_texts(url, prompts, args.max_tokens)
         rows = []
         for clients in args.client_counts:
             results, elapsed = asyncio.run(run_level(url, prompts, clients,
                                                      args.requests_per_client, args.max_tokens))
-            rows.append(summarize(results, elapsed, reference, rss_bytes(server.pid), clients,
-                                  mode))
-            print(f"{mode:11} {clients:2} clients: {rows[-1]['tokens_per_s']:7.1f} tok/s, TTFT "
-                  f"p50 {rows[-1]['ttft_p50']:.3f} s, equal alone {rows[-1]['equal_alone']:.0%}",
-                  flush=True)
+            row = summarize(results, elapsed, reference, rss_bytes(server.pid), clients, mode)
+            rows.append(row)
+            print(f"{mode:11} {clients:2} clients: {row['tokens_per_s']:7.1f} tok/s, TTFT p50 "
+                  f"{_fmt(row['ttft_p50'], '.3f')} s, equal alone {_fmt(row['equal_alone'], '.0%')}"
+                  f", non-200 {row['non_200']}", flush=True)
         return rows
     finally:
         server.terminate()
         server.wait(30)
 
 
-def markdown(rows: list[dict]) -> str:
-    one = {r["mode"]: r["tokens_per_s"] for r in rows if r["clients"] == 1}
-    plain = {r["clients"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+def ratios(rows: list[dict]) -> dict[str, dict]:
+    """speculative/plain aggregate tok/s per client count; each mode's tok/s over its 1 client."""
+    rate = {(r["mode"], r["clients"]): r["tokens_per_s"] for r in rows}
+
+    def over(a: float, b: float | None) -> float | None:
+        return a / b if b else None
+
+    return {"speculative_over_plain": {c: over(t, rate.get(("plain", c)))
+                                       for (m, c), t in rate.items() if m == "speculative"},
+            "over_1_client": {m: {c: over(t, rate.get((m, 1))) for (n, c), t in rate.items()
+                                  if n == m} for m in {m for m, _ in rate}}}
+
+
+def markdown(rows: list[dict], ratio: dict[str, dict]) -> str:
     lines = ["| clients | mode | agg tok/s | x 1 client | vs plain | TTFT p50 | TTFT p99 | "
              "lat p50 | lat p99 | mean k | equal alone | non-200 | RSS MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["clients"], r["mode"])):
-        vs_plain = r["tokens_per_s"] / plain[r["clients"]] if r["clients"] in plain else None
-        lines.append(
-            f"| {r['clients']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
-            f"{r['tokens_per_s'] / one[r['mode']]:.2f}x | "
-            f"{_fmt(vs_plain, '.2f')}x | {r['ttft_p50']:.3f} | "
-            f"{r['ttft_p99']:.3f} | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
-            f"{_fmt(r['mean_k'], '.2f')} | "
-            f"{r['equal_alone']:.0%} | {r['non_200']} | "
-            f"{_fmt(r['rss_mib'], '.0f')} |")
+        vs_plain = 1.0 if r["mode"] == "plain" else ratio["speculative_over_plain"][r["clients"]]
+        cells = [str(r["clients"]), r["mode"], f"{r['tokens_per_s']:.0f}",
+                 _fmt(ratio["over_1_client"][r["mode"]][r["clients"]], ".2f", "x"),
+                 _fmt(vs_plain, ".2f", "x"), _fmt(r["ttft_p50"], ".3f"),
+                 _fmt(r["ttft_p99"], ".3f"), _fmt(r["latency_p50"], ".2f"),
+                 _fmt(r["latency_p99"], ".2f"), _fmt(r["mean_k"], ".2f"),
+                 _fmt(r["equal_alone"], ".0%"), str(r["non_200"]), _fmt(r["rss_mib"], ".0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for clients in sorted({r["clients"] for r in rows}):
+        parts = [f"{m} {by[clients]:.2f}x vs 1 client"
+                 for m, by in sorted(ratio["over_1_client"].items())
+                 if clients > 1 and by.get(clients) is not None]
+        if ratio["speculative_over_plain"].get(clients) is not None:
+            parts.insert(0, f"speculative/plain {ratio['speculative_over_plain'][clients]:.2f}x")
+        if parts:
+            lines.append(f"- {clients} client{'s' if clients > 1 else ''}: " + "; ".join(parts))
     return "\n".join(lines)
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "" if value is None else format(value, spec) + suffix
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -173,38 +238,47 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["clients"])
         clients = [r["clients"] for r in mine]
         left.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
-        right.plot(clients, [r["ttft_p50"] for r in mine], marker="o", label=mode)
+        right.plot(clients, [_nan(r["ttft_p50"]) for r in mine], marker="o", label=mode)
     left.set(xlabel="concurrent clients", ylabel="aggregate tokens/s", title="throughput")
     right.set(xlabel="concurrent clients", ylabel="seconds", title="time to first token p50")
     for axis in (left, right):
+        axis.set_xticks(sorted({r["clients"] for r in rows}))
         axis.legend()
         axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
 
+def machine() -> dict[str, object]:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = prompts_for(Namespace(url=None, target=None))[:16]
+    prompts = prompts_for(Namespace(url=None, target=args.target))[:16]
     rows = [row for mode in args.mode_names for row in run_mode(mode, args, prompts)]
-    table = markdown(rows)
+    ratio = ratios(rows)
+    table = markdown(rows, ratio)
     print(table)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    import os
-
-    import torch
-
-    meta = {"command": " ".join(["python", "benchmarks/batching_load.py"] + (argv or sys.argv[1:])),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "cores": os.cpu_count(),
-            "torch": torch.__version__, "max_tokens": args.max_tokens,
-            "requests_per_client": args.requests_per_client}
-    (out / "batching_load.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    command = shlex.join(["python", "benchmarks/batching_load.py"]
+                         + (sys.argv[1:] if argv is None else argv))
+    meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
+            "models": args.target or "demo pair", "server_args": args.extra,
+            "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client}
+    (out / "batching_load.json").write_text(
+        json.dumps({**meta, "rows": rows, "ratios": ratio}, indent=2) + "\n")
     (out / "batching_load.md").write_text(
-        f"{meta['command']}  ({meta['date']}, {cpu}, {meta['cores']} cores)\n\n{table}\n")
+        f"{command}  ({meta['date']}, {meta['cpu']}, {meta['cores']} cores)\n\n{table}\n")
     plot(rows, out / "batching_load.png")
+    print(f"wrote {out}/batching_load.{{json,md,png}}")
     return 0 if all(r["non_200"] == 0 for r in rows) else 1
 
 

@@ -105,12 +105,14 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     return command
 
 
-def start_server(args: argparse.Namespace, extra: Sequence[str] = ()
+def start_server(args: argparse.Namespace, extra: Sequence[str] = (), port: int | None = None
                  ) -> tuple[subprocess.Popen, str]:
-    """A server for ``args`` (serve_command), with ``extra`` flags appended."""
-    with socket.socket() as probe:  # a free loopback port (tiny race; fine for a benchmark)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    """A server for ``args`` (serve_command) on ``port`` (None: a free one), with ``extra``
+    flags appended."""
+    if port is None:
+        with socket.socket() as probe:  # a free loopback port (tiny race; fine for a benchmark)
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
     command = serve_command(args, port) + list(extra)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server

@@ -222,3 +222,21 @@ def test_batched_stream_yields_each_rows_deltas(tiny_decoder):
 def test_a_per_row_list_of_the_wrong_length_is_refused(tiny_decoder):
     with pytest.raises(ConfigError, match="max_new_tokens has 2 values for 3 prompts"):
         tiny_decoder["fast"].generate(PROMPTS[:3], max_new_tokens=[4, 5])
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_a_long_prompt_joins_a_batch_whose_cache_is_smaller(tiny_decoder, backend):
+    # the running row's cache holds 128 positions; the joining prompt's holds 2 * 100, more than
+    # that and less than double it, so both must be grown to one capacity before they are joined
+    decoder = tiny_decoder[backend]
+    long_prompt = [5, 6, 7, 8] * 25
+    batch = decoder.open_batch()
+    short = batch.add(PROMPTS[0], max_new_tokens=6, ignore_eos=True)
+    batch.step()
+    joined = batch.add(long_prompt, max_new_tokens=6, ignore_eos=True)
+    while short.completion is None or joined.completion is None:
+        batch.step()
+    assert joined.completion.text == decoder.generate(long_prompt, max_new_tokens=6,
+                                                      ignore_eos=True).text
+    assert short.completion.text == decoder.generate(PROMPTS[0], max_new_tokens=6,
+                                                     ignore_eos=True).text

@@ -298,9 +298,15 @@ class KVCache:
         self.capacity = capacity
 
     def ensure(self, needed: int) -> None:
-        if needed <= self.capacity:
+        """Room for ``needed`` positions, doubling so that growth is amortized."""
+        if needed > self.capacity:
+            self.resize(max(needed, 2 * self.capacity))
+
+    def resize(self, capacity: int) -> None:
+        """Exactly ``capacity`` positions (never fewer than held)."""
+        assert capacity >= self.capacity, (capacity, self.capacity)
+        if capacity == self.capacity:
             return
-        capacity = max(needed, 2 * self.capacity)
         for store in (self.keys, self.values):
             for i, old in enumerate(store):
                 new = old.new_zeros(old.shape[:2] + (capacity,) + old.shape[3:])
@@ -340,9 +346,11 @@ class FastLlamaSession:
         then appended; the other rows' caches are copied, not recomputed."""
         joining = FastLlamaSession(self.lm)
         joining.start(prompts)
+        # Both caches need the same capacity to be concatenated: grow each to exactly the larger
+        # one (ensure() may double past it).
         capacity = max(self.cache.capacity, joining.cache.capacity)
-        self.cache.ensure(capacity)
-        joining.cache.ensure(capacity)
+        self.cache.resize(capacity)
+        joining.cache.resize(capacity)
         for store, new in ((self.cache.keys, joining.cache.keys),
                            (self.cache.values, joining.cache.values)):
             for i, old in enumerate(store):

@@ -16,6 +16,7 @@ import torch
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec.batch import fill_from_the_end
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
 from verispec.sampling import make_generator
@@ -226,8 +227,8 @@ def test_a_per_row_list_of_the_wrong_length_is_refused(tiny_decoder):
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_long_prompt_joins_a_batch_whose_cache_is_smaller(tiny_decoder, backend):
-    # the running row's cache holds 128 positions; the joining prompt's holds 2 * 100, more than
-    # that and less than double it, so both must be grown to one capacity before they are joined
+    # the running row's cache holds 128 positions; the joining prompt needs room for 2 * 100,
+    # more than that and less than double it: the cache grows, keeping the running row
     decoder = tiny_decoder[backend]
     long_prompt = [5, 6, 7, 8] * 25
     batch = decoder.open_batch()
@@ -240,3 +241,32 @@ def test_a_long_prompt_joins_a_batch_whose_cache_is_smaller(tiny_decoder, backen
                                                       ignore_eos=True).text
     assert short.completion.text == decoder.generate(PROMPTS[0], max_new_tokens=6,
                                                      ignore_eos=True).text
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_rows_leaving_from_the_middle_leave_the_others_text_unchanged(tiny_decoder, backend):
+    # rows 0 and 2 of 5 leave: the last rows move into their places (fill_from_the_end), the
+    # caches copy only them, and every staying row still decodes as it would alone
+    decoder = tiny_decoder[backend]
+    batch = decoder.open_batch()
+    rows = batch.add_rows([batch.prepare(prompt, max_new_tokens=8, ignore_eos=True)
+                           for prompt in PROMPTS + ["while True:"]])
+    batch.step()
+    batch.remove(rows[0])
+    batch.remove(rows[2])
+    while any(row.completion is None for row in (rows[1], rows[3], rows[4])):
+        batch.step()
+    for index in (1, 3, 4):
+        assert rows[index].completion.text == decoder.generate(
+            (PROMPTS + ["while True:"])[index], max_new_tokens=8, ignore_eos=True).text, index
+
+
+@pytest.mark.parametrize(("kept", "order"), [
+    ([0, 2, 4, 5], [0, 4, 2, 5]),  # rows 1 and 3 left: 4 and 5 fill their places
+    ([0, 1, 2], [0, 1, 2]),  # the last rows left: nobody moves
+    ([3, 4], [3, 4]),  # the first rows left: all move, in order
+    ([1, 2, 3], [3, 1, 2]),  # row 0 left: the last row takes its place
+])
+def test_fill_from_the_end_moves_only_the_rows_past_the_kept_count(kept, order):
+    assert fill_from_the_end(kept) == order
+    assert sorted(order) == kept

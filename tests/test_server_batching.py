@@ -81,3 +81,21 @@ def test_requests_beyond_the_batch_size_wait_and_succeed(server, client):
         texts = list(pool.map(lambda p: _stream_text(client, p, max_tokens=12), prompts))
     assert texts[:4] == texts[len(PROMPTS):]
     assert all(texts)
+
+
+def test_a_bad_request_joining_with_others_gets_its_error_and_they_go_on(server, client):
+    # requests sent together join in one gap between rounds: each is checked on its own, the
+    # over-long prompt gets its 413 and the others join (one prefill) and decode as alone
+    alone = [_stream_text(client, prompt, max_tokens=12) for prompt in PROMPTS[:3]]
+
+    def send(prompt: str) -> str | int:
+        try:
+            return _stream_text(client, prompt, max_tokens=12)
+        except openai.APIStatusError as exc:
+            return exc.status_code
+
+    prompts = [PROMPTS[0], "x " * 3000, PROMPTS[1], PROMPTS[2]]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(send, prompts))
+    assert results == [alone[0], 413, alone[1], alone[2]]
+    assert server.server.config.app.state.worker.num_running == 0

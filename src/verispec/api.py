@@ -280,8 +280,8 @@ class Decoder:
             raise InputError(f"prompts must be a non-empty list of texts or token-id lists; got "
                              f"{prompts!r:.80}.")
         text_batch = self.open_batch(speculative, adaptive)
-        for index, row in enumerate(row_settings(settings, len(prompts))):
-            text_batch.add(prompts[index], tag=index, adaptive=adaptive, **row)
+        text_batch.add_rows([text_batch.prepare(prompts[index], index, adaptive=adaptive, **row)
+                             for index, row in enumerate(row_settings(settings, len(prompts)))])
         return BatchStream(text_batch, len(prompts))
 
     def open_batch(self, speculative: bool = True,

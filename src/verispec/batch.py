@@ -283,15 +283,31 @@ class Batch:
                 self._carried[self._carry_key(1 << (len(emitted) - 1).bit_length())] = policy
 
     def _keep(self, indices: list[int]) -> None:
-        """Keep these rows (in order) on every side; the others leave."""
+        """Keep these rows on every side; the others leave. The rows that stay keep their places
+        where they can: the last ones fill the places of those leaving (a cache moves only
+        them), so the batch's order is not kept."""
         if len(indices) == len(self.rows):
             return
+        indices = fill_from_the_end(indices)
         self.target.keep_rows(indices)
         if self.proposer is not None:
             self.proposer.keep_rows(indices)
         if self.constraints is not None:
             self.constraints.keep_rows(indices)
         self.rows = [self.rows[i] for i in indices]
+
+
+def fill_from_the_end(kept: list[int]) -> list[int]:
+    """An order of the rows ``kept`` (ascending) in which a row below len(kept) keeps its
+    place and the places of the rows leaving are filled by the rows past len(kept).
+
+    Example: 6 rows, rows 1 and 3 leave, kept [0, 2, 4, 5] -> [0, 4, 2, 5]: rows 4 and 5 move
+    into places 1 and 3, rows 0 and 2 stay (a cache copies 2 rows, not 3).
+    """
+    num_kept = len(kept)
+    staying = {row for row in kept if row < num_kept}
+    movers = iter([row for row in kept if row >= num_kept])
+    return [place if place in staying else next(movers) for place in range(num_kept)]
 
 
 def _take(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

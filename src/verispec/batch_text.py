@@ -13,16 +13,17 @@ What this is not: the round (batch.py) or tokenisation and checks (api.Decoder).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from .batch import Batch
+from .batch import Batch, check_prompts
+from .constraints import ConstraintSet
 from .errors import ConfigError
 from .rows import Row
 from .sampling import make_generator
 from .text_stream import Completion, RowText
 
 if TYPE_CHECKING:  # api imports this module
-    from .api import Decoder
+    from .api import Decoder, PreparedRow
 
 
 class TextRow:
@@ -44,6 +45,25 @@ class TextRow:
         return self.text.token_ids
 
 
+class PendingRow(NamedTuple):
+    """A row checked and encoded (TextBatch.prepare), not yet in the batch."""
+
+    prepared: PreparedRow
+    tag: object
+
+
+def _joined_constraints(prepared: Sequence[PreparedRow]) -> ConstraintSet | None:
+    """The joining rows' grammars as one set over them (None when no row has one)."""
+    sets = [p.constraints for p in prepared]
+    present = [c for c in sets if c is not None]
+    if not present:
+        return None
+    joined = ConstraintSet(present[0].index, [])
+    for constraints in sets:
+        joined.add_rows(constraints, 1)
+    return joined
+
+
 class TextBatch:
     """Rows of text decoded together; rows join (:meth:`add`) and leave (:meth:`remove`, or
     when complete) between rounds. Not thread-safe: one thread calls add, step and remove."""
@@ -61,14 +81,32 @@ class TextBatch:
         temperature, top_k, top_p, seed, stop, num_draft_tokens, adaptive, ignore_eos,
         min_new_tokens, response_format), checked the same way. Its generator is its own,
         seeded by ``seed``: the same seed gives the same text whatever else is in the batch."""
+        return self.add_rows([self.prepare(prompt, tag, **settings)])[0]
+
+    def prepare(self, prompt: str | Sequence[int], tag: object = None,
+                **settings) -> PendingRow:
+        """:meth:`add`'s checks and encoding without joining: raises the row's typed error
+        (ConfigError, InputError, ContextLengthExceeded, ...), so that rows prepared one by one
+        can join together (:meth:`add_rows`) with every bad one already refused."""
         prepared = self.decoder.prepare(prompt, speculative=self.batch.speculative, **settings)
-        generator = make_generator(prepared.config.seed, self.batch.device)
-        (row,) = self.batch.add([prepared.prompt_ids], [prepared.config], [generator],
-                                prepared.constraints)
-        text_row = TextRow(row, RowText(self.decoder.tokenizer, prepared.stop,
-                                        len(prepared.prompt_ids)), tag)
-        self._rows[row.id] = text_row
-        return text_row
+        check_prompts([prepared.prompt_ids], self.batch.vocab_size)
+        return PendingRow(prepared, tag)
+
+    def add_rows(self, pending: Sequence[PendingRow]) -> list[TextRow]:
+        """Prepared rows join together: one prefill pass for all of them."""
+        if not pending:
+            return []
+        prepared = [row.prepared for row in pending]
+        generators = [make_generator(p.config.seed, self.batch.device) for p in prepared]
+        rows = self.batch.add([p.prompt_ids for p in prepared], [p.config for p in prepared],
+                              generators, _joined_constraints(prepared))
+        text_rows = []
+        for row, item in zip(rows, pending):
+            text = RowText(self.decoder.tokenizer, item.prepared.stop,
+                           len(item.prepared.prompt_ids))
+            text_rows.append(TextRow(row, text, item.tag))
+            self._rows[row.id] = text_rows[-1]
+        return text_rows
 
     def remove(self, text_row: TextRow) -> None:
         """A row leaves before it is complete (a cancelled request)."""

@@ -288,31 +288,88 @@ class RotaryTable:
 
 
 class KVCache:
-    """Per-layer keys/values [B, Hkv, T, D], grown by doubling; rows are written by position."""
+    """Per-layer keys/values in row slots: storage [R, Hkv, T, D] for R >= num_rows rows, of
+    which rows 0 .. num_rows - 1 are live (``keys``/``values`` are views of them, so the forward
+    writes the storage in place). Rows join in the free slots after the live ones and leave by
+    moving later rows into their slots, so neither copies the rows that stay where they are;
+    both dimensions grow by doubling. Positions past a row's length hold stale values, which
+    every pass masks or overwrites (FastLlamaLM.forward)."""
 
     def __init__(self, lm: FastLlamaLM, num_rows: int, capacity: int) -> None:
-        shape = (num_rows, lm.num_kv_heads, capacity, lm.head_dim)
-        make = lambda: torch.zeros(shape, dtype=lm.dtype, device=lm.device)  # noqa: E731
-        self.keys = [make() for _ in lm.layers]
-        self.values = [make() for _ in lm.layers]
+        self._shape = (lm.num_kv_heads, lm.head_dim)
+        self._dtype, self._device = lm.dtype, lm.device
+        self._num_layers = len(lm.layers)
+        self._is_slice = False  # a slots() view of another cache's storage: never regrown
+        self.num_rows = num_rows
         self.capacity = capacity
+        self._key_store = self._allocate(num_rows, capacity)
+        self._value_store = self._allocate(num_rows, capacity)
+        self._views(num_rows)
+
+    @property
+    def row_capacity(self) -> int:
+        return self._key_store[0].shape[0] if self._key_store else 0
+
+    def _allocate(self, num_rows: int, capacity: int) -> list[torch.Tensor]:
+        shape = (num_rows, self._shape[0], capacity, self._shape[1])
+        return [torch.zeros(shape, dtype=self._dtype, device=self._device)
+                for _ in range(self._num_layers)]
+
+    def _views(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.keys = [store[:num_rows] for store in self._key_store]  # [B, Hkv, T, D] each
+        self.values = [store[:num_rows] for store in self._value_store]
+
+    def slots(self, first: int, num_rows: int) -> KVCache:
+        """A cache over slots first .. first + num_rows - 1 (views: writes land here), for
+        prefilling joining rows in place; its capacity is fixed (ensure it first)."""
+        part = KVCache.__new__(KVCache)
+        part._shape, part._dtype, part._device = self._shape, self._dtype, self._device
+        part._num_layers, part.capacity = self._num_layers, self.capacity
+        part._is_slice = True
+        part._key_store = [store[first : first + num_rows] for store in self._key_store]
+        part._value_store = [store[first : first + num_rows] for store in self._value_store]
+        part._views(num_rows)
+        return part
 
     def ensure(self, needed: int) -> None:
         """Room for ``needed`` positions, doubling so that growth is amortized."""
         if needed > self.capacity:
-            self.resize(max(needed, 2 * self.capacity))
+            self._grow(self.row_capacity, max(needed, 2 * self.capacity))
 
-    def resize(self, capacity: int) -> None:
-        """Exactly ``capacity`` positions (never fewer than held)."""
-        assert capacity >= self.capacity, (capacity, self.capacity)
-        if capacity == self.capacity:
-            return
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = old.new_zeros(old.shape[:2] + (capacity,) + old.shape[3:])
-                new[:, :, : old.shape[2]] = old
-                store[i] = new
+    def ensure_rows(self, needed: int) -> None:
+        """Slots for ``needed`` rows, doubling so that joins are amortized."""
+        if needed > self.row_capacity:
+            self._grow(max(needed, 2 * self.row_capacity), self.capacity)
+
+    def _grow(self, num_slots: int, capacity: int) -> None:
+        assert not self._is_slice, "a slots() cache cannot grow: ensure the whole cache first"
+        held_rows, held = self.num_rows, self.capacity
+        for stores in (self._key_store, self._value_store):
+            for i, old in enumerate(stores):
+                new = old.new_zeros((num_slots,) + old.shape[1:2] + (capacity,) + old.shape[3:])
+                new[:held_rows, :, :held] = old[:held_rows]
+                stores[i] = new
         self.capacity = capacity
+        self._views(held_rows)
+
+    def add_rows(self, num_rows: int) -> None:
+        """The next ``num_rows`` slots become live (ensure_rows first)."""
+        assert self.num_rows + num_rows <= self.row_capacity
+        self._views(self.num_rows + num_rows)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep these live rows, in this order: row rows[i] moves to slot i (only the rows whose
+        slot changes are copied)."""
+        moved = [(slot, row) for slot, row in enumerate(rows) if slot != row]
+        if moved:
+            device = self._device
+            slots = torch.tensor([slot for slot, _ in moved], dtype=torch.int64, device=device)
+            sources = torch.tensor([row for _, row in moved], dtype=torch.int64, device=device)
+            for stores in (self._key_store, self._value_store):
+                for store in stores:  # the read is a copy, so overlapping moves are safe
+                    store[slots] = store.index_select(0, sources)
+        self._views(len(rows))
 
 
 class FastLlamaSession:
@@ -322,16 +379,21 @@ class FastLlamaSession:
     batch 1) selects the uniform path of :meth:`FastLlamaLM.forward` without a device sync.
     """
 
-    def __init__(self, lm: FastLlamaLM) -> None:
+    def __init__(self, lm: FastLlamaLM, cache: KVCache | None = None) -> None:
         self.lm = lm
-        self.cache = KVCache(lm, 0, 0)
+        self.cache = cache if cache is not None else KVCache(lm, 0, 0)
         self.lengths: list[int] = []  # tokens held per row
-        self.num_rows = 0
+        self.num_rows = self.cache.num_rows
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         longest = max((len(p) for p in prompts), default=0)
+        self.cache = KVCache(self.lm, len(prompts), max(128, 2 * longest))
+        self._prefill(prompts)
+
+    def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Fill this session's (empty, large enough) cache with ``prompts``."""
+        longest = max((len(p) for p in prompts), default=0)
         self.num_rows = len(prompts)
-        self.cache = KVCache(self.lm, self.num_rows, max(128, 2 * longest))
         self.lengths = [0] * self.num_rows
         if longest == 0:
             return
@@ -342,29 +404,23 @@ class FastLlamaSession:
         self.lengths = [len(p) for p in prompts]
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New rows at the end holding these prompts, prefilled in a cache of their own and
-        then appended; the other rows' caches are copied, not recomputed."""
-        joining = FastLlamaSession(self.lm)
-        joining.start(prompts)
-        # Both caches need the same capacity to be concatenated: grow each to exactly the larger
-        # one (ensure() may double past it).
-        capacity = max(self.cache.capacity, joining.cache.capacity)
-        self.cache.resize(capacity)
-        joining.cache.resize(capacity)
-        for store, new in ((self.cache.keys, joining.cache.keys),
-                           (self.cache.values, joining.cache.values)):
-            for i, old in enumerate(store):
-                store[i] = torch.cat([old, new[i]])
+        """New rows at the end holding these prompts, prefilled in one pass straight into the
+        cache's free slots; the other rows' caches are neither read nor copied."""
+        if not prompts:
+            return
+        longest = max(len(p) for p in prompts)
+        self.cache.ensure(max(128, 2 * longest))
+        self.cache.ensure_rows(self.num_rows + len(prompts))
+        joining = FastLlamaSession(self.lm, self.cache.slots(self.num_rows, len(prompts)))
+        joining._prefill(prompts)
+        self.cache.add_rows(len(prompts))
         self.lengths += joining.lengths
         self.num_rows += joining.num_rows
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order."""
         rows = _checked_rows(rows, self.num_rows)
-        index = torch.tensor(rows, dtype=torch.int64, device=self.lm.device)
-        for store in (self.cache.keys, self.cache.values):
-            for i, old in enumerate(store):
-                store[i] = old.index_select(0, index)
+        self.cache.keep_rows(rows)
         self.lengths = [self.lengths[row] for row in rows]
         self.num_rows = len(rows)
 

@@ -19,7 +19,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..api import Completion, Decoder
-from ..batch_text import TextBatch, TextRow
+from ..batch_text import PendingRow, TextBatch
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
@@ -92,7 +92,7 @@ class GenerationService:
         fmt = response_format(self.settings.model_name, self.num_draft_tokens(params),
                               self.depth_policy(params), params.tool_names)
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
-        job = Job(partial(self._start_row, params), asyncio.get_running_loop())
+        job = Job(partial(self._prepare_row, params), asyncio.get_running_loop())
         self.worker.submit(job)  # ServerOverloaded -> 503
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
@@ -107,15 +107,16 @@ class GenerationService:
         finally:
             watcher.cancel()
 
-    def _start_row(self, params: GenerationParams, batch: TextBatch) -> TextRow:
-        """Runs on the worker thread: encode, check sizes, join the batch."""
+    def _prepare_row(self, params: GenerationParams, batch: TextBatch) -> PendingRow:
+        """Runs on the worker thread: encode and check sizes (the worker then joins the batch's
+        pending rows together)."""
         prompt_ids = params.prompt.encode(self.decoder.tokenizer)
         if len(prompt_ids) > self.settings.max_prompt_tokens:
             raise PromptTooLarge(f"the prompt has {len(prompt_ids)} tokens, more than this "
                                  f"server's --max-prompt-tokens={self.settings.max_prompt_tokens};"
                                  " shorten it.", params.prompt.param)
         max_tokens = params.max_tokens or self._room(len(prompt_ids), params)
-        return batch.add(
+        return batch.prepare(
             prompt_ids, max_new_tokens=max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop,
             num_draft_tokens=params.num_draft_tokens,

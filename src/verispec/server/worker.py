@@ -1,12 +1,13 @@
 """The one thread that runs every generation: continuous batching over a TextBatch.
 
-The event loop never touches a model: a request becomes a :class:`Job` whose ``start`` callable
-(run on the worker thread) encodes the prompt and adds it as a row to the running
-:class:`verispec.batch_text.TextBatch`; between rounds the worker admits waiting jobs (up to
-``max_batch_size`` rows, and ``prefill_budget`` prompt tokens per round: a burst of joining
-prompts is prefilled over several rounds instead of stalling the running rows), runs one round
-for all rows, and hands each row's verified text delta to its request's event loop queue with
-``loop.call_soon_threadsafe``, so every row's text goes out as soon as its round is verified.
+The event loop never touches a model: a request becomes a :class:`Job` whose ``prepare``
+callable (run on the worker thread) encodes and checks the prompt; between rounds the worker
+admits waiting jobs (up to ``max_batch_size`` rows, and ``prefill_budget`` prompt tokens per
+round: a burst of joining prompts is prefilled over several rounds instead of stalling the
+running rows) as rows of the running :class:`verispec.batch_text.TextBatch`, prefilled together
+in one pass, runs one round for all rows, and hands every row's verified text delta to its
+request's event loop queue in one ``loop.call_soon_threadsafe`` per round, so every row's text
+goes out as soon as its round is verified.
 
 Back-pressure: at most ``max_queue`` jobs wait for a place in the batch; :meth:`submit` raises
 ServerOverloaded beyond that. Cancellation: ``job.cancel()`` (a client went away) is checked
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..api import Decoder
-from ..batch_text import TextBatch, TextRow
+from ..batch_text import PendingRow, TextBatch, TextRow
 from .errors import ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")
@@ -45,12 +46,13 @@ class FinishHook(Protocol):
 
 
 class Job:
-    """One request's generation: built on the event loop, run on the worker thread. ``start``
-    adds the request's row to the batch (raising the request's typed error if it is bad)."""
+    """One request's generation: built on the event loop, run on the worker thread. ``prepare``
+    checks and encodes the request's row (raising the request's typed error if it is bad); the
+    worker then adds it to the batch with the other rows joining in the same gap."""
 
-    def __init__(self, start: Callable[[TextBatch], TextRow],
+    def __init__(self, prepare: Callable[[TextBatch], PendingRow],
                  loop: asyncio.AbstractEventLoop) -> None:
-        self.start = start
+        self.prepare = prepare
         self.events: asyncio.Queue[tuple[Event, object]] = asyncio.Queue()
         self._loop = loop
         self._cancelled = threading.Event()
@@ -64,10 +66,27 @@ class Job:
 
     def post(self, event: Event, value: object) -> None:
         """Called on the worker thread: queue ``(event, value)`` for the event loop."""
+        post_all([(self, event, value)])
+
+
+def post_all(posts: list[tuple[Job, Event, object]]) -> None:
+    """Queue each job's event for its event loop with one wake-up per loop (a round's deltas
+    for all its rows go out together, not as one cross-thread call each)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event, object]]] = {}
+    for post in posts:
+        by_loop.setdefault(post[0]._loop, []).append(post)
+    for loop, items in by_loop.items():
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, (event, value))
-        except RuntimeError:  # the loop is closed: nobody will read this job's events
-            self.cancel()
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the loop is closed: nobody will read these jobs' events
+            for job, _, _ in items:
+                job.cancel()
+
+
+def _deliver(posts: list[tuple[Job, Event, object]]) -> None:
+    """On the event loop: put each event in its job's queue."""
+    for job, event, value in posts:
+        job.events.put_nowait((event, value))
 
 
 class GenerationWorker:
@@ -162,27 +181,41 @@ class GenerationWorker:
 
     def _admit(self, batch: TextBatch) -> None:
         """Jobs join between rounds: block for one when the batch is empty; else take the
-        waiting ones while there is room and prefill budget (at least one per round)."""
+        waiting ones while there is room and prefill budget (at least one per round). Each is
+        checked on its own (a bad request gets its error, the others go on); those that pass
+        join together, in one prefill pass."""
+        joining: list[tuple[Job, PendingRow]] = []
         prefilled = 0
-        while len(self._running) < self.max_batch_size and prefilled < self.prefill_budget:
+        while (len(self._running) + len(joining) < self.max_batch_size
+               and prefilled < self.prefill_budget):
             try:
-                job = self._queue.get(block=not self._running)
+                job = self._queue.get(block=not self._running and not joining)
             except queue.Empty:
-                return
+                break
             if job is None:  # stop() was called
                 self._stopping = True
-                return
+                break
             if job.cancelled:
                 continue
             try:
-                row = job.start(batch)
+                pending = job.prepare(batch)
             except Exception as exc:  # handed to the request, whose handler maps it to a status
                 job.post(Event.ERROR, exc)
                 continue
-            with self._lock:
+            joining.append((job, pending))
+            prefilled += len(pending.prepared.prompt_ids)
+        if not joining:
+            return
+        try:
+            rows = batch.add_rows([pending for _, pending in joining])
+        except Exception as exc:  # a fault (checks passed): the batch restarts, see _serve
+            post_all([(job, Event.ERROR, exc) for job, _ in joining])
+            raise
+        with self._lock:
+            for (job, _), row in zip(joining, rows):
                 self._running[row.row.id] = (job, row)
-            prefilled += row.num_prompt_tokens
-            job.post(Event.STARTED, row.num_prompt_tokens)
+        post_all([(job, Event.STARTED, row.num_prompt_tokens)
+                  for (job, _), row in zip(joining, rows)])
 
     def _drop_cancelled(self, batch: TextBatch) -> None:
         """Rows whose client went away leave the batch before the next round."""
@@ -194,13 +227,18 @@ class GenerationWorker:
     def _round(self, batch: TextBatch) -> None:
         self.num_rounds += 1
         self.num_row_rounds += len(batch)
+        posts: list[tuple[Job, Event, object]] = []
+        finished = []
         for row, delta in batch.step():
             job = self._running[row.row.id][0]
             if delta:
-                job.post(Event.DELTA, delta)
+                posts.append((job, Event.DELTA, delta))
             if row.completion is not None:
-                job.post(Event.DONE, row.completion)
-                self._finish(row.row.id, "completed")
+                posts.append((job, Event.DONE, row.completion))
+                finished.append(row.row.id)
+        post_all(posts)
+        for row_id in finished:
+            self._finish(row_id, "completed")
 
     def _finish(self, row_id: int, outcome: str) -> None:
         with self._lock:

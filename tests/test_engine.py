@@ -517,6 +517,62 @@ def test_goodput_policy_probes_neighbours_only_with_measured_costs():
     assert len(set(outputs["given"][2:])) == 1 and len(set(outputs["never"][2:])) == 1
 
 
+def test_goodput_policy_prices_the_rounds_fixed_overhead():
+    # T(k) = 1 + 0.5 k, draft steps 0.25, acceptance 0.73: k = 1 is best on compute alone, but
+    # a round that also pays 3 s outside drafting and scoring (streaming, bookkeeping) is
+    # cheaper per token when it carries more tokens, so a deeper k must win
+    def best(other_time: float) -> int:
+        policy = GoodputPolicyConfig(max_num_draft_tokens=8, prior_acceptance=0.73,
+                                     probe_every=8).build(4)
+        k = 4
+        for _ in range(200):
+            stats = replace(_timed_stats(k, 0.73, 0.25, lambda k: 1.0 + 0.5 * k),
+                            other_time=other_time)
+            k = policy.next_num_draft_tokens(stats)
+        return policy.num_draft_tokens
+
+    assert best(0.0) == 1
+    assert best(3.0) > 1
+
+
+def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
+    # the first round after plain ones feeds the draft their tokens too: its draft_time says
+    # nothing about a step's cost and must not make drafting look dearer (and keep k at 0)
+    policy = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=0).build(2)
+    for _ in range(5):
+        policy.next_num_draft_tokens(replace(_stats(2, 10, 0.8), draft_time=0.02))
+    costs = policy.round_costs()
+    policy.next_num_draft_tokens(replace(_stats(1, 10, 0.8), draft_time=0.5,
+                                         draft_timed=False))
+    assert policy.round_costs()[1] - policy.round_costs()[0] == pytest.approx(
+        costs[1] - costs[0])  # the draft step is still 0.01 s
+    policy.next_num_draft_tokens(replace(_stats(1, 10, 0.8), draft_time=0.5))
+    assert policy.round_costs()[1] - policy.round_costs()[0] > 0.05  # a timed round counts
+
+
+def test_a_batch_runs_the_depth_its_policy_returns():
+    # a policy's return value is the next round's k (a goodput probe of a neighbouring depth
+    # included), whatever depth it holds as its best
+    class Alternating(GoodputPolicyConfig):
+        def build(self, initial_num_draft_tokens, previous=None):
+            policy = super().build(initial_num_draft_tokens, previous)
+            returned = iter([1, 3] * 50)
+            policy.next_num_draft_tokens = lambda stats: next(returned)
+            return policy
+
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, sampling=GREEDY,
+                              adaptive=Alternating())
+    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    batch.add([PROMPTS[0]], [config], [make_generator(0)])
+    widths = []
+    while batch.rows and len(widths) < 6:
+        before = batch.recorder.snapshot().num_drafted
+        batch.step()
+        widths.append(batch.recorder.snapshot().num_drafted - before)
+    assert widths[:5] == [2, 1, 3, 1, 3]
+
+
 def test_goodput_policy_with_zero_prior_weight_handles_unreached_positions():
     # GoodputPolicyConfig accepts prior_weight=0 (its check is prior_weight >= 0), so the policy
     # must cope with positions no round has reached yet (reached = 0, nothing to shrink towards).

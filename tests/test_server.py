@@ -524,12 +524,23 @@ def test_serve_flags_come_from_the_settings():
     assert args.handler.__name__ == "_serve"
 
 
+def test_the_server_adapts_the_depth_by_default_and_fixed_keeps_k():
+    assert ServerSettings().depth_policy == "goodput-plain"
+    assert adaptive_policy(ServerSettings()) == verispec.GoodputPolicyConfig(
+        min_num_draft_tokens=0)
+    assert ServerSettings(adaptive="fixed").depth_policy is None
+    assert adaptive_policy(ServerSettings(adaptive="fixed")) is None
+    assert ServerSettings(target="t", no_draft=True).depth_policy is None
+    assert ServerSettings(adaptive="threshold").depth_policy == "threshold"
+
+
 @pytest.mark.parametrize("kwargs", [dict(draft="d"), dict(target="t"), dict(max_queue=0),
                                     dict(num_draft_tokens=0), dict(num_draft_tokens=33),
                                     dict(port=70000),
                                     dict(api_key=""), dict(adaptive="fastest"),
                                     dict(target="t", no_draft=True, adaptive="goodput"),
-                                    dict(carry_over=True), dict(ngram=True, no_draft=True),
+                                    dict(carry_over=True, adaptive="fixed"),
+                                    dict(ngram=True, no_draft=True),
                                     dict(target="t", draft="d", ngram=True),
                                     dict(hybrid=True, ngram=True), dict(hybrid=True, no_draft=True),
                                     dict(target="t", hybrid=True)])
@@ -554,10 +565,11 @@ def test_settings_take_paths_and_the_devices_default_depth():
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    ({}, f"draft model, k = {CPU_DEFAULT_K} by default on cpu"),
-    ({"num_draft_tokens": 3}, "draft model, k = 3"),
-    ({"ngram": True, "num_draft_tokens": 2}, "n-gram drafting, k = 2"),
-    ({"hybrid": True}, f"hybrid drafting, k = {CPU_DEFAULT_K} by default on cpu"),
+    ({}, f"draft model, goodput-plain depth from k = {CPU_DEFAULT_K} by default on cpu"),
+    ({"adaptive": "fixed", "num_draft_tokens": 3}, "draft model, k = 3"),
+    ({"ngram": True, "num_draft_tokens": 2, "adaptive": "fixed"}, "n-gram drafting, k = 2"),
+    ({"hybrid": True}, f"hybrid drafting, goodput-plain depth from k = {CPU_DEFAULT_K} by "
+                       "default on cpu"),
     ({"adaptive": "goodput", "num_draft_tokens": 1}, "draft model, goodput depth from k = 1"),
     ({"no_draft": True}, "plain decoding"),
 ])
@@ -651,8 +663,8 @@ def test_serve_command_serves_on_the_port_it_prints(model_dirs, sigint_ignored):
         line = process.stdout.readline()  # printed once the models are loaded
         assert line.startswith("verispec: serving 'verispec' on http://127.0.0.1:"), (
             line, process.stderr.read() if process.poll() is not None else "")
-        assert (f"(draft model, k = {CPU_DEFAULT_K} by default on cpu; API key not required"
-                in line)
+        assert (f"(draft model, goodput-plain depth from k = {CPU_DEFAULT_K} by default on "
+                "cpu; API key not required" in line)
         url = line.split(" on ")[1].split()[0]
         assert not url.endswith(":0")
         demo = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=3, timeout=60)

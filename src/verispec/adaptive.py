@@ -9,7 +9,9 @@ Two policies:
     cost of a round (Leviathan et al. 2023, section 3.4, with per-position rates instead of
     one i.i.d. a). With a given cost ratio c the cost is k c + 1 target calls. Otherwise it
     is measured: k draft steps plus the target call at depth k, T(k), because a pass over
-    k + 1 tokens is not free on every device (on a 2-core CPU T(4) is ~1.8 T(0)); T is the
+    k + 1 tokens is not free on every device (on a 2-core CPU T(4) is ~1.8 T(0)), plus the
+    round's fixed overhead (verification, bookkeeping, the caller's streaming between rounds:
+    it favours deeper rounds where it is large against T); T is the
     measured mean at each depth used recently, interpolated between them, flat below them and
     rising by a fitted slope above them (GoodputPolicy.round_costs). To see more than one
     depth, every ``probe_every`` rounds one round runs at a neighbour of the best k.
@@ -43,6 +45,11 @@ class RoundStats:
     num_draft_tokens: k used this round (0 for a plain target step).
     num_reached[i] / num_accepted_at[i]: rows whose position i was tested / accepted (len k).
     draft_time, target_time: seconds spent proposing and scoring this round.
+    other_time: the round's other seconds, paid once per round whatever k is: verification and
+        bookkeeping, and the caller's work between two rounds (detokenizing, streaming).
+    draft_timed: False when the draft's first step also fed the tokens of the plain rounds
+        before it: draft_time is then no measure of k steps (a probe of k = 1 after 15 plain
+        rounds would make drafting look several times dearer than it is, and keep k at 0).
     """
 
     num_draft_tokens: int
@@ -50,6 +57,8 @@ class RoundStats:
     num_accepted_at: tuple[int, ...]
     draft_time: float
     target_time: float
+    other_time: float = 0.0
+    draft_timed: bool = True  # False: the draft also caught up on plain rounds' tokens
 
 
 class AdaptivePolicy:
@@ -222,6 +231,8 @@ class GoodputPolicy(AdaptivePolicy):
         self._draft_steps = 0.0
         self._target_time = [0.0] * (size + 1)  # decayed seconds of target calls at depth k
         self._target_calls = [0.0] * (size + 1)
+        self._other_time = 0.0  # decayed seconds per round outside drafting and scoring
+        self._other_rounds = 0.0
         self._num_rounds = 0
         self._probe_up = True  # the side of the next probe
 
@@ -266,11 +277,12 @@ class GoodputPolicy(AdaptivePolicy):
         if model is None:
             return None, None
         recent, slope = model
-        plain = _piecewise(recent, 0, slope)
+        overhead = self._other_time / self._other_rounds if self._other_rounds > 1e-9 else 0.0
+        plain = overhead + _piecewise(recent, 0, slope)
         if self._draft_steps <= 1e-9:
             return None, plain
         draft_step = self._draft_step_time / self._draft_steps
-        return [k * draft_step + _piecewise(recent, k, slope)
+        return [overhead + k * draft_step + _piecewise(recent, k, slope)
                 for k in range(1, self.config.max_num_draft_tokens + 1)], plain
 
     def _target_call_model(self) -> tuple[list[tuple[int, float]], float] | None:
@@ -319,10 +331,13 @@ class GoodputPolicy(AdaptivePolicy):
             if i < len(self._reached):
                 self._reached[i] += reached
                 self._accepted[i] += accepted
-        self._draft_step_time = self._draft_step_time * decay + stats.draft_time
-        self._draft_steps = self._draft_steps * decay + stats.num_draft_tokens
+        if stats.draft_timed:  # else the old estimate stands (both sums decay alike)
+            self._draft_step_time = self._draft_step_time * decay + stats.draft_time
+            self._draft_steps = self._draft_steps * decay + stats.num_draft_tokens
         self._target_time = [t * decay for t in self._target_time]
         self._target_calls = [n * decay for n in self._target_calls]
+        self._other_time = self._other_time * decay + stats.other_time
+        self._other_rounds = self._other_rounds * decay + 1.0
         if stats.num_draft_tokens < len(self._target_time):
             self._target_time[stats.num_draft_tokens] += stats.target_time
             self._target_calls[stats.num_draft_tokens] += 1

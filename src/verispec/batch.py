@@ -69,11 +69,15 @@ class Batch:
         self.policy_config = policy if proposer is not None else None
         self.initial_num_draft_tokens = initial_num_draft_tokens
         self._policies: dict[int, AdaptivePolicy] = {}  # batch-size bucket -> its policy
+        self._policy_k: dict[int, int] = {}  # bucket -> the k its policy returned for next round
         self._carried = carried
         self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
+        self._round_ended: float | None = None  # when the last round ended (None: idle since)
+        self._join_seconds = 0.0  # spent in add() since then (prefill, not a round's overhead)
+        self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
 
     @property
     def speculative(self) -> bool:
@@ -85,8 +89,11 @@ class Batch:
         """Rows joining between rounds: one prompt (token ids), config and generator each;
         ``constraints``: their grammars (a ConstraintSet over these rows) or None. The joining
         rows are prefilled in one pass; the rows already here are not touched."""
+        started = time.perf_counter()
         prompts = check_prompts(prompts, self.vocab_size)
         assert len(configs) == len(prompts) == len(generators)
+        if not self.rows:  # the batch was idle: the time since its last round is no overhead
+            self._round_ended = None
         rows = [Row(prompt, config, generator,
                     follows_policy=self.policy_config is not None and config.adaptive is not None)
                 for prompt, config, generator in zip(prompts, configs, generators)]
@@ -99,6 +106,7 @@ class Batch:
         if self.constraints is not None:
             self.constraints.add_rows(joining, len(rows))
         self.rows += rows
+        self._join_seconds += time.perf_counter() - started
         return rows
 
     def remove(self, rows: Sequence[Row]) -> None:
@@ -113,7 +121,9 @@ class Batch:
         assert self.rows, "a round needs at least one row"
         started = time.perf_counter()
         policy = self._policy()
-        policy_k = None if policy is None else policy.num_draft_tokens
+        # the k the policy returned last (a probe of a neighbouring depth included), else its own
+        policy_k = None if policy is None else self._policy_k.get(self._bucket(),
+                                                                  policy.num_draft_tokens)
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
         draft_tokens, draft_probs, num_draft = self._propose(
             [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in self.rows])
@@ -148,21 +158,34 @@ class Batch:
         times = {"draft_time": draft_time, "target_time": target_time,
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
-        self._record(draft_tokens.shape[1], num_draft, num_accepted, emitted, times, policy)
+        self._record(draft_tokens.shape[1], num_draft, num_accepted, emitted, times, policy,
+                     self._overhead(started, times))
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
+        self._round_ended, self._join_seconds = time.perf_counter(), 0.0
         return emitted
+
+    def _overhead(self, started: float, times: dict[str, float]) -> float:
+        """Seconds of this round outside drafting and scoring, plus the caller's between the
+        last round and this one (less the joins': a prefill is not paid per round)."""
+        inside = times["wall_time"] - times["draft_time"] - times["target_time"]
+        if self._round_ended is None:
+            return inside
+        return inside + max(0.0, started - self._round_ended - self._join_seconds)
 
     def _policy(self) -> AdaptivePolicy | None:
         """The policy of the current batch size's bucket, built on first use."""
         if self.policy_config is None or not any(row.follows_policy for row in self.rows):
             return None
-        bucket = 1 << (len(self.rows) - 1).bit_length()  # 1, 2, 4, 8, ...
+        bucket = self._bucket()
         if bucket not in self._policies:
             previous = None if not self.policy_config.carry_over or self._carried is None else (
                 self._carried.get(self._carry_key(bucket)))
             self._policies[bucket] = self.policy_config.build(self.initial_num_draft_tokens,
                                                               previous)
         return self._policies[bucket]
+
+    def _bucket(self) -> int:
+        return 1 << (len(self.rows) - 1).bit_length()  # 1, 2, 4, 8, ...
 
     def _carry_key(self, bucket: int) -> tuple[object, ...]:
         return (self.policy_config, bucket)
@@ -260,7 +283,7 @@ class Batch:
 
     def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
                 emitted: list[tuple[Row, list[int]]], times: dict[str, float],
-                policy: AdaptivePolicy | None) -> None:
+                policy: AdaptivePolicy | None, other_time: float) -> None:
         """Add the round to the batch's and each row's metrics; give the policy its stats."""
         reached, accepted_at = [0] * width, [0] * width
         for (row, new), k, n in zip(emitted, num_draft, num_accepted):
@@ -274,10 +297,12 @@ class Batch:
                                    sum(len(new) for _, new in emitted), reached, accepted_at,
                                    times, num_drafted=sum(num_draft))
         self.last_policy = policy
+        draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
+        self._draft_lags = width == 0 and self.proposer is not None
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
-                               times["target_time"])
-            policy.next_num_draft_tokens(stats)
+                               times["target_time"], other_time, draft_timed)
+            self._policy_k[self._bucket()] = policy.next_num_draft_tokens(stats)
             if self.policy_config is not None and self.policy_config.carry_over and (
                     self._carried is not None):
                 self._carried[self._carry_key(1 << (len(emitted) - 1).bit_length())] = policy

@@ -52,7 +52,8 @@ def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     """A FastAPI app serving ``decoder`` under ``settings.model_name``."""
     metrics = ServerMetrics()
     worker = GenerationWorker(decoder, settings.max_queue, metrics.record_generation,
-                              settings.max_batch_size, settings.prefill_budget)
+                              settings.max_batch_size, settings.prefill_budget,
+                              num_threads=settings.threads)
     metrics.track_queue(lambda: worker.queue_depth)
     service = GenerationService(decoder, settings, worker, metrics)
 

@@ -77,7 +77,7 @@ class GenerationService:
             return None
         if params.seed is not None and params.temperature > 0 and not policy.reproducible:
             return None
-        return self.settings.adaptive
+        return self.settings.depth_policy
 
     def num_draft_tokens(self, params: GenerationParams) -> int:
         """The k a request runs with; 0 when the server decodes without a draft."""

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field, fields
 from os import PathLike
 
 from ..adaptive import POLICY_NAMES
+
+# the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
+# batch is so large that a verification pass costs more than it saves
+DEFAULT_DEPTH_POLICY = "goodput-plain"
 from ..config import MAX_NUM_DRAFT_TOKENS
 from ..errors import ConfigError
 
@@ -80,14 +84,16 @@ class ServerSettings:
         "with num_draft_tokens (default: 4 on a GPU and on CPUs where the target runs on packed "
         "oneDNN weights, e.g. AMD; 2 on other CPUs, where verifying more costs more than it "
         "saves)", flag="--k", metavar="N", value_type=int)
-    adaptive: str | None = _setting(None, "adapt k between rounds, starting at --k: goodput "
-                                    "measures which depth is fastest here, goodput-plain may "
-                                    "also choose plain rounds (k = 0), threshold follows "
-                                    "acceptance (default: a fixed k). A sampled request with a "
-                                    "seed runs at the fixed --k under goodput (its timing-chosen "
-                                    "depths would change the tokens; the reply's "
+    adaptive: str | None = _setting(None, "how k moves between rounds, starting at --k: "
+                                    "goodput measures which depth is fastest here at each batch "
+                                    "size, goodput-plain may also choose plain rounds (k = 0), "
+                                    "threshold follows acceptance, fixed keeps --k (default: "
+                                    "goodput-plain with a draft: a fixed k that pays for one "
+                                    "client costs throughput under load). A sampled request with "
+                                    "a seed runs at the fixed --k under goodput (its "
+                                    "timing-chosen depths would change the tokens; the reply's "
                                     "speculation.depth_policy says 'fixed')",
-                                    choices=POLICY_NAMES, value_type=str)
+                                    choices=POLICY_NAMES + ("fixed",), value_type=str)
     carry_over: bool = _setting(False, "with --adaptive: each request starts from the depth "
                                 "estimates the previous requests left (same sampling settings) "
                                 "instead of from priors; a seeded sampled request's tokens then "
@@ -137,6 +143,14 @@ class ServerSettings:
                                     "and, when streaming, an error event and [DONE]",
                                     metavar="SECONDS")
 
+    @property
+    def depth_policy(self) -> str | None:
+        """The depth policy requests follow: --adaptive's, goodput-plain when it is not given
+        and there is a draft, None for a fixed k (--adaptive fixed, or --no-draft)."""
+        if self.no_draft or self.adaptive == "fixed":
+            return None
+        return self.adaptive or DEFAULT_DEPTH_POLICY
+
     def __post_init__(self) -> None:
         for f in fields(self):  # kinds first, so the range checks below compare like with like
             value, kinds = getattr(self, f.name), _KINDS[f.type]
@@ -148,12 +162,13 @@ class ServerSettings:
         k = self.num_draft_tokens
         _check(k is None or 1 <= k <= MAX_NUM_DRAFT_TOKENS, "k", k,
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, or no --k for the device's default")
-        _check(self.adaptive is None or self.adaptive in POLICY_NAMES, "adaptive", self.adaptive,
-               f"one of {', '.join(POLICY_NAMES)}, or none for a fixed k")
-        _check(not (self.adaptive and self.no_draft), "adaptive", self.adaptive,
-               "no --adaptive with --no-draft (there is no draft depth to adapt)")
-        _check(not self.carry_over or bool(self.adaptive), "carry_over", self.carry_over,
-               "--carry-over only with --adaptive (a fixed k has nothing to carry over)")
+        _check(self.adaptive is None or self.adaptive in POLICY_NAMES + ("fixed",), "adaptive",
+               self.adaptive, f"one of {', '.join(POLICY_NAMES)} or fixed")
+        _check(not (self.adaptive not in (None, "fixed") and self.no_draft), "adaptive",
+               self.adaptive, "no --adaptive with --no-draft (there is no draft depth to adapt)")
+        _check(not self.carry_over or self.depth_policy is not None, "carry_over",
+               self.carry_over, "--carry-over only with an adaptive depth (a fixed k has nothing "
+               "to carry over)")
         _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
         _check(self.threads is None or self.threads >= 1, "threads", self.threads,
                "an integer >= 1, or no --threads for torch's default")

@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from ..api import Decoder
 from ..batch_text import PendingRow, TextBatch, TextRow
 from .errors import ServerOverloaded, ServerShuttingDown
@@ -95,8 +97,9 @@ class GenerationWorker:
 
     def __init__(self, decoder: Decoder, max_queue: int, on_finish: FinishHook,
                  max_batch_size: int = 16, prefill_budget: int = 512,
-                 speculative: bool = True) -> None:
+                 speculative: bool = True, num_threads: int | None = None) -> None:
         self._decoder = decoder
+        self._num_threads = num_threads  # torch's intra-op threads, set on the worker thread
         self._speculative = speculative and decoder.engine.proposer is not None
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finish = on_finish
@@ -162,6 +165,8 @@ class GenerationWorker:
                                    "already waiting (--max-queue); retry later.") from None
 
     def _serve(self) -> None:
+        if self._num_threads is not None:
+            torch.set_num_threads(self._num_threads)
         batch = self._new_batch()
         while not self._stopping:
             try:

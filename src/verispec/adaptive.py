@@ -10,8 +10,8 @@ Two policies:
     one i.i.d. a). With a given cost ratio c the cost is k c + 1 target calls. Otherwise it
     is measured: k draft steps plus the target call at depth k, T(k), because a pass over
     k + 1 tokens is not free on every device (on a 2-core CPU T(4) is ~1.8 T(0)), plus the
-    round's fixed overhead (verification, bookkeeping, the caller's streaming between rounds:
-    it favours deeper rounds where it is large against T); T is the
+    round's fixed overhead (verification and bookkeeping: it favours deeper rounds where it
+    is large against T); T is the
     measured mean at each depth used recently, interpolated between them, flat below them and
     rising by a fitted slope above them (GoodputPolicy.round_costs). To see more than one
     depth, every ``probe_every`` rounds one round runs at a neighbour of the best k.
@@ -45,8 +45,8 @@ class RoundStats:
     num_draft_tokens: k used this round (0 for a plain target step).
     num_reached[i] / num_accepted_at[i]: rows whose position i was tested / accepted (len k).
     draft_time, target_time: seconds spent proposing and scoring this round.
-    other_time: the round's other seconds, paid once per round whatever k is: verification and
-        bookkeeping, and the caller's work between two rounds (detokenizing, streaming).
+    other_time: the round's other seconds, paid once per round whatever k is (verification and
+        bookkeeping).
     draft_timed: False when the draft's first step also fed the tokens of the plain rounds
         before it: draft_time is then no measure of k steps (a probe of k = 1 after 15 plain
         rounds would make drafting look several times dearer than it is, and keep k at 0).

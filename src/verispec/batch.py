@@ -75,8 +75,6 @@ class Batch:
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
-        self._round_ended: float | None = None  # when the last round ended (None: idle since)
-        self._join_seconds = 0.0  # spent in add() since then (prefill, not a round's overhead)
         self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
 
     @property
@@ -89,11 +87,8 @@ class Batch:
         """Rows joining between rounds: one prompt (token ids), config and generator each;
         ``constraints``: their grammars (a ConstraintSet over these rows) or None. The joining
         rows are prefilled in one pass; the rows already here are not touched."""
-        started = time.perf_counter()
         prompts = check_prompts(prompts, self.vocab_size)
         assert len(configs) == len(prompts) == len(generators)
-        if not self.rows:  # the batch was idle: the time since its last round is no overhead
-            self._round_ended = None
         rows = [Row(prompt, config, generator,
                     follows_policy=self.policy_config is not None and config.adaptive is not None)
                 for prompt, config, generator in zip(prompts, configs, generators)]
@@ -106,7 +101,6 @@ class Batch:
         if self.constraints is not None:
             self.constraints.add_rows(joining, len(rows))
         self.rows += rows
-        self._join_seconds += time.perf_counter() - started
         return rows
 
     def remove(self, rows: Sequence[Row]) -> None:
@@ -159,18 +153,16 @@ class Batch:
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
         self._record(draft_tokens.shape[1], num_draft, num_accepted, emitted, times, policy,
-                     self._overhead(started, times))
+                     self._overhead(times))
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
-        self._round_ended, self._join_seconds = time.perf_counter(), 0.0
         return emitted
 
-    def _overhead(self, started: float, times: dict[str, float]) -> float:
-        """Seconds of this round outside drafting and scoring, plus the caller's between the
-        last round and this one (less the joins': a prefill is not paid per round)."""
-        inside = times["wall_time"] - times["draft_time"] - times["target_time"]
-        if self._round_ended is None:
-            return inside
-        return inside + max(0.0, started - self._round_ended - self._join_seconds)
+    @staticmethod
+    def _overhead(times: dict[str, float]) -> float:
+        """Seconds of this round outside drafting and scoring (verification, bookkeeping). The
+        caller's time between rounds is left out: under a server's load it is mostly waiting
+        for the GIL and the CPU, noise that pushed the policy to depths that measured slower."""
+        return times["wall_time"] - times["draft_time"] - times["target_time"]
 
     def _policy(self) -> AdaptivePolicy | None:
         """The policy of the current batch size's bucket, built on first use."""

@@ -5,10 +5,12 @@ plain (``--no-draft``) servers, on loopback.
     python benchmarks/batching_load.py --clients 1,16 --requests-per-client 2
     python benchmarks/batching_load.py --server-arg=--max-batch-size=8 --server-args "--k 2"
 
-For each mode a demo server is started (load_test.start_server; extra flags with --server-arg
-or --server-args, other models with --target/--draft), warmed up with two requests, every prompt
-is sent alone (the reference texts), then each client count runs that many clients sending
---requests-per-client greedy streaming requests back to back (client i starts at prompt
+A demo server is started for each mode (load_test.start_server; extra flags with --server-arg
+or --server-args, other models with --target/--draft; with --port P, P and P + 1), warmed up
+with two requests, and every prompt is sent alone to it (the reference texts). Then each client
+count runs on each mode in turn (the servers are up together, the idle one waits without using
+the CPU): that many clients sending --requests-per-client greedy streaming requests back to back,
+more each where that sends fewer than --min-requests in all (client i starts at prompt
 i * requests-per-client, so clients send different prompts at the same time).
 Per level: aggregate completion tok/s and requests/s, TTFT and latency p50/p99, the mean draft
 depth the server chose (speculation.mean_num_draft_tokens, weighted by tokens), the share of
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", default="1,4,8,16", help="client counts (default 1,4,8,16)")
     parser.add_argument("--requests-per-client", type=int, default=4,
                         help="requests each client sends per level (default 4)")
+    parser.add_argument("--min-requests", type=int, default=16,
+                        help="requests each level sends at least: fewer clients send more each "
+                             "(default 16)")
     parser.add_argument("--max-tokens", type=int, default=48, help="per request (default 48)")
     parser.add_argument("--modes", default="speculative,plain")
     parser.add_argument("--server-arg", action="append", default=[],
@@ -158,27 +163,51 @@ def reference_texts(url: str, prompts: list[str], max_tokens: int) -> dict[str, 
     return {r["prompt"]: r["text"] for r in alone}
 
 
-def run_mode(mode: str, args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+def per_client(args: argparse.Namespace, clients: int) -> int:
+    """Requests each client sends at a level: --requests-per-client, more at low client counts
+    so that every level sends at least --min-requests (one client's 4 requests last under a
+    second, too short to time, and the depth policy of its batch size would still be learning)."""
+    return max(args.requests_per_client, -(-args.min_requests // clients))
+
+
+def start_mode(mode: str, args: argparse.Namespace, prompts: list[str]):
+    """(server process, url, reference texts) for one mode."""
     server_args = Namespace(clients=max(args.client_counts), max_tokens=args.max_tokens, k=None,
                             target=args.target, draft=args.draft if mode == "speculative" else None,
                             api_key=None, threads=args.threads, url=None)
-    server, url = start_server(server_args, MODES[mode] + args.extra, args.port)
+    port = None if args.port is None else args.port + args.mode_names.index(mode)
+    server, url = start_server(server_args, MODES[mode] + args.extra, port)
     try:
         wait_until_healthy(url, server)
-        reference = reference_texts(url, prompts, args.max_tokens)
+        return server, url, reference_texts(url, prompts, args.max_tokens)
+    except BaseException:
+        server.terminate()
+        raise
+
+
+def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    """Every mode's server runs at once (an idle one waits on its queue and takes no CPU); each
+    client count is run on each mode back to back, so a drift of the machine's speed over the
+    run falls on both sides of a ratio alike."""
+    servers = {}
+    try:
+        for mode in args.mode_names:
+            servers[mode] = start_mode(mode, args, prompts)
         rows = []
         for clients in args.client_counts:
-            results, elapsed = asyncio.run(run_level(url, prompts, clients,
-                                                     args.requests_per_client, args.max_tokens))
-            row = summarize(results, elapsed, reference, rss_bytes(server.pid), clients, mode)
-            rows.append(row)
-            print(f"{mode:11} {clients:2} clients: {row['tokens_per_s']:7.1f} tok/s, TTFT p50 "
-                  f"{_fmt(row['ttft_p50'], '.3f')} s, equal alone {_fmt(row['equal_alone'], '.0%')}"
-                  f", non-200 {row['non_200']}", flush=True)
+            for mode, (server, url, reference) in servers.items():
+                results, elapsed = asyncio.run(run_level(
+                    url, prompts, clients, per_client(args, clients), args.max_tokens))
+                row = summarize(results, elapsed, reference, rss_bytes(server.pid), clients,
+                                mode)
+                rows.append(row)
+                print(f"{mode:11} {clients:2} clients: {row['tokens_per_s']:7.1f} tok/s, TTFT "
+                      f"p50 {_fmt(row['ttft_p50'], '.3f')} s, equal alone "
+                      f"{_fmt(row['equal_alone'], '.0%')}, non-200 {row['non_200']}", flush=True)
         return rows
     finally:
-        server.terminate()
-        server.wait(30)
+        for server, _, _ in servers.values():
+            server.terminate()
 
 
 def ratios(rows: list[dict]) -> dict[str, dict]:
@@ -262,7 +291,7 @@ def machine() -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = prompts_for(Namespace(url=None, target=args.target))[:16]
-    rows = [row for mode in args.mode_names for row in run_mode(mode, args, prompts)]
+    rows = run_modes(args, prompts)
     ratio = ratios(rows)
     table = markdown(rows, ratio)
     print(table)
@@ -272,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                          + (sys.argv[1:] if argv is None else argv))
     meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
             "models": args.target or "demo pair", "server_args": args.extra,
-            "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client}
+            "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
+            "min_requests": args.min_requests}
     (out / "batching_load.json").write_text(
         json.dumps({**meta, "rows": rows, "ratios": ratio}, indent=2) + "\n")
     (out / "batching_load.md").write_text(

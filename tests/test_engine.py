@@ -550,6 +550,20 @@ def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
     assert policy.round_costs()[1] - policy.round_costs()[0] > 0.05  # a timed round counts
 
 
+def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
+    # plain rounds (k = 0) test no position, so they must not forget what was measured: decayed
+    # towards the prior (0.6 here), a 0.95 rate would drift down and could keep k at 0 for good
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=8, probe_every=0,
+                                 cost_ratio=0.1).build(3)
+    for _ in range(30):
+        policy.next_num_draft_tokens(_stats(3, 100, 0.95))
+    before = policy.acceptance_estimates()
+    for _ in range(50):
+        policy.next_num_draft_tokens(RoundStats(0, (), (), 0.0, 0.01))
+    assert policy.acceptance_estimates() == pytest.approx(before)
+    assert before[0] > 0.9
+
+
 def test_a_batch_runs_the_depth_its_policy_returns():
     # a policy's return value is the next round's k (a goodput probe of a neighbouring depth
     # included), whatever depth it holds as its best

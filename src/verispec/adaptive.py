@@ -325,8 +325,10 @@ class GoodputPolicy(AdaptivePolicy):
 
     def _observe(self, stats: RoundStats) -> None:
         decay = self.config.decay
-        self._reached = [r * decay for r in self._reached]
-        self._accepted = [a * decay for a in self._accepted]
+        if stats.num_draft_tokens > 0:  # a plain round tests nothing: the rates stand as they
+            # were (forgetting them there drew them to the prior, which could hold k at 0)
+            self._reached = [r * decay for r in self._reached]
+            self._accepted = [a * decay for a in self._accepted]
         for i, (reached, accepted) in enumerate(zip(stats.num_reached, stats.num_accepted_at)):
             if i < len(self._reached):
                 self._reached[i] += reached

@@ -297,7 +297,7 @@ class Batch:
             self._policy_k[self._bucket()] = policy.next_num_draft_tokens(stats)
             if self.policy_config is not None and self.policy_config.carry_over and (
                     self._carried is not None):
-                self._carried[self._carry_key(1 << (len(emitted) - 1).bit_length())] = policy
+                self._carried[self._carry_key(self._bucket())] = policy
 
     def _keep(self, indices: list[int]) -> None:
         """Keep these rows on every side; the others leave. The rows that stay keep their places

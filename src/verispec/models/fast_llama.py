@@ -296,7 +296,7 @@ class KVCache:
     every pass masks or overwrites (FastLlamaLM.forward)."""
 
     def __init__(self, lm: FastLlamaLM, num_rows: int, capacity: int) -> None:
-        self._shape = (lm.num_kv_heads, lm.head_dim)
+        self._head_shape = (lm.num_kv_heads, lm.head_dim)  # Hkv, D
         self._dtype, self._device = lm.dtype, lm.device
         self._num_layers = len(lm.layers)
         self._is_slice = False  # a slots() view of another cache's storage: never regrown
@@ -311,7 +311,7 @@ class KVCache:
         return self._key_store[0].shape[0] if self._key_store else 0
 
     def _allocate(self, num_rows: int, capacity: int) -> list[torch.Tensor]:
-        shape = (num_rows, self._shape[0], capacity, self._shape[1])
+        shape = (num_rows, self._head_shape[0], capacity, self._head_shape[1])
         return [torch.zeros(shape, dtype=self._dtype, device=self._device)
                 for _ in range(self._num_layers)]
 
@@ -324,7 +324,8 @@ class KVCache:
         """A cache over slots first .. first + num_rows - 1 (views: writes land here), for
         prefilling joining rows in place; its capacity is fixed (ensure it first)."""
         part = KVCache.__new__(KVCache)
-        part._shape, part._dtype, part._device = self._shape, self._dtype, self._device
+        part._head_shape, part._dtype, part._device = (self._head_shape, self._dtype,
+                                                       self._device)
         part._num_layers, part.capacity = self._num_layers, self.capacity
         part._is_slice = True
         part._key_store = [store[first : first + num_rows] for store in self._key_store]

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, fields
 from os import PathLike
 
 from ..adaptive import POLICY_NAMES
+from ..config import MAX_NUM_DRAFT_TOKENS
+from ..errors import ConfigError
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
 # batch is so large that a verification pass costs more than it saves
 DEFAULT_DEPTH_POLICY = "goodput-plain"
-from ..config import MAX_NUM_DRAFT_TOKENS
-from ..errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("auto", "fast", "transformers", "llama.cpp")  # api.BACKENDS (api imports torch)

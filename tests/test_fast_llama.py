@@ -10,6 +10,8 @@ from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.api import wrap_model
 from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import matmul as matmul_module
+from verispec.models import fast_llama as fast_llama_module
+from verispec.models.base import prefill_groups
 from verispec.models.fast_llama import FastLlamaLM, supports
 from verispec.models.matmul import onednn_available, resolve_matmul
 from verispec.models.transformers import TransformersLM
@@ -150,6 +152,39 @@ def test_rewind_past_a_rows_length_is_a_shape_error(target):
         session.rewind(torch.tensor([-1, 0]))
     session.rewind(torch.tensor([3, 1]))  # to empty is fine
     assert session.lengths == [0, 0]
+
+
+@pytest.mark.parametrize("lengths,pass_tokens,groups", [
+    ([6, 11, 57, 63], 20, [(0, 2), (2, 4)]),  # the docstring's example
+    ([5, 5, 5, 5], 20, [(0, 4)]),  # equal lengths: one pass, no padding
+    ([1, 100], 0, [(0, 1), (1, 2)]),  # passes free: one per row
+    ([1, 100], 1000, [(0, 2)]),  # passes dear: one for all
+    ([7], 20, [(0, 1)]),
+    ([], 20, []),
+])
+def test_prefill_groups_split_joining_rows_at_the_least_cost(lengths, pass_tokens, groups):
+    assert prefill_groups(lengths, pass_tokens) == groups
+
+
+def test_rows_joining_in_several_prefill_passes_hold_their_own_prompts(target, monkeypatch):
+    """Joining rows of very different lengths are prefilled in groups (every split from one
+    pass per row to one pass for all); each row's logits after the join and after an extend
+    equal a fresh forward over its own history, and the rows already there are untouched."""
+    lm = FastLlamaLM(target)
+    joining = [[3], [4, 5], [6] * 9, [7] * 30, [8] * 31]
+    for pass_tokens in (0, 8, 10_000):
+        monkeypatch.setattr(fast_llama_module, "PREFILL_PASS_TOKENS", pass_tokens)
+        session = lm.new_session()
+        session.start([[1, 2, 3, 4, 5]])
+        session.add_rows(joining)
+        history = [[1, 2, 3, 4, 5]] + [list(p) for p in joining]
+        assert session.lengths == [len(h) for h in history]
+        tokens = torch.arange(12, 12 + 2 * len(history)).reshape(len(history), 2)
+        logits = session.extend(tokens)  # [B, 2, V]
+        for row, row_history in enumerate(history):
+            with torch.inference_mode():
+                fresh = target(torch.tensor([row_history + tokens[row].tolist()])).logits[0]
+            torch.testing.assert_close(logits[row], fresh[-2:], atol=1e-4, rtol=1e-4)
 
 
 def pack_every_weight(monkeypatch) -> None:

@@ -71,3 +71,30 @@ def test_a_rejected_round_leaves_one_token_to_feed_and_a_full_one_two(draft_mode
     # accepted all three, and d3 (sampled, never fed) comes before its bonus token
     assert session.unfed == [[40], [drafted[1][2], 41]]
     assert session.session.lengths == [3 + 1, 3 + 2]
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_rows_joining_with_deferred_work_continue_their_sequence_at_the_next_proposal(
+        draft_model, backend):
+    # rows joining a batch that runs plain rounds (defer=True) hold their prompts as unfed
+    # tokens; after more plain rounds, the next proposal feeds them, beside a row that joined
+    # eagerly, and every row's draft continues its committed sequence exactly
+    proposer = DraftModelProposer(wrap_model(draft_model, VOCAB, backend))
+    committed = [[3, 14, 15, 9]]
+    session = proposer.start(committed)
+    joining = [[2, 6], [5, 3, 5, 8, 9, 7, 9, 3], [4]]
+    session.add_rows(joining, defer=True)
+    assert [int(n) for n in session.session.lengths][1:] == [0, 0, 0]
+    assert session.unfed[1:] == joining
+    committed += [list(p) for p in joining]
+    for round_index in range(3):  # plain rounds: no proposal, one committed token per row
+        next_tokens = [(7 * round_index + row) % VOCAB for row in range(4)]
+        session.commit([0] * 4, next_tokens)
+        committed = [row + [t] for row, t in zip(committed, next_tokens)]
+    session.add_rows([[8, 1, 2]])  # an eager join
+    committed.append([8, 1, 2])
+    generator = torch.Generator().manual_seed(0)
+    proposal = session.propose(DraftPlan.uniform(5, 2, SAMPLING, generator))
+    torch.testing.assert_close(proposal.draft_probs[:, 0], fresh_probs(draft_model, committed),
+                               atol=1e-5, rtol=1e-4)
+    assert [int(n) for n in session.session.lengths] == [len(row) + 1 for row in committed]

@@ -179,7 +179,12 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     decay: weight kept by old observations each round (exponential forgetting).
     prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
     probe_every: with measured costs, one round in this many runs at a neighbouring k so that
-        T(k) is measured at more than one depth; 0 never probes.
+        T(k) is measured at more than one depth; 0 never probes. While plain rounds stay the
+        best, the interval doubles after each probe, up to PLAIN_PROBE_BACKOFF times this: a
+        probe from plain rounds makes the draft catch up on every token since the last one,
+        and the rows that joined since (their prompts' draft work is deferred, see
+        batch.Batch.add), so rare probes are what lets a loaded server run at the plain
+        server's speed.
     min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
     call T(0), and the policy falls back to it while no depth's expected goodput beats it (a
     draft that rarely agrees, or a machine where the target's pass costs more after the
@@ -220,6 +225,10 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
 
 
+# how far the probe interval of a goodput policy stretches while plain rounds stay the best
+PLAIN_PROBE_BACKOFF = 16
+
+
 class GoodputPolicy(AdaptivePolicy):
     def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
         self.config = config
@@ -233,8 +242,9 @@ class GoodputPolicy(AdaptivePolicy):
         self._target_calls = [0.0] * (size + 1)
         self._other_time = 0.0  # decayed seconds per round outside drafting and scoring
         self._other_rounds = 0.0
-        self._num_rounds = 0
         self._probe_up = True  # the side of the next probe
+        self._since_probe = 0  # rounds since the last probe
+        self._plain_interval = config.probe_every  # the probe interval while k = 0 is best
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -343,13 +353,21 @@ class GoodputPolicy(AdaptivePolicy):
         if stats.num_draft_tokens < len(self._target_time):
             self._target_time[stats.num_draft_tokens] += stats.target_time
             self._target_calls[stats.num_draft_tokens] += 1
-        self._num_rounds += 1
 
     def _maybe_probe(self, best_k: int) -> int:
-        """Every probe_every rounds (measured costs only), one round at best_k +- 1."""
+        """Every probe_every rounds (measured costs only), one round at best_k +- 1; while
+        best_k is 0, at intervals doubling up to PLAIN_PROBE_BACKOFF * probe_every."""
         every = self.config.probe_every
-        if self.config.cost_ratio is not None or every == 0 or self._num_rounds % every:
+        if self.config.cost_ratio is not None or every == 0:
             return best_k
+        self._since_probe += 1
+        if best_k > 0:
+            self._plain_interval = every
+        if self._since_probe < (self._plain_interval if best_k == 0 else every):
+            return best_k
+        self._since_probe = 0
+        if best_k == 0:
+            self._plain_interval = min(2 * self._plain_interval, PLAIN_PROBE_BACKOFF * every)
         self._probe_up = not self._probe_up
         for step in ((1, -1) if self._probe_up else (-1, 1)):
             probe = self.config.clamp(best_k + step)

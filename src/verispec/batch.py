@@ -94,7 +94,11 @@ class Batch:
                 for prompt, config, generator in zip(prompts, configs, generators)]
         self.target.add_rows(prompts)
         if self.proposer is not None:
-            self.proposer.add_rows(prompts)
+            # rows joining a batch that runs plain rounds leave their draft work for the next
+            # proposal (proposers.base.ProposerSession.add_rows); a row with a fixed k drafts
+            # in the next round anyway
+            self.proposer.add_rows(prompts, defer=self._draft_lags and all(
+                row.follows_policy for row in rows))
         joining = constraints if constraints is not None and constraints.active else None
         if self.constraints is None and joining is not None:
             self.constraints = ConstraintSet(joining.index, [None] * len(self.rows))

@@ -80,8 +80,11 @@ class ProposerSession(Protocol):
         ``constraint.allowed()`` and reports it with ``advance``; a deterministic one may
         ignore it (the engine checks and cuts its tokens)."""
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New rows at the end of the batch, each with its committed sequence (>= 1 token)."""
+    def add_rows(self, prompts: Sequence[Sequence[int]], defer: bool = False) -> None:
+        """New rows at the end of the batch, each with its committed sequence (>= 1 token).
+        ``defer``: the batch is decoding plain rounds and may not propose for a while, so a
+        proposer with per-row state may postpone the prompts' work to its next propose (a
+        draft model then feeds them there, with the tokens of the plain rounds)."""
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order; between rounds only."""

@@ -61,8 +61,8 @@ class HybridSession:
         self.num_ngram_rounds = 0  # rounds proposed by lookup / by the draft model
         self.num_draft_rounds = 0
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        self.draft.add_rows(prompts)
+    def add_rows(self, prompts: Sequence[Sequence[int]], defer: bool = False) -> None:
+        self.draft.add_rows(prompts, defer)
         self.ngram.add_rows(prompts)
 
     def keep_rows(self, rows: Sequence[int]) -> None:

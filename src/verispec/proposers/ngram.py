@@ -98,7 +98,8 @@ class NgramSession:
         self.rows = [_RowIndex(list(prompt), config) for prompt in prompts]
         self._proposal: list[list[int]] | None = None  # this round's [B][K] host rows
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+    def add_rows(self, prompts: Sequence[Sequence[int]], defer: bool = False) -> None:
+        """Rows join (``defer`` changes nothing: indexing a prompt is cheap host work)."""
         self.rows += [_RowIndex(list(prompt), self.config) for prompt in prompts]
 
     def keep_rows(self, rows: Sequence[int]) -> None:

@@ -11,7 +11,9 @@ with two requests, and every prompt is sent alone to it (the reference texts). T
 count runs on each mode in turn (the servers are up together, the idle one waits without using
 the CPU): that many clients sending --requests-per-client greedy streaming requests back to back,
 more each where that sends fewer than --min-requests in all (client i starts at prompt
-i * requests-per-client, so clients send different prompts at the same time).
+i * requests-per-client, so clients send different prompts at the same time). The sweep over
+the levels runs --repeats times (3): a level's tok/s is the median of its passes (their range
+is in the table), its other figures pool all its requests.
 The clients are aiohttp's (as vLLM's serving benchmark): its C parser reads a stream for about a
 third of the CPU httpx took, which on a machine the clients share with the servers came out of
 the servers' share (paired 16-client runs on 2 cores: 16-23% more tok/s with aiohttp).
@@ -31,6 +33,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 from argparse import Namespace
@@ -63,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="requests each level sends at least: fewer clients send more each "
                              "(default 16)")
     parser.add_argument("--max-tokens", type=int, default=48, help="per request (default 48)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="sweeps over every level (default 3); a level's tok/s is the median "
+                             "(a 2-core VM's speed drifts by 20-30%% within minutes)")
     parser.add_argument("--modes", default="speculative,plain")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra `verispec serve` flag, e.g. --server-arg=--adaptive=goodput")
@@ -79,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.extra = args.server_arg + shlex.split(args.server_args)
     if not all(1 <= c <= 64 for c in args.client_counts) or not set(args.mode_names) <= set(MODES):
         parser.error("expected client counts in 1..64 and modes among speculative,plain")
-    if args.requests_per_client < 1 or args.max_tokens < 1:
-        parser.error("expected --requests-per-client >= 1 and --max-tokens >= 1")
+    if args.requests_per_client < 1 or args.max_tokens < 1 or args.repeats < 1:
+        parser.error("expected --requests-per-client, --max-tokens and --repeats >= 1")
     if (args.draft and not args.target) or (args.target and not args.draft
                                             and "speculative" in args.mode_names):
         parser.error("--draft needs --target, and --target needs --draft for the speculative mode")
@@ -195,22 +201,36 @@ def start_mode(mode: str, args: argparse.Namespace, prompts: list[str]):
 def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     """Every mode's server runs at once (an idle one waits on its queue and takes no CPU); each
     client count is run on each mode back to back, so a drift of the machine's speed over the
-    run falls on both sides of a ratio alike."""
+    run falls on both sides of a ratio alike. With --repeats R the whole sweep runs R times: a
+    level's tok/s is the median of its R rates, its other figures are over all its requests."""
     servers = {}
     try:
         for mode in args.mode_names:
             servers[mode] = start_mode(mode, args, prompts)
+        passes: dict[tuple[str, int], list[tuple[list[dict], float]]] = {}
+        rss: dict[tuple[str, int], int | None] = {}  # the server's RSS after the first pass
+        for repeat in range(args.repeats):
+            for clients in args.client_counts:
+                for mode, (_, url, _) in servers.items():
+                    results, elapsed = asyncio.run(run_level(
+                        url, prompts, clients, per_client(args, clients), args.max_tokens))
+                    passes.setdefault((mode, clients), []).append((results, elapsed))
+                    if repeat == 0:  # later sweeps would show the larger levels' peak
+                        rss[mode, clients] = rss_bytes(servers[mode][0].pid)
+                    rate = sum(r["tokens"] for r in results if r["status"] == "200") / elapsed
+                    print(f"pass {repeat + 1}/{args.repeats} {mode:11} {clients:2} clients: "
+                          f"{rate:7.1f} tok/s", flush=True)
         rows = []
-        for clients in args.client_counts:
-            for mode, (server, url, reference) in servers.items():
-                results, elapsed = asyncio.run(run_level(
-                    url, prompts, clients, per_client(args, clients), args.max_tokens))
-                row = summarize(results, elapsed, reference, rss_bytes(server.pid), clients,
-                                mode)
-                rows.append(row)
-                print(f"{mode:11} {clients:2} clients: {row['tokens_per_s']:7.1f} tok/s, TTFT "
-                      f"p50 {_fmt(row['ttft_p50'], '.3f')} s, equal alone "
-                      f"{_fmt(row['equal_alone'], '.0%')}, non-200 {row['non_200']}", flush=True)
+        for (mode, clients), level in passes.items():
+            reference = servers[mode][2]
+            row = summarize([r for results, _ in level for r in results],
+                            sum(elapsed for _, elapsed in level), reference,
+                            rss[mode, clients], clients, mode)
+            row["tokens_per_s_passes"] = [summarize(results, elapsed, reference, None, clients,
+                                                    mode)["tokens_per_s"]
+                                          for results, elapsed in level]
+            row["tokens_per_s"] = statistics.median(row["tokens_per_s_passes"])
+            rows.append(row)
         return rows
     finally:
         for server, _, _ in servers.values():
@@ -231,12 +251,14 @@ def ratios(rows: list[dict]) -> dict[str, dict]:
 
 
 def markdown(rows: list[dict], ratio: dict[str, dict]) -> str:
-    lines = ["| clients | mode | agg tok/s | x 1 client | vs plain | TTFT p50 | TTFT p99 | "
+    lines = ["| clients | mode | agg tok/s (passes) | x 1 client | vs plain | TTFT p50 | TTFT p99 | "
              "lat p50 | lat p99 | mean k | equal alone | non-200 | RSS MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["clients"], r["mode"])):
         vs_plain = 1.0 if r["mode"] == "plain" else ratio["speculative_over_plain"][r["clients"]]
-        cells = [str(r["clients"]), r["mode"], f"{r['tokens_per_s']:.0f}",
+        passes = r.get("tokens_per_s_passes") or [r["tokens_per_s"]]
+        spread = f" ({min(passes):.0f}-{max(passes):.0f})" if len(passes) > 1 else ""
+        cells = [str(r["clients"]), r["mode"], f"{r['tokens_per_s']:.0f}{spread}",
                  _fmt(ratio["over_1_client"][r["mode"]][r["clients"]], ".2f", "x"),
                  _fmt(vs_plain, ".2f", "x"), _fmt(r["ttft_p50"], ".3f"),
                  _fmt(r["ttft_p99"], ".3f"), _fmt(r["latency_p50"], ".2f"),
@@ -309,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
             "models": args.target or "demo pair", "server_args": args.extra,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
+            "repeats": args.repeats,
             "min_requests": args.min_requests}
     (out / "batching_load.json").write_text(
         json.dumps({**meta, "rows": rows, "ratios": ratio}, indent=2) + "\n")

@@ -238,16 +238,21 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
 
 
 def ratios(rows: list[dict]) -> dict[str, dict]:
-    """speculative/plain aggregate tok/s per client count; each mode's tok/s over its 1 client."""
-    rate = {(r["mode"], r["clients"]): r["tokens_per_s"] for r in rows}
+    """speculative/plain aggregate tok/s per client count; each mode's tok/s over its 1 client.
+    Each is the median of the ratios within a pass (the levels of one pass ran back to back,
+    on the same state of the machine), not a ratio of the medians."""
+    passes = {(r["mode"], r["clients"]): r.get("tokens_per_s_passes") or [r["tokens_per_s"]]
+              for r in rows}
 
-    def over(a: float, b: float | None) -> float | None:
-        return a / b if b else None
+    def over(key: tuple[str, int], base: tuple[str, int]) -> float | None:
+        if base not in passes or not all(passes[base]):
+            return None
+        return statistics.median(a / b for a, b in zip(passes[key], passes[base]))
 
-    return {"speculative_over_plain": {c: over(t, rate.get(("plain", c)))
-                                       for (m, c), t in rate.items() if m == "speculative"},
-            "over_1_client": {m: {c: over(t, rate.get((m, 1))) for (n, c), t in rate.items()
-                                  if n == m} for m in {m for m, _ in rate}}}
+    return {"speculative_over_plain": {c: over((m, c), ("plain", c))
+                                       for m, c in passes if m == "speculative"},
+            "over_1_client": {m: {c: over((n, c), (m, 1)) for n, c in passes if n == m}
+                              for m in {m for m, _ in passes}}}
 
 
 def markdown(rows: list[dict], ratio: dict[str, dict]) -> str:

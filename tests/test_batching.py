@@ -270,3 +270,43 @@ def test_rows_leaving_from_the_middle_leave_the_others_text_unchanged(tiny_decod
 def test_fill_from_the_end_moves_only_the_rows_past_the_kept_count(kept, order):
     assert fill_from_the_end(kept) == order
     assert sorted(order) == kept
+
+
+class _ScriptedPolicy:
+    """A depth policy playing a script of k's and keeping the stats it is given."""
+
+    def __init__(self, script: tuple[int, ...]) -> None:
+        self.script, self.seen = list(script), []
+        self.num_draft_tokens = self.script.pop(0)
+
+    def next_num_draft_tokens(self, stats):
+        self.seen.append(stats)
+        self.num_draft_tokens = self.script.pop(0) if self.script else self.num_draft_tokens
+        return self.num_draft_tokens
+
+
+def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
+    # plain rounds, a row joining during them (its draft prefill deferred), then drafting:
+    # the draft catches up before the round's clock starts, so that round's draft time is
+    # priced (draft_timed), and every row's greedy text is still the target's own
+    from verispec.adaptive import GoodputPolicyConfig
+
+    decoder = _fixture_decoder()
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,
+                              adaptive=GoodputPolicyConfig(min_num_draft_tokens=0))
+    batch = decoder.batch(policy=config.adaptive)
+    scripted = _ScriptedPolicy((0, 0, 0, 0, 2, 2, 3, 3, 2, 2, 2, 2, 2, 2))
+    batch._policies[1] = batch._policies[2] = scripted  # buckets of 1 and 2 rows
+    (first,) = batch.add([PROMPT], [config], [make_generator(0)])
+    batch.step()
+    batch.step()
+    (joined,) = batch.add([PROMPT[:2]], [config], [make_generator(1)])
+    assert batch.proposer.unfed[1] == list(PROMPT[:2])  # deferred: held for the proposal
+    _run(batch, [first, joined])
+    plain, drafted = scripted.seen[3], scripted.seen[4]
+    assert plain.num_draft_tokens == 0 and drafted.num_draft_tokens == 2
+    assert drafted.draft_timed
+    for row, prompt in ((first, PROMPT), (joined, PROMPT[:2])):
+        alone = decoder.generate([prompt], GenerationConfig(max_new_tokens=12, sampling=GREEDY),
+                                 speculative=False)
+        assert row.token_ids == alone.token_ids[0]

@@ -73,12 +73,13 @@ def test_a_rejected_round_leaves_one_token_to_feed_and_a_full_one_two(draft_mode
     assert session.session.lengths == [3 + 1, 3 + 2]
 
 
+@pytest.mark.parametrize("catch_up", [False, True])
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_rows_joining_with_deferred_work_continue_their_sequence_at_the_next_proposal(
-        draft_model, backend):
+        draft_model, backend, catch_up):
     # rows joining a batch that runs plain rounds (defer=True) hold their prompts as unfed
-    # tokens; after more plain rounds, the next proposal feeds them, beside a row that joined
-    # eagerly, and every row's draft continues its committed sequence exactly
+    # tokens; after more plain rounds, the next proposal (or catch_up before it) feeds them,
+    # beside a row that joined eagerly, and every row's draft continues its committed sequence
     proposer = DraftModelProposer(wrap_model(draft_model, VOCAB, backend))
     committed = [[3, 14, 15, 9]]
     session = proposer.start(committed)
@@ -93,6 +94,10 @@ def test_rows_joining_with_deferred_work_continue_their_sequence_at_the_next_pro
         committed = [row + [t] for row, t in zip(committed, next_tokens)]
     session.add_rows([[8, 1, 2]])  # an eager join
     committed.append([8, 1, 2])
+    if catch_up:  # all but each row's last token fed: the proposal's first step feeds one
+        session.catch_up()
+        assert session.unfed == [row[-1:] for row in committed]
+        assert [int(n) for n in session.session.lengths] == [len(row) - 1 for row in committed]
     generator = torch.Generator().manual_seed(0)
     proposal = session.propose(DraftPlan.uniform(5, 2, SAMPLING, generator))
     torch.testing.assert_close(proposal.draft_probs[:, 0], fresh_probs(draft_model, committed),

@@ -117,14 +117,21 @@ class Batch:
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round over every row: [(row, its new tokens)]; rows that finish leave."""
         assert self.rows, "a round needs at least one row"
-        started = time.perf_counter()
         policy = self._policy()
         # the k the policy returned last (a probe of a neighbouring depth included), else its own
         policy_k = None if policy is None else self._policy_k.get(self._bucket(),
                                                                   policy.num_draft_tokens)
+        wanted = [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in self.rows]
+        if self._draft_lags and max(wanted) > 0:
+            # the work plain rounds left the proposer is done before the clock starts, so
+            # that this round's draft time prices its steps. Timed with them, such rounds
+            # went unpriced (RoundStats.draft_timed), and a draft step priced high by a cold
+            # start (5.8 ms against ~0.6 at one row) stayed so and held k at 0 for good
+            self.proposer.catch_up()
+            self._draft_lags = False
+        started = time.perf_counter()
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
-        draft_tokens, draft_probs, num_draft = self._propose(
-            [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in self.rows])
+        draft_tokens, draft_probs, num_draft = self._propose(wanted)
         allowed = None  # the grammar's masks for the target's K + 1 positions [B, K+1, V]
         constraints = self._active_constraints()
         if constraints is not None:  # a deterministic proposal is cut where it leaves it

@@ -89,6 +89,12 @@ class ProposerSession(Protocol):
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order; between rounds only."""
 
+    def catch_up(self) -> None:
+        """Before a proposal that follows plain rounds: do the work those rounds left (a draft
+        model feeds their tokens, and deferred prompts), so that the proposal itself costs
+        what its k steps cost. The batch calls it outside the round's draft timing, which the
+        depth policy prices per step (batch.Batch.step)."""
+
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended;
         host ints, one per row. Called every round, also rounds where propose was not called

@@ -70,6 +70,24 @@ class DraftModelSession:
         self.session.keep_rows(rows)
         self.unfed = [self.unfed[row] for row in rows]
 
+    def catch_up(self) -> None:
+        """Feed every row's unfed tokens but its last (plain rounds' tokens, deferred prompts)
+        in one pass; the next propose then feeds one token a row, as after a rejection.
+
+        Rows with less to feed are padded with copies of their last unfed token, rewound at
+        once. Worked example: unfed [[a], [b c d]] -> feed [[a a], [b c]], rewind [2, 0];
+        unfed [[a], [d]], the cache of row 1 holding b c more."""
+        assert self._proposal is None, "the draft catches up between rounds"
+        backlog = [row[:-1] for row in self.unfed]
+        width = max((len(tokens) for tokens in backlog), default=0)
+        if width == 0:
+            return
+        inputs = torch.tensor([tokens + row[-1:] * (width - len(tokens))
+                               for tokens, row in zip(backlog, self.unfed)], dtype=torch.int64)
+        self.session.extend(inputs)  # [B, width]; the logits are not needed
+        self.session.rewind([width - len(tokens) for tokens in backlog])
+        self.unfed = [row[-1:] for row in self.unfed]
+
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
         """Draft plan.num_draft_tokens[b] tokens for row b, each sampled under the row's own
         settings; draft_probs are exactly the distributions sampled from (with a

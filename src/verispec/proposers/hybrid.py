@@ -69,6 +69,10 @@ class HybridSession:
         self.draft.keep_rows(rows)
         self.ngram.keep_rows(rows)
 
+    def catch_up(self) -> None:
+        self.draft.catch_up()
+        self.ngram.catch_up()
+
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
         """n-gram tokens (draft_probs None) if every row that drafts this round has a match,
         else the draft model's."""

@@ -105,6 +105,9 @@ class NgramSession:
     def keep_rows(self, rows: Sequence[int]) -> None:
         self.rows = [self.rows[row] for row in rows]
 
+    def catch_up(self) -> None:
+        """Nothing to do: the lookup index takes each committed token as it comes."""
+
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
         """Up to ``plan.num_draft_tokens[b]`` for row b (fewer, or none, where the history is
         short of a match); deterministic: draft_probs None. The plan's samplings and generators

@@ -27,7 +27,7 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec.adaptive import PLAIN_PROBE_BACKOFF, RoundStats
+from verispec.adaptive import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, RoundStats
 from verispec.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -656,7 +656,7 @@ def test_goodput_policy_with_min_zero_falls_back_to_plain_rounds():
         stats = (RoundStats(0, (), (), 0.0, 0.1) if k == 0 else
                  RoundStats(k, (1,) + (0,) * (k - 1), (0,) * k, 0.05 * k, 0.2))
         used.append(measured.next_num_draft_tokens(stats))
-    assert used[-8:].count(0) == 8 and [i for i, k in enumerate(used) if k == 1][1:] == [3, 11]
+    assert used[-8:].count(0) == 8 and [i for i, k in enumerate(used) if k == 1] == [3, 11]
 
 
 def test_goodput_policy_with_min_zero_through_the_engine():
@@ -746,3 +746,20 @@ def test_a_seed_fixes_sampled_output_under_policies_that_depend_on_the_request_a
     first = decoder.generate(PROMPTS, config)
     assert decoder.generate(PROMPTS, config).token_ids == first.token_ids
     assert decoder.generate(PROMPTS, replace(config, seed=12)).token_ids != first.token_ids
+
+
+def test_goodput_policy_leaves_plain_rounds_only_for_a_clear_gain():
+    # with a cost ratio given, plain rounds yield 1 token per call and k = 1 yields 1 + a per
+    # 1 + c calls: drafting is chosen once it promises PLAIN_MARGIN times plain's goodput, not
+    # at the first percent ahead (leaving plain rounds costs a catch-up the model leaves out)
+    def chosen(rate: float) -> int:
+        policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=1,
+                                     cost_ratio=0.5).build(0)
+        for _ in range(40):
+            k = policy.next_num_draft_tokens(_stats(1, 1000, rate))
+        return k
+
+    # goodput(1) / goodput(0) = (1 + rate) / 1.5
+    assert chosen(0.55) == 0  # 1.03x: within the margin
+    assert chosen(0.75) == 1  # 1.17x: clear
+    assert PLAIN_MARGIN == pytest.approx(1.1)

@@ -144,10 +144,14 @@ def first_difference(text: str, reference: str) -> int:
                 min(len(text), len(reference)))
 
 
+def _rate(results: list[dict], elapsed: float) -> float:
+    """Completion tok/s of the successful requests of one pass."""
+    return sum(r["tokens"] for r in results if r["status"] == "200") / elapsed
+
+
 def summarize(results: list[dict], elapsed: float, reference: dict[str, str], rss: int | None,
               clients: int, mode: str) -> dict:
     ok = [r for r in results if r["status"] == "200"]
-    tokens = sum(r["tokens"] for r in ok)
     weighted = [(r["k"], r["tokens"]) for r in ok if r["k"] is not None]
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
     differ = [{"prompt": r["prompt"][:60], "offset": first_difference(r["text"],
@@ -156,7 +160,7 @@ def summarize(results: list[dict], elapsed: float, reference: dict[str, str], rs
     return {"mode": mode, "clients": clients, "requests": len(results),
             "non_200": len(results) - len(ok),
             "statuses": dict(Counter(r["status"] for r in results)),
-            "tokens_per_s": tokens / elapsed, "requests_per_s": len(ok) / elapsed,
+            "tokens_per_s": _rate(results, elapsed), "requests_per_s": len(ok) / elapsed,
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "latency_p50": percentile([r["latency"] for r in ok], 50),
             "latency_p99": percentile([r["latency"] for r in ok], 99),
@@ -217,18 +221,15 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     passes.setdefault((mode, clients), []).append((results, elapsed))
                     if repeat == 0:  # later sweeps would show the larger levels' peak
                         rss[mode, clients] = rss_bytes(servers[mode][0].pid)
-                    rate = sum(r["tokens"] for r in results if r["status"] == "200") / elapsed
                     print(f"pass {repeat + 1}/{args.repeats} {mode:11} {clients:2} clients: "
-                          f"{rate:7.1f} tok/s", flush=True)
+                          f"{_rate(results, elapsed):7.1f} tok/s", flush=True)
         rows = []
         for (mode, clients), level in passes.items():
             reference = servers[mode][2]
             row = summarize([r for results, _ in level for r in results],
                             sum(elapsed for _, elapsed in level), reference,
                             rss[mode, clients], clients, mode)
-            row["tokens_per_s_passes"] = [summarize(results, elapsed, reference, None, clients,
-                                                    mode)["tokens_per_s"]
-                                          for results, elapsed in level]
+            row["tokens_per_s_passes"] = [_rate(results, elapsed) for results, elapsed in level]
             row["tokens_per_s"] = statistics.median(row["tokens_per_s_passes"])
             rows.append(row)
         return rows

@@ -251,7 +251,7 @@ class GoodputPolicy(AdaptivePolicy):
         self._other_rounds = 0.0
         self._probe_up = True  # the side of the next probe
         self._since_probe = 0  # rounds since the last probe
-        self._plain_interval = config.probe_every  # the probe interval while k = 0 is best
+        self._probe_interval = config.probe_every  # doubling while k = 0 stays the best
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -370,12 +370,12 @@ class GoodputPolicy(AdaptivePolicy):
             return best_k
         self._since_probe += 1
         if best_k > 0:
-            self._plain_interval = every
-        if self._since_probe < (self._plain_interval if best_k == 0 else every):
+            self._probe_interval = every
+        if self._since_probe < self._probe_interval:
             return best_k
         self._since_probe = 0
         if best_k == 0:
-            self._plain_interval = min(2 * self._plain_interval, PLAIN_PROBE_BACKOFF * every)
+            self._probe_interval = min(2 * self._probe_interval, PLAIN_PROBE_BACKOFF * every)
         self._probe_up = not self._probe_up
         for step in ((1, -1) if self._probe_up else (-1, 1)):
             probe = self.config.clamp(best_k + step)

@@ -13,6 +13,7 @@ The engine knows nothing about tokenisation, devices or caches: it only calls th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -60,14 +61,14 @@ def prefill_groups(lengths: Sequence[int], pass_tokens: int) -> list[tuple[int, 
     = 188 padded tokens, against 4 * 63 + 20 = 272 in one pass and 137 + 4 * 20 = 217 in four.
     """
     num_rows = len(lengths)
-    best = [0] + [0] * num_rows  # best[j]: the least cost of rows 0 .. j - 1
+    best = [0.0] + [math.inf] * num_rows  # best[j]: the least cost of rows 0 .. j - 1
     cut = [0] * (num_rows + 1)  # cut[j]: where the last group of that best split starts
     for end in range(1, num_rows + 1):
-        longest, best[end] = 0, -1
+        longest = 0
         for first in range(end - 1, -1, -1):
             longest = max(longest, lengths[first])
             cost = best[first] + pass_tokens + (end - first) * longest
-            if best[end] < 0 or cost < best[end]:
+            if cost < best[end]:
                 best[end], cut[end] = cost, first
     groups, end = [], num_rows
     while end > 0:

@@ -9,6 +9,7 @@ uses the per-token acceptance a, and the JSON and plot are written.
 from __future__ import annotations
 
 import json
+import os
 import runpy
 from pathlib import Path
 
@@ -152,3 +153,21 @@ def test_speedup_is_the_median_of_paired_per_repeat_ratios():
     assert result.speedup == pytest.approx(3.3 / 2.9)  # the median ratio, 1.14
     assert 3.35 / 3.4 < 1.0  # what the ratio of medians would have said
     assert result.tokens_per_second == pytest.approx(64 / 3.4)  # median time, 3.4 s
+
+
+def test_load_time_split_times_a_real_servers_passes(tmp_path, capsys):
+    # benchmarks/load_time_split.py against a real plain demo server, one client, shortened:
+    # the target's prefills and 1-token steps are timed, the shares of the wall time (with
+    # "outside") add up to one, and the environment the servers inherited is restored.
+    script = Path(__file__).parent.parent / "benchmarks" / "load_time_split.py"
+    main = runpy.run_path(str(script))["main"]
+    before = {name: os.environ.get(name) for name in ("PYTHONPATH", "VERISPEC_TIME_SPLIT")}
+    assert main(["--clients", "1", "--requests-per-client", "2", "--min-requests", "2",
+                 "--max-tokens", "8", "--modes", "plain", "--out-dir", str(tmp_path)]) == 0
+    assert {name: os.environ.get(name) for name in before} == before
+    (level,) = json.loads((tmp_path / "load_time_split.json").read_text())["levels"]
+    kinds = {(row["model"], row["kind"]): row for row in level["passes"]}
+    assert kinds["target", "prefill"]["calls"] == 2  # one per request
+    assert kinds["target", "1 token"]["calls"] >= 2 * 7  # 8 tokens, the first from prefill
+    assert sum(row["share"] for row in level["passes"]) == pytest.approx(1.0)
+    assert level["tokens_per_s"] > 0 and "plain, 1 clients" in capsys.readouterr().out

@@ -205,8 +205,11 @@ def start_mode(mode: str, args: argparse.Namespace, prompts: list[str]):
 def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     """Every mode's server runs at once (an idle one waits on its queue and takes no CPU); each
     client count is run on each mode back to back, so a drift of the machine's speed over the
-    run falls on both sides of a ratio alike. With --repeats R the whole sweep runs R times: a
-    level's tok/s is the median of its R rates, its other figures are over all its requests."""
+    run falls on both sides of a ratio alike, the modes' order turning by one each repeat (in
+    a fixed order, a speculative server held to plain rounds measured 1.06-1.14x the plain
+    server it ran before at 16 clients; turning, 1.02x). With --repeats R the whole sweep runs
+    R times: a level's tok/s is the median of its R rates, its other figures are over all its
+    requests."""
     servers = {}
     try:
         for mode in args.mode_names:
@@ -215,7 +218,9 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
         rss: dict[tuple[str, int], int | None] = {}  # the server's RSS after the first pass
         for repeat in range(args.repeats):
             for clients in args.client_counts:
-                for mode, (_, url, _) in servers.items():
+                names = list(servers)
+                for mode in names[repeat % len(names):] + names[: repeat % len(names)]:
+                    url = servers[mode][1]
                     results, elapsed = asyncio.run(run_level(
                         url, prompts, clients, per_client(args, clients), args.max_tokens))
                     passes.setdefault((mode, clients), []).append((results, elapsed))

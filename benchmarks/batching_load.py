@@ -144,7 +144,7 @@ def first_difference(text: str, reference: str) -> int:
                 min(len(text), len(reference)))
 
 
-def _rate(results: list[dict], elapsed: float) -> float:
+def pass_rate(results: list[dict], elapsed: float) -> float:
     """Completion tok/s of the successful requests of one pass."""
     return sum(r["tokens"] for r in results if r["status"] == "200") / elapsed
 
@@ -160,7 +160,7 @@ def summarize(results: list[dict], elapsed: float, reference: dict[str, str], rs
     return {"mode": mode, "clients": clients, "requests": len(results),
             "non_200": len(results) - len(ok),
             "statuses": dict(Counter(r["status"] for r in results)),
-            "tokens_per_s": _rate(results, elapsed), "requests_per_s": len(ok) / elapsed,
+            "tokens_per_s": pass_rate(results, elapsed), "requests_per_s": len(ok) / elapsed,
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "latency_p50": percentile([r["latency"] for r in ok], 50),
             "latency_p99": percentile([r["latency"] for r in ok], 99),
@@ -216,10 +216,11 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             servers[mode] = start_mode(mode, args, prompts)
         passes: dict[tuple[str, int], list[tuple[list[dict], float]]] = {}
         rss: dict[tuple[str, int], int | None] = {}  # the server's RSS after the first pass
+        names = list(servers)
         for repeat in range(args.repeats):
+            turn = repeat % len(names)
             for clients in args.client_counts:
-                names = list(servers)
-                for mode in names[repeat % len(names):] + names[: repeat % len(names)]:
+                for mode in names[turn:] + names[:turn]:
                     url = servers[mode][1]
                     results, elapsed = asyncio.run(run_level(
                         url, prompts, clients, per_client(args, clients), args.max_tokens))
@@ -227,14 +228,14 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     if repeat == 0:  # later sweeps would show the larger levels' peak
                         rss[mode, clients] = rss_bytes(servers[mode][0].pid)
                     print(f"pass {repeat + 1}/{args.repeats} {mode:11} {clients:2} clients: "
-                          f"{_rate(results, elapsed):7.1f} tok/s", flush=True)
+                          f"{pass_rate(results, elapsed):7.1f} tok/s", flush=True)
         rows = []
         for (mode, clients), level in passes.items():
             reference = servers[mode][2]
             row = summarize([r for results, _ in level for r in results],
                             sum(elapsed for _, elapsed in level), reference,
                             rss[mode, clients], clients, mode)
-            row["tokens_per_s_passes"] = [_rate(results, elapsed) for results, elapsed in level]
+            row["tokens_per_s_passes"] = [pass_rate(results, elapsed) for results, elapsed in level]
             row["tokens_per_s"] = statistics.median(row["tokens_per_s_passes"])
             rows.append(row)
         return rows

@@ -33,7 +33,7 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_load import MODES, machine, run_level  # noqa: E402
+from batching_load import MODES, machine, pass_rate, per_client, run_level  # noqa: E402
 from load_test import prompts_for, start_server, wait_until_healthy  # noqa: E402
 
 # written into the server's sitecustomize.py: times every FastLlamaLM.forward by (model, kind)
@@ -122,13 +122,11 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[str], hook_dir: 
         for clients in (1, max(args.client_counts)):  # warm-up: both ends of the range
             asyncio.run(run_level(url, prompts, clients, 2, args.max_tokens))
         for clients in args.client_counts:
-            per_client = max(args.requests_per_client, -(-args.min_requests // clients))
             before = totals(dump)
-            results, wall = asyncio.run(run_level(url, prompts, clients, per_client,
-                                                  args.max_tokens))
-            tokens = sum(r["tokens"] for r in results)
+            results, wall = asyncio.run(run_level(url, prompts, clients,
+                                                  per_client(args, clients), args.max_tokens))
             levels.append({"mode": mode, "clients": clients, "wall_s": wall,
-                           "tokens_per_s": tokens / wall,
+                           "tokens_per_s": pass_rate(results, wall),
                            "passes": split(before, totals(dump), wall)})
             print_level(levels[-1])
     finally:

@@ -166,6 +166,17 @@ def test_prefill_groups_split_joining_rows_at_the_least_cost(lengths, pass_token
     assert prefill_groups(lengths, pass_tokens) == groups
 
 
+def check_next_logits(model, session, history: list[list[int]], first_token: int) -> None:
+    """Extend every row of ``session`` by two tokens; each row's logits must equal a fresh
+    forward of ``model`` over its own ``history`` and those tokens."""
+    tokens = torch.arange(first_token, first_token + 2 * len(history)).reshape(len(history), 2)
+    logits = session.extend(tokens)  # [B, 2, V]
+    for row, row_history in enumerate(history):
+        with torch.inference_mode():
+            fresh = model(torch.tensor([row_history + tokens[row].tolist()])).logits[0]
+        torch.testing.assert_close(logits[row], fresh[-2:], atol=1e-4, rtol=1e-4)
+
+
 def test_rows_joining_in_several_prefill_passes_hold_their_own_prompts(target, monkeypatch):
     """Joining rows of very different lengths are prefilled in groups (every split from one
     pass per row to one pass for all); each row's logits after the join and after an extend
@@ -179,12 +190,41 @@ def test_rows_joining_in_several_prefill_passes_hold_their_own_prompts(target, m
         session.add_rows(joining)
         history = [[1, 2, 3, 4, 5]] + [list(p) for p in joining]
         assert session.lengths == [len(h) for h in history]
-        tokens = torch.arange(12, 12 + 2 * len(history)).reshape(len(history), 2)
-        logits = session.extend(tokens)  # [B, 2, V]
-        for row, row_history in enumerate(history):
-            with torch.inference_mode():
-                fresh = target(torch.tensor([row_history + tokens[row].tolist()])).logits[0]
-            torch.testing.assert_close(logits[row], fresh[-2:], atol=1e-4, rtol=1e-4)
+        check_next_logits(target, session, history, first_token=12)
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_feed_leaves_each_row_as_if_its_tokens_had_been_extended(target, backend, monkeypatch):
+    """A draft's catch-up (LMSession.feed): ragged rows, some with nothing to feed, one far
+    behind. Each row's next logits then equal a fresh forward over its own history; the fast
+    backend feeds in groups of contiguous rows (every split, from a pass per row to one for
+    all), each pass computing the head at one position a row, and skips empty groups."""
+    lm = wrap_model(target, VOCAB, backend)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8], [9, 10, 11], []]
+    rows = [[12, 13], [], [14, 15, 16], list(range(20, 50)), [17, 18, 19]]
+    passes = []  # (tokens' shape, logits_to_keep) of each fast pass
+    forward = FastLlamaLM.forward
+
+    def counted(self, tokens, positions, start, cache, used, logits_to_keep=0):
+        passes.append((tuple(tokens.shape), logits_to_keep))
+        return forward(self, tokens, positions, start, cache, used, logits_to_keep)
+    monkeypatch.setattr(FastLlamaLM, "forward", counted)
+    for pass_tokens in (0, 8, 10_000) if backend == "fast" else (None,):
+        if backend == "fast":
+            monkeypatch.setattr(fast_llama_module, "PREFILL_PASS_TOKENS", pass_tokens)
+        session = lm.new_session()
+        session.start(prompts)
+        passes.clear()
+        session.feed(rows)
+        if backend == "fast":
+            assert all(keep == 1 for _, keep in passes)  # no pass computes every position
+            # one pass per non-empty row with passes free; one for all with passes dear
+            expected = {0: 4, 8: None, 10_000: 1}[pass_tokens]
+            assert expected is None or len(passes) == expected, passes
+        history = [p + r for p, r in zip(prompts, rows)]
+        check_next_logits(target, session, history, first_token=60)
+    with pytest.raises(ShapeError, match="one list of tokens per row"):
+        session.feed([[1]])
 
 
 def pack_every_weight(monkeypatch) -> None:

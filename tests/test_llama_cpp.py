@@ -110,6 +110,27 @@ def test_rewind_equals_a_fresh_decode(tiny):
     assert torch.equal(logits.argmax(-1), expected[:, 1:].argmax(-1))
 
 
+def test_feed_packs_ragged_rows_and_equals_extending_them(tiny):
+    """A draft's catch-up (LMSession.feed) on llama.cpp: ragged rows, one empty, go packed
+    with no logits; the next tokens' logits equal a fresh session's over each row's history."""
+    lm = LlamaCppLM(LlamaCppModel(tiny["target"]))
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    rows = [[10, 11], [], [12, 13, 14, 15, 16]]
+    session = lm.new_session()
+    session.start(prompts)
+    session.feed(rows)
+    assert session.lengths == [6, 2, 8]
+    probe = torch.tensor([[20, 21], [22, 23], [24, 25]])
+    logits = session.extend(probe)
+    history = [p + r for p, r in zip(prompts, rows)]
+    fresh = LlamaCppLM(LlamaCppModel(tiny["target"])).new_session()
+    fresh.start([row[:-1] for row in history])
+    expected = fresh.extend(torch.cat([torch.tensor([[row[-1]] for row in history]), probe], 1))
+    torch.testing.assert_close(logits, expected[:, 1:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(verispec.errors.ShapeError, match="one list of tokens per row"):
+        session.feed([[1]])
+
+
 def test_a_new_session_replaces_the_old_one(tiny):
     lm = LlamaCppLM(LlamaCppModel(tiny["target"]))
     old = lm.new_session()

@@ -3,9 +3,10 @@
 Legend: B batch, n tokens fed in one call, K draft tokens, V vocabulary.
 
 A :class:`LanguageModel` opens :class:`LMSession` objects: stateful, batched views over growing
-token sequences whose (KV) cache holds exactly the tokens fed so far. The session has three
-verbs: ``start`` (prefill prompts), ``extend`` (feed tokens, get the logits after each) and
-``rewind`` (drop the last few tokens of each row, ragged). Rewind must leave the session exactly
+token sequences whose (KV) cache holds exactly the tokens fed so far. The session has four
+verbs: ``start`` (prefill prompts), ``extend`` (feed tokens, get the logits after each),
+``feed`` (append ragged rows of tokens, no logits) and ``rewind`` (drop the last few tokens of
+each row, ragged). Rewind must leave the session exactly
 as if the dropped tokens had never been fed; the engine relies on it after every rejection.
 
 The engine knows nothing about tokenisation, devices or caches: it only calls these verbs.
@@ -19,6 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..errors import ShapeError
+
 
 @runtime_checkable
 class LMSession(Protocol):
@@ -30,6 +33,11 @@ class LMSession(Protocol):
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [B, n] int64; return logits [B, n, V]: row b, position i holds the
         next-token logits after tokens[b, :i+1] (on top of everything fed before)."""
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append rows[b] (host ids; ragged, possibly empty) to row b, computing no logits: a
+        draft catching up on tokens it did not propose. The cache then holds exactly what an
+        ``extend`` of each row's tokens would have left."""
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
         """Drop the last num_tokens[b] fed tokens of each row b; num_tokens [B] ints >= 0 (a
@@ -75,6 +83,19 @@ def prefill_groups(lengths: Sequence[int], pass_tokens: int) -> list[tuple[int, 
         groups.append((cut[end], end))
         end = cut[end]
     return groups[::-1]
+
+
+def right_padded(rows: Sequence[Sequence[int]], num_rows: int) -> tuple[torch.Tensor, list[int]]:
+    """A ``feed`` argument checked and laid out: rows [B][*] ids -> (tokens [B, u] int64, each
+    row right-padded with id 0 to the longest, u >= 0; the widths [B]). The padding lands past
+    its row's length, where every pass masks it and the next write overwrites it."""
+    if len(rows) != num_rows:
+        raise ShapeError(f"feed expects one list of tokens per row ({num_rows}); got {len(rows)}.")
+    widths = [len(row) for row in rows]
+    tokens = torch.zeros((num_rows, max(widths, default=0)), dtype=torch.int64)  # [B, u]
+    for row, ids in enumerate(rows):
+        tokens[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.int64)
+    return tokens, widths
 
 
 def as_ints(values: torch.Tensor | Sequence[int]) -> list[int]:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ShapeError
+from .base import right_padded
 
 BOS_STATE = 0  # the context token assumed before the start of a sequence
 
@@ -80,6 +81,14 @@ class _HistorySession:
             ctx = self.history.gather(1, idx.clamp_min(0))
             contexts.append(torch.where(idx >= 0, ctx, torch.full_like(ctx, BOS_STATE)))
         return self.model.table[tuple(contexts)].to(tokens.device)  # [B, n, V]
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append rows[b] to row b (LMSession.feed): the padded tokens are written, then
+        rewound, so each row's history holds exactly its own."""
+        tokens, widths = right_padded(rows, self.history.shape[0])  # [B, u]
+        if any(widths):
+            self.extend(tokens)
+            self.rewind(torch.tensor([tokens.shape[1] - width for width in widths]))
 
     def rewind(self, num_tokens: torch.Tensor) -> None:
         num_tokens = torch.as_tensor(num_tokens, dtype=torch.int64).cpu()

@@ -391,6 +391,11 @@ class LlamaCppSession:
         flat_tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
         flat_positions = np.array([i for p in token_lists for i in range(len(p))],
                                   dtype=np.int32)
+        self._decode_without_logits(flat_rows, flat_tokens, flat_positions)
+
+    def _decode_without_logits(self, flat_rows: np.ndarray, flat_tokens: np.ndarray,
+                               flat_positions: np.ndarray) -> None:
+        """Decode packed (sequence id, token, position) triples [N] in chunks of a batch."""
         for begin in range(0, len(flat_tokens), self._context.capacity):
             end = begin + self._context.capacity
             self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
@@ -417,6 +422,27 @@ class LlamaCppSession:
         for history, row in zip(self._histories, tokens.tolist()):
             history.extend(row)
         return logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size]
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
+        ragged sequences, so the tokens go packed, no padding."""
+        self.lm.check_live(self)
+        if len(rows) != len(self.lengths):
+            raise ShapeError(f"feed expects one list of tokens per row ({len(self.lengths)}); "
+                             f"got {len(rows)}.")
+        rows = [list(row) for row in rows]
+        if not any(rows):
+            return
+        self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
+        flat_rows = np.array([s for s, row in zip(self.seq_ids, rows) for _ in row],
+                             dtype=np.int64)
+        flat_tokens = np.array([t for row in rows for t in row], dtype=np.int32)
+        flat_positions = np.array([length + i for length, row in zip(self.lengths, rows)
+                                   for i in range(len(row))], dtype=np.int32)
+        self._decode_without_logits(flat_rows, flat_tokens, flat_positions)
+        for history, row in zip(self._histories, rows):
+            history.extend(row)
+        self.lengths = [length + len(row) for length, row in zip(self.lengths, rows)]
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
         self.lm.check_live(self)

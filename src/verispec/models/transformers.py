@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, ShapeError, UnsupportedModelError
 from .attention import attention_kernels
+from .base import right_padded
 from .masks import MaskPlan, build_masks, mask_plan
 
 
@@ -244,9 +245,7 @@ class TransformersSession:
             return
         # Right-pad ragged prompts: the padding's keys land past each row's length, where they
         # are masked out and later overwritten.
-        padded = torch.zeros((len(prompts), longest), dtype=torch.int64)
-        for row, prompt in enumerate(prompts):
-            padded[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
+        padded, _ = right_padded(prompts, len(prompts))  # [B, longest]
         self._forward(padded.to(self.lm.device), logits_to_keep=1)  # only the cache matters
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64,
                                     device=self.lm.device)
@@ -294,6 +293,15 @@ class TransformersSession:
         logits = self._forward(tokens.to(self.lm.device))
         self.lengths = self.lengths + tokens.shape[1]
         return logits[..., : self.lm.vocab_size]
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append rows[b] to row b with no logits (LMSession.feed): one right-padded pass whose
+        head runs at one position a row; the padding lands past each row's length."""
+        tokens, widths = right_padded(rows, self.cache.num_rows)  # [B, u]
+        if any(widths):
+            self._forward(tokens.to(self.lm.device), logits_to_keep=1)
+            self.lengths = self.lengths + torch.tensor(widths, dtype=torch.int64,
+                                                       device=self.lengths.device)
 
     def rewind(self, num_tokens: torch.Tensor) -> None:
         """Forget the last num_tokens[b] tokens of each row: only the lengths move."""

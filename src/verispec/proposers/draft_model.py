@@ -71,16 +71,15 @@ class DraftModelSession:
         self.unfed = [self.unfed[row] for row in rows]
 
     def catch_up(self) -> None:
-        """Feed every row's unfed tokens but its last (plain rounds' tokens, deferred prompts)
-        in one pass; the next propose then feeds one token a row, as after a rejection.
-
-        Rows with less to feed are padded with copies of their last unfed token, rewound at
-        once. Worked example: unfed [[a], [b c d]] -> feed [[a a], [b c]], rewind [2, 0];
-        unfed [[a], [d]], the cache of row 1 holding b c more."""
+        """Feed every row's unfed tokens but its last (plain rounds' tokens, deferred prompts),
+        with no logits (LMSession.feed: the fast backend groups rows of near widths instead
+        of padding all to the widest); the next propose then feeds one token a row, as after
+        a rejection. Worked example: unfed [[a], [b c d]] -> feed [[], [b c]]; unfed
+        [[a], [d]], the cache of row 1 holding b c more."""
         assert self._proposal is None, "the draft catches up between rounds"
         backlog = [row[:-1] for row in self.unfed]
         if any(backlog):
-            self._feed_padded(backlog)  # the logits are not needed
+            self.session.feed(backlog)
             self.unfed = [row[-1:] for row in self.unfed]
 
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
@@ -118,23 +117,14 @@ class DraftModelSession:
         Worked example: unfed [[a], [b c d]] -> feed [[a a a], [b c d]], take row 0's logits
         at position 0 and row 1's at 2, rewind [2, 0]."""
         widths = [len(row) for row in self.unfed]
-        logits = self._feed_padded(self.unfed)  # [B, u, V]
-        if min(widths) == max(widths):
-            return logits[:, -1]
-        return logits[torch.arange(len(widths)), torch.tensor(widths) - 1]  # [B, V]
-
-    def _feed_padded(self, rows: list[list[int]]) -> torch.Tensor:
-        """Feed each row's tokens in one pass -> logits [B, u, V] (u the longest row). A
-        shorter row is padded on the right with copies of its last unfed token, rewound at
-        once, so that the cache holds exactly what was fed."""
-        width = max(len(tokens) for tokens in rows)
-        inputs = torch.tensor([tokens + unfed[-1:] * (width - len(tokens))
-                               for tokens, unfed in zip(rows, self.unfed)],
+        width = max(widths)
+        inputs = torch.tensor([row + row[-1:] * (width - len(row)) for row in self.unfed],
                               dtype=torch.int64)  # [B, u]
-        logits = self.session.extend(inputs)
-        if any(len(tokens) < width for tokens in rows):
-            self.session.rewind([width - len(tokens) for tokens in rows])
-        return logits
+        logits = self.session.extend(inputs)  # [B, u, V]
+        if min(widths) == width:
+            return logits[:, -1]
+        self.session.rewind([width - len(row) for row in self.unfed])
+        return logits[torch.arange(len(widths)), torch.tensor(widths) - 1]  # [B, V]
 
     def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
         """Tokens committed in a round this session did not propose ([B][*] host ids): they

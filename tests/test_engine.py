@@ -540,6 +540,28 @@ def test_goodput_policy_probes_ever_more_rarely_while_plain_rounds_stay_best():
     assert cheap[-1] > 0 and 0 < cheap.count(cheap[-1]) < 12  # drafting again, probing at 4
 
 
+def test_a_short_drafting_excursion_keeps_the_plain_probe_backoff():
+    # a server under load: plain rounds win, probes have backed off to 64 rounds; one probe's
+    # timing tips the model to drafting for a few rounds (each of which made the draft catch up
+    # on every row after a plain stretch, 5-37 ms over 16 rows), then plain rounds win again.
+    # The next probe still waits the backed-off interval; only drafting held for probe_every
+    # rounds brings probes back to every probe_every rounds
+    def probes_after(excursion: int) -> list[int]:
+        policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
+                                     probe_every=4).build(0)
+        for _ in range(200):  # backs off: 8, 16, 32, 64
+            policy._maybe_probe(0)
+        choices = [policy._maybe_probe(1) for _ in range(excursion)]
+        choices += [policy._maybe_probe(0) for _ in range(200)]
+        return [i for i, k in enumerate(choices) if k > 0 and i >= excursion]
+
+    def gaps(probes: list[int]) -> list[int]:
+        return [later - earlier for earlier, later in zip(probes, probes[1:])]
+
+    assert gaps(probes_after(3))[:2] == [64, 64]
+    assert gaps(probes_after(4))[:3] == [8, 16, 32]  # drafting held: backing off afresh
+
+
 def test_goodput_policy_prices_the_rounds_fixed_overhead():
     # T(k) = 1 + 0.5 k, draft steps 0.25, acceptance 0.73: k = 1 is best on compute alone, but
     # a round that also pays 3 s outside drafting and scoring (streaming, bookkeeping) is

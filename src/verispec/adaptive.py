@@ -184,7 +184,9 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         probe from plain rounds makes the draft catch up on every token since the last one,
         and the rows that joined since (their prompts' draft work is deferred, see
         batch.Batch.add), so rare probes are what lets a loaded server run at the plain
-        server's speed.
+        server's speed. Only drafting held for probe_every rounds starts the interval afresh:
+        a probe's timing that tips the model to drafting for a round or two, and back, must
+        not bring back frequent probes (at 16 rows each cost a 5-37 ms catch-up).
     min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
     call T(0), and the policy falls back to it while no depth's expected goodput beats it by
     PLAIN_MARGIN (a draft that rarely agrees, or a machine where the target's pass costs more
@@ -252,6 +254,7 @@ class GoodputPolicy(AdaptivePolicy):
         self._probe_up = True  # the side of the next probe
         self._since_probe = 0  # rounds since the last probe
         self._probe_interval = config.probe_every  # doubling while k = 0 stays the best
+        self._num_drafting = 0  # consecutive rounds the model chose to draft
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -369,7 +372,8 @@ class GoodputPolicy(AdaptivePolicy):
         if self.config.cost_ratio is not None or every == 0:
             return best_k
         self._since_probe += 1
-        if best_k > 0:
+        self._num_drafting = self._num_drafting + 1 if best_k > 0 else 0
+        if self._num_drafting >= every:  # drafting held: plain rounds are probed afresh
             self._probe_interval = every
         if self._since_probe < self._probe_interval:
             return best_k

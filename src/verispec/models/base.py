@@ -86,9 +86,10 @@ def prefill_groups(lengths: Sequence[int], pass_tokens: int) -> list[tuple[int, 
 
 
 def right_padded(rows: Sequence[Sequence[int]], num_rows: int) -> tuple[torch.Tensor, list[int]]:
-    """A ``feed`` argument checked and laid out: rows [B][*] ids -> (tokens [B, u] int64, each
-    row right-padded with id 0 to the longest, u >= 0; the widths [B]). The padding lands past
-    its row's length, where every pass masks it and the next write overwrites it."""
+    """Ragged rows of ids laid out for one pass (prompts to prefill, a ``feed``): rows [B][*]
+    -> (tokens [B, u] int64, each row right-padded with id 0 to the longest, u >= 0; the
+    widths [B]). The padding lands past its row's length, where every pass masks it and the
+    next write overwrites it. A row count other than ``num_rows`` is a ShapeError."""
     if len(rows) != num_rows:
         raise ShapeError(f"feed expects one list of tokens per row ({num_rows}); got {len(rows)}.")
     widths = [len(row) for row in rows]

@@ -9,7 +9,9 @@ server's PYTHONPATH: the library itself is not changed), warmed up, and run at e
 count as a level of batching_load.py (the same greedy streaming clients and prompts). Per level
 it prints the wall time, the tok/s, and per model (target, draft) and kind of pass:
 
-    prefill       a joining prompt (logits of its last position only)
+    prefill       a pass computing logits at one position a row: a joining prompt, or the
+                  draft catching up on plain rounds' tokens and deferred prompts
+                  (LMSession.feed)
     1 token       a plain decoding step (target), a draft step (draft)
     2+ tokens     a verification pass over k + 1 tokens a row (target), the draft's feed of
                   the tokens a round committed (draft)

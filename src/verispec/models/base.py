@@ -85,17 +85,23 @@ def prefill_groups(lengths: Sequence[int], pass_tokens: int) -> list[tuple[int, 
     return groups[::-1]
 
 
+def feed_rows(rows: Sequence[Sequence[int]], num_rows: int) -> list[list[int]]:
+    """``rows`` (one sequence of ids per row) as lists, checked to be ``num_rows`` of them."""
+    if len(rows) != num_rows:
+        raise ShapeError(f"feed expects one list of tokens per row ({num_rows}); got {len(rows)}.")
+    return [list(row) for row in rows]
+
+
 def right_padded(rows: Sequence[Sequence[int]], num_rows: int) -> tuple[torch.Tensor, list[int]]:
     """Ragged rows of ids laid out for one pass (prompts to prefill, a ``feed``): rows [B][*]
     -> (tokens [B, u] int64, each row right-padded with id 0 to the longest, u >= 0; the
     widths [B]). The padding lands past its row's length, where every pass masks it and the
     next write overwrites it. A row count other than ``num_rows`` is a ShapeError."""
-    if len(rows) != num_rows:
-        raise ShapeError(f"feed expects one list of tokens per row ({num_rows}); got {len(rows)}.")
+    rows = feed_rows(rows, num_rows)
     widths = [len(row) for row in rows]
     tokens = torch.zeros((num_rows, max(widths, default=0)), dtype=torch.int64)  # [B, u]
     for row, ids in enumerate(rows):
-        tokens[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.int64)
+        tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
     return tokens, widths
 
 

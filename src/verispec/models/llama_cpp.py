@@ -46,7 +46,7 @@ from ..errors import (
     UnsupportedFeatureError,
     UnsupportedModelError,
 )
-from .base import as_ints
+from .base import as_ints, feed_rows
 
 logger = logging.getLogger("verispec.llama_cpp")
 
@@ -384,18 +384,19 @@ class LlamaCppSession:
 
     def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
         """Feed each sequence its tokens from position 0, without logits, in chunks."""
+        self._decode_without_logits(seq_ids, token_lists, [0] * len(seq_ids))
+
+    def _decode_without_logits(self, seq_ids: list[int], token_lists: list[list[int]],
+                               starts: list[int]) -> None:
+        """Feed sequence seq_ids[i] token_lists[i] from position starts[i], without logits:
+        packed (sequence id, token, position) triples, in chunks of a batch."""
         if not any(token_lists):
             return
         flat_rows = np.array([s for s, p in zip(seq_ids, token_lists) for _ in p],
                              dtype=np.int64)
         flat_tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
-        flat_positions = np.array([i for p in token_lists for i in range(len(p))],
-                                  dtype=np.int32)
-        self._decode_without_logits(flat_rows, flat_tokens, flat_positions)
-
-    def _decode_without_logits(self, flat_rows: np.ndarray, flat_tokens: np.ndarray,
-                               flat_positions: np.ndarray) -> None:
-        """Decode packed (sequence id, token, position) triples [N] in chunks of a batch."""
+        flat_positions = np.array([start + i for start, p in zip(starts, token_lists)
+                                   for i in range(len(p))], dtype=np.int32)
         for begin in range(0, len(flat_tokens), self._context.capacity):
             end = begin + self._context.capacity
             self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
@@ -427,19 +428,11 @@ class LlamaCppSession:
         """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
         ragged sequences, so the tokens go packed, no padding."""
         self.lm.check_live(self)
-        if len(rows) != len(self.lengths):
-            raise ShapeError(f"feed expects one list of tokens per row ({len(self.lengths)}); "
-                             f"got {len(rows)}.")
-        rows = [list(row) for row in rows]
+        rows = feed_rows(rows, len(self.lengths))
         if not any(rows):
             return
         self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
-        flat_rows = np.array([s for s, row in zip(self.seq_ids, rows) for _ in row],
-                             dtype=np.int64)
-        flat_tokens = np.array([t for row in rows for t in row], dtype=np.int32)
-        flat_positions = np.array([length + i for length, row in zip(self.lengths, rows)
-                                   for i in range(len(row))], dtype=np.int32)
-        self._decode_without_logits(flat_rows, flat_tokens, flat_positions)
+        self._decode_without_logits(self.seq_ids, rows, self.lengths)
         for history, row in zip(self._histories, rows):
             history.extend(row)
         self.lengths = [length + len(row) for length, row in zip(self.lengths, rows)]

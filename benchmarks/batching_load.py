@@ -10,8 +10,8 @@ or --server-args, other models with --target/--draft; with --port P, P and P + 1
 with two requests, and every prompt is sent alone to it (the reference texts). Then each client
 count runs on each mode in turn (the servers are up together, the idle one waits without using
 the CPU): that many clients sending --requests-per-client greedy streaming requests back to back,
-more each where that sends fewer than --min-requests in all (client i starts at prompt
-i * requests-per-client, so clients send different prompts at the same time). The sweep over
+more each where that sends fewer than --min-requests in all (client i sends prompts i, i + 1,
+... of the first 16 held-out prompts, so the clients send different prompts at the same time). The sweep over
 the levels runs --repeats times (3): a level's tok/s is the median of its passes (their range
 is in the table), its other figures pool all its requests.
 The clients are aiohttp's (as vLLM's serving benchmark): its C parser reads a stream for about a
@@ -124,13 +124,21 @@ async def request(session: aiohttp.ClientSession, url: str, prompt: str, max_tok
     return {**out, "latency": time.perf_counter() - started}
 
 
+def client_prompt(client: int, request: int, num_prompts: int) -> int:
+    """The prompt client ``client`` sends as its ``request``-th: client i sends prompts i, i + 1,
+    ..., so that up to num_prompts clients send different prompts at the same time. (Before
+    2026-11-25 client i started at i * requests-per-client: with 16 prompts and 8 requests
+    each, 16 clients sent two prompts, 8 copies of each, in step.)"""
+    return (client + request) % num_prompts
+
+
 async def run_level(url: str, prompts: list[str], clients: int, per_client: int,
                     max_tokens: int) -> tuple[list[dict], float]:
     connector = aiohttp.TCPConnector(limit=clients + 4)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def loop(index: int) -> list[dict]:
-            return [await request(session, url, prompts[(index * per_client + r) % len(prompts)],
+            return [await request(session, url, prompts[client_prompt(index, r, len(prompts))],
                                   max_tokens) for r in range(per_client)]
 
         started = time.perf_counter()

@@ -171,3 +171,31 @@ def test_load_time_split_times_a_real_servers_passes(tmp_path, capsys):
     assert kinds["target", "1 token"]["calls"] >= 2 * 7  # 8 tokens, the first from prefill
     assert sum(row["share"] for row in level["passes"]) == pytest.approx(1.0)
     assert level["tokens_per_s"] > 0 and "plain, 1 clients" in capsys.readouterr().out
+
+
+def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
+    # benchmarks/batching_ceiling.py on the shipped pair, shortened: every mode runs every
+    # client count, each level completes all its requests, the ratios are within the run, and
+    # the JSON holds the rows printed. The load benchmark's clients send different prompts at
+    # any moment (batching_load.client_prompt).
+    script_dir = Path(__file__).parent.parent / "benchmarks"
+    client_prompt = runpy.run_path(str(script_dir / "batching_load.py"))["client_prompt"]
+    for request in range(8):
+        assert len({client_prompt(client, request, 16) for client in range(16)}) == 16
+    main = runpy.run_path(str(script_dir / "batching_ceiling.py"))["main"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--clients", "1,3", "--requests", "4", "--max-tokens", "6", "--repeats",
+                     "1", "--fixed-k", "2", "--out-dir", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "batching_ceiling.json").read_text())
+    levels = {(row["mode"], row["clients"]) for row in report["rows"]}
+    assert levels == {(mode, clients) for mode in ("speculative", "plain", "k=2")
+                      for clients in (1, 3)}
+    assert all(row["tokens_per_s"] > 0 and row["vs_1_clients"] > 0 for row in report["rows"])
+    mean_k = {(row["mode"], row["clients"]): row["mean_k"] for row in report["rows"]}
+    for clients in (1, 3):  # the policy may choose plain rounds (timings); k = 2 drafts
+        assert mean_k["plain", clients] == 0 and 0 < mean_k["k=2", clients] <= 2
+        assert 0 <= mean_k["speculative", clients] <= 6
+    assert "speculative 3 vs 1" in capsys.readouterr().out

@@ -11,9 +11,9 @@ with two requests, and every prompt is sent alone to it (the reference texts). T
 count runs on each mode in turn (the servers are up together, the idle one waits without using
 the CPU): that many clients sending --requests-per-client greedy streaming requests back to back,
 more each where that sends fewer than --min-requests in all (client i sends prompts i, i + 1,
-... of the first 16 held-out prompts, so the clients send different prompts at the same time). The sweep over
-the levels runs --repeats times (3): a level's tok/s is the median of its passes (their range
-is in the table), its other figures pool all its requests.
+... of the first 16 held-out prompts, so the clients send different prompts at the same time).
+The sweep over the levels runs --repeats times (3): a level's tok/s is the median of its passes
+(their range is in the table), its other figures pool all its requests.
 The clients are aiohttp's (as vLLM's serving benchmark): its C parser reads a stream for about a
 third of the CPU httpx took, which on a machine the clients share with the servers came out of
 the servers' share (paired 16-client runs on 2 cores: 16-23% more tok/s with aiohttp).

@@ -10,7 +10,9 @@ client count runs the loop of server/worker.py in one thread with no HTTP, no ev
 client process: N clients send their requests back to back (client i sends held-out
 prompts i, i + 1, ..., as batching_load.py's clients do), a finished request's client joins its
 next one before the next round, joining prompts share a prefill up to the server's default
-prefill budget, and rows step together (TextBatch, as the worker). Speculative (the decoder's
+prefill budget, and rows step together (TextBatch, as the worker; unlike the server's, the
+batch is not capped at --max-batch-size, 16: above 16 clients every client holds a row).
+Speculative (the decoder's
 goodput policy), plain (speculative=False) and any --fixed-k depths take turns, the order
 turning each repeat; a level's tok/s is the median of its passes, ratios are medians of
 per-pass ratios.

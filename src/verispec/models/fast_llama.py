@@ -409,17 +409,17 @@ class FastLlamaSession:
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
         """New rows at the end holding these prompts, prefilled straight into the cache's free
-        slots, in as few right-padded passes as pay (models.base.prefill_groups); the other
-        rows' caches are neither read nor copied."""
+        slots, in as few right-padded passes as pay (models.base.prefill_groups, through
+        :meth:`feed` on empty rows); the other rows' caches are neither read nor copied."""
         if not prompts:
             return
         longest = max(len(p) for p in prompts)
         self.cache.ensure(max(128, 2 * longest))
         self.cache.ensure_rows(self.num_rows + len(prompts))
-        for first, end in prefill_groups([len(p) for p in prompts], PREFILL_PASS_TOKENS):
-            group = FastLlamaSession(self.lm, self.cache.slots(self.num_rows + first, end - first))
-            group._prefill(prompts[first:end])
-            self.lengths += group.lengths
+        joining = FastLlamaSession(self.lm, self.cache.slots(self.num_rows, len(prompts)))
+        joining.lengths = [0] * len(prompts)
+        joining.feed(prompts)
+        self.lengths += joining.lengths
         self.cache.add_rows(len(prompts))
         self.num_rows += len(prompts)
 

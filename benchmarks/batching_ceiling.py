@@ -12,10 +12,9 @@ prompts i, i + 1, ..., as batching_load.py's clients do), a finished request's c
 next one before the next round, joining prompts share a prefill up to the server's default
 prefill budget, and rows step together (TextBatch, as the worker; unlike the server's, the
 batch is not capped at --max-batch-size, 16: above 16 clients every client holds a row).
-Speculative (the decoder's
-goodput policy), plain (speculative=False) and any --fixed-k depths take turns, the order
-turning each repeat; a level's tok/s is the median of its passes, ratios are medians of
-per-pass ratios.
+Speculative (the decoder's goodput policy), plain (speculative=False) and any --fixed-k depths
+take turns, the order turning each repeat; a level's tok/s is the median of its passes, ratios
+are medians of per-pass ratios.
 
 Why: the aim "16 clients make >= 4x one client's tok/s" is spec(16)/spec(1) =
 plain(16)/plain(1) x [spec(16)/plain(16)] / [spec(1)/plain(1)]; this script measures each factor

@@ -20,6 +20,10 @@ Why: the aim "16 clients make >= 4x one client's tok/s" is spec(16)/spec(1) =
 plain(16)/plain(1) x [spec(16)/plain(16)] / [spec(1)/plain(1)]; this script measures each factor
 without the server's own costs, which are a larger share at 16 clients than at 1 (the event
 loop's CPU time preempts one of the two compute threads, and the other waits at the barrier).
+Then, per client count, the bound the model passes alone set (``passes_bound``): the clients'
+prompts prefilled and --max-tokens steps over all rows with nothing between the passes, plain, and
+speculative at the best per-round gain the measured acceptance, target passes and draft step
+allow; a server of this pair on this machine cannot beat it.
 Writes batching_ceiling.json to --out-dir (default benchmarks/results).
 """
 
@@ -86,7 +90,7 @@ def run_level(batch: TextBatch, row_settings: dict[str, object], prompts: list[s
     sent = [0] * clients
     idle = list(range(clients))  # clients with no request in the batch
     owner: dict[int, int] = {}  # row id -> client
-    num_tokens = num_drafted = num_row_rounds = 0
+    num_tokens = num_drafted = num_row_rounds = num_tested = num_accepted = 0
     started = time.perf_counter()
     while True:
         # 1. join: idle clients' next requests, up to the prefill budget (at least one)
@@ -112,9 +116,83 @@ def run_level(batch: TextBatch, row_settings: dict[str, object], prompts: list[s
                 num_tokens += len(row.completion.token_ids)
                 num_drafted += metrics.num_drafted
                 num_row_rounds += metrics.num_row_rounds
+                num_tested += sum(metrics.num_reached)
+                num_accepted += sum(metrics.num_accepted_at)
                 idle.append(owner.pop(row.row.id))
     elapsed = time.perf_counter() - started
-    return {"tokens_per_s": num_tokens / elapsed, "mean_k": num_drafted / max(num_row_rounds, 1)}
+    return {"tokens_per_s": num_tokens / elapsed, "mean_k": num_drafted / max(num_row_rounds, 1),
+            "token_acceptance": num_accepted / num_tested if num_tested else None}
+
+
+def median_ms(run, repeats: int = 9) -> float:
+    """Median wall time of ``run()`` in ms, after one untimed call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def passes_bound(decoder, prompts: list[str], clients: int, max_tokens: int, budget: int,
+                 acceptance: float, max_k: int = 6) -> dict:
+    """What the model passes alone allow ``clients`` rows: no Python between passes, no joins
+    but one per request, every row in step. Plain: the clients' prompts prefilled as the worker
+    joins them (up to ``budget`` prompt tokens a pass group, shortest first), then max_tokens
+    1-token steps over all rows; tok/s = clients x max_tokens / that time. Speculative: the
+    same prefill, the steps divided by the best per-round gain any depth k <= max_k offers at
+    this many rows, E(k) T(1) / (T(k + 1) + k D), with E(k) = 1 + a + ... + a^k for the
+    greedy token acceptance a measured in the speculative passes, T(n) the target's pass over
+    n tokens a row and D the draft's 1-token step, both halfway through the decode (the
+    draft's 2-token steps after a fully accepted round, and its prefills, left out): an upper
+    bound for any server of this pair here."""
+    ids = sorted((decoder.prepare(prompts[client_prompt(c, 0, len(prompts))],
+                                  speculative=False).prompt_ids for c in range(clients)), key=len)
+    chunks, chunk = [], []
+    for prompt in ids:  # run_level's admission: prompts until the budget is reached
+        if chunk and sum(map(len, chunk)) >= budget:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(prompt)
+    chunks.append(chunk)
+    target = decoder.target.new_session()
+    target.start([])
+
+    def prefill() -> None:  # into the cache's slots of the last run, as the server's batch
+        target.keep_rows([])
+        for group in chunks:
+            target.add_rows(group)
+
+    def prefill_and_decode() -> None:
+        prefill()
+        for _ in range(max_tokens):
+            target.extend(torch.ones((clients, 1), dtype=torch.int64))
+
+    plain_ms = median_ms(prefill_and_decode, 5)
+    prefill_ms = median_ms(prefill, 5)
+    decode_ms = plain_ms - prefill_ms
+    # T(n) and D below halfway through the decode (its mean context: attention grows with it)
+    prefill()
+    halfway = torch.ones((clients, max_tokens // 2), dtype=torch.int64)
+    target.extend(halfway)
+    draft = decoder.draft.new_session()
+    draft.start(ids)
+    draft.extend(halfway)
+    step = torch.ones((clients, 1), dtype=torch.int64)
+    draft_ms = median_ms(lambda: (draft.extend(step), draft.rewind([1] * clients)))
+    target_ms = [median_ms(lambda n=n: (target.extend(torch.ones((clients, n), dtype=torch.int64)),
+                                        target.rewind([n] * clients)))
+                 for n in range(1, max_k + 2)]  # T(1) .. T(max_k + 1), after the decode above
+    gains = [sum(acceptance ** i for i in range(k + 1)) * target_ms[0]
+             / (target_ms[k] + k * draft_ms) for k in range(1, max_k + 1)]
+    best_k = max(range(len(gains)), key=gains.__getitem__) + 1
+    speculative_ms = prefill_ms + decode_ms / max(1.0, gains[best_k - 1])
+    return {"clients": clients, "prefill_ms": prefill_ms, "decode_ms": decode_ms,
+            "target_pass_ms": target_ms, "draft_step_ms": draft_ms, "acceptance": acceptance,
+            "best_k": best_k, "best_round_gain": gains[best_k - 1],
+            "plain_tokens_per_s": 1e3 * clients * max_tokens / plain_ms,
+            "speculative_tokens_per_s": 1e3 * clients * max_tokens / speculative_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +237,24 @@ def main(argv: list[str] | None = None) -> int:
         passes_text = ", ".join(f"{x:.0f}" for x in row["tokens_per_s_passes"])
         print(f"| {row['clients']} | {row['mode']} | {row['tokens_per_s']:.0f} ({passes_text}) | "
               f"{row['vs_plain']:.2f}x | {row[f'vs_{low}_clients']:.2f}x | {row['mean_k']:.2f} |")
+    bounds = []
+    for clients in args.client_counts:
+        rates = [p["token_acceptance"] for p in passes["speculative", clients]
+                 if p["token_acceptance"] is not None]
+        bounds.append(passes_bound(decoder, prompts, clients, args.max_tokens, budget,
+                                   statistics.median(rates) if rates else 0.0))
+    print("\nThe passes alone (no Python between them, one join a request, rows in step):")
+    print("| clients | plain bound tok/s | speculative bound tok/s | best k | round gain | "
+          "acceptance | speculative measured / bound |")
+    print("|---|---|---|---|---|---|---|")
+    for bound in bounds:
+        measured = statistics.median(
+            p["tokens_per_s"] for p in passes["speculative", bound["clients"]])
+        bound["speculative_measured_share"] = measured / bound["speculative_tokens_per_s"]
+        print(f"| {bound['clients']} | {bound['plain_tokens_per_s']:.0f} | "
+              f"{bound['speculative_tokens_per_s']:.0f} | {bound['best_k']} | "
+              f"{bound['best_round_gain']:.2f}x | {bound['acceptance']:.2f} | "
+              f"{bound['speculative_measured_share']:.2f} |")
     spec_scaling = ratio(("speculative", high), ("speculative", low))
     print(f"\nspeculative {high} vs {low}: {spec_scaling:.2f}x"
           f" = plain {ratio(('plain', high), ('plain', low)):.2f}x"
@@ -169,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": " ".join(["python", "benchmarks/batching_ceiling.py"] + (
         sys.argv[1:] if argv is None else argv)), "date": time.strftime("%Y-%m-%d %H:%M"),
         **machine(), "max_tokens": args.max_tokens, "requests": args.requests}
-    (out / "batching_ceiling.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    report = {**meta, "rows": rows, "bounds": bounds}
+    (out / "batching_ceiling.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -198,4 +198,20 @@ def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
     for clients in (1, 3):  # the policy may choose plain rounds (timings); k = 2 drafts
         assert mean_k["plain", clients] == 0 and 0 < mean_k["k=2", clients] <= 2
         assert 0 <= mean_k["speculative", clients] <= 6
+    # the passes-alone bound: one per client count, its tok/s from its own timings, the
+    # speculative one the decode divided by the best per-round gain (never below 1)
+    assert [bound["clients"] for bound in report["bounds"]] == [1, 3]
+    for bound in report["bounds"]:
+        clients, a = bound["clients"], bound["acceptance"]
+        assert bound["prefill_ms"] > 0 and bound["decode_ms"] > 0 and 0 <= a <= 1
+        assert bound["plain_tokens_per_s"] == pytest.approx(
+            1e3 * clients * 6 / (bound["prefill_ms"] + bound["decode_ms"]))
+        target_ms, k = bound["target_pass_ms"], bound["best_k"]
+        assert len(target_ms) == 7 and 1 <= k <= 6
+        assert bound["best_round_gain"] == pytest.approx(
+            sum(a ** i for i in range(k + 1)) * target_ms[0]
+            / (target_ms[k] + k * bound["draft_step_ms"]))
+        assert bound["speculative_tokens_per_s"] == pytest.approx(
+            1e3 * clients * 6 / (bound["prefill_ms"]
+                                 + bound["decode_ms"] / max(1.0, bound["best_round_gain"])))
     assert "speculative 3 vs 1" in capsys.readouterr().out

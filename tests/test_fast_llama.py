@@ -11,7 +11,6 @@ from verispec.api import wrap_model
 from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import matmul as matmul_module
 from verispec.models import fast_llama as fast_llama_module
-from verispec.models.base import prefill_groups
 from verispec.models.fast_llama import FastLlamaLM, supports
 from verispec.models.matmul import onednn_available, resolve_matmul
 from verispec.models.transformers import TransformersLM
@@ -154,18 +153,6 @@ def test_rewind_past_a_rows_length_is_a_shape_error(target):
     assert session.lengths == [0, 0]
 
 
-@pytest.mark.parametrize("lengths,pass_tokens,groups", [
-    ([6, 11, 57, 63], 20, [(0, 2), (2, 4)]),  # the docstring's example
-    ([5, 5, 5, 5], 20, [(0, 4)]),  # equal lengths: one pass, no padding
-    ([1, 100], 0, [(0, 1), (1, 2)]),  # passes free: one per row
-    ([1, 100], 1000, [(0, 2)]),  # passes dear: one for all
-    ([7], 20, [(0, 1)]),
-    ([], 20, []),
-])
-def test_prefill_groups_split_joining_rows_at_the_least_cost(lengths, pass_tokens, groups):
-    assert prefill_groups(lengths, pass_tokens) == groups
-
-
 def check_next_logits(model, session, history: list[list[int]], first_token: int) -> None:
     """Extend every row of ``session`` by two tokens; each row's logits must equal a fresh
     forward of ``model`` over its own ``history`` and those tokens."""
@@ -177,54 +164,85 @@ def check_next_logits(model, session, history: list[list[int]], first_token: int
         torch.testing.assert_close(logits[row], fresh[-2:], atol=1e-4, rtol=1e-4)
 
 
-def test_rows_joining_in_several_prefill_passes_hold_their_own_prompts(target, monkeypatch):
-    """Joining rows of very different lengths are prefilled in groups (every split from one
-    pass per row to one pass for all); each row's logits after the join and after an extend
-    equal a fresh forward over its own history, and the rows already there are untouched."""
+def count_passes(monkeypatch) -> list[str]:
+    """Record each fast pass from now on: "padded" (FastLlamaLM.forward) or "packed"
+    (models.packed.feed_packed, as the session calls it)."""
+    passes: list[str] = []
+    forward, packed = FastLlamaLM.forward, fast_llama_module.feed_packed
+
+    def counted_forward(self, *args, **kwargs):
+        passes.append("padded")
+        return forward(self, *args, **kwargs)
+
+    def counted_packed(*args, **kwargs):
+        passes.append("packed")
+        return packed(*args, **kwargs)
+    monkeypatch.setattr(FastLlamaLM, "forward", counted_forward)
+    monkeypatch.setattr(fast_llama_module, "feed_packed", counted_packed)
+    return passes
+
+
+def test_rows_joining_in_one_packed_pass_hold_their_own_prompts(target, monkeypatch):
+    """Joining rows of very different lengths are prefilled in one packed pass (no padded
+    one); each row's logits after the join and after an extend equal a fresh forward over its
+    own history, and the rows already there are untouched."""
     lm = FastLlamaLM(target)
     joining = [[3], [4, 5], [6] * 9, [7] * 30, [8] * 31]
-    for pass_tokens in (0, 8, 10_000):
-        monkeypatch.setattr(fast_llama_module, "PREFILL_PASS_TOKENS", pass_tokens)
-        session = lm.new_session()
-        session.start([[1, 2, 3, 4, 5]])
-        session.add_rows(joining)
-        history = [[1, 2, 3, 4, 5]] + [list(p) for p in joining]
-        assert session.lengths == [len(h) for h in history]
-        check_next_logits(target, session, history, first_token=12)
+    session = lm.new_session()
+    session.start([[1, 2, 3, 4, 5]])
+    passes = count_passes(monkeypatch)
+    session.add_rows(joining)
+    assert passes == ["packed"]
+    history = [[1, 2, 3, 4, 5]] + [list(p) for p in joining]
+    assert session.lengths == [len(h) for h in history]
+    check_next_logits(target, session, history, first_token=12)
 
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_feed_leaves_each_row_as_if_its_tokens_had_been_extended(target, backend, monkeypatch):
     """A draft's catch-up (LMSession.feed): ragged rows, some with nothing to feed, one far
-    behind. Each row's next logits then equal a fresh forward over its own history; the fast
-    backend feeds in groups of contiguous rows (every split, from a pass per row to one for
-    all), each pass computing the head at one position a row, and skips empty groups."""
+    behind, one empty before the feed. Each row's next logits then equal a fresh forward over
+    its own history; the fast backend feeds every row in one packed pass and computes no
+    logits (no padded pass at all)."""
     lm = wrap_model(target, VOCAB, backend)
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8], [9, 10, 11], []]
     rows = [[12, 13], [], [14, 15, 16], list(range(20, 50)), [17, 18, 19]]
-    passes = []  # (tokens' shape, logits_to_keep) of each fast pass
-    forward = FastLlamaLM.forward
-
-    def counted(self, tokens, positions, start, cache, used, logits_to_keep=0):
-        passes.append((tuple(tokens.shape), logits_to_keep))
-        return forward(self, tokens, positions, start, cache, used, logits_to_keep)
-    monkeypatch.setattr(FastLlamaLM, "forward", counted)
-    for pass_tokens in (0, 8, 10_000) if backend == "fast" else (None,):
-        if backend == "fast":
-            monkeypatch.setattr(fast_llama_module, "PREFILL_PASS_TOKENS", pass_tokens)
-        session = lm.new_session()
-        session.start(prompts)
-        passes.clear()
-        session.feed(rows)
-        if backend == "fast":
-            assert all(keep == 1 for _, keep in passes)  # no pass computes every position
-            # one pass per non-empty row with passes free; one for all with passes dear
-            expected = {0: 4, 8: None, 10_000: 1}[pass_tokens]
-            assert expected is None or len(passes) == expected, passes
-        history = [p + r for p, r in zip(prompts, rows)]
-        check_next_logits(target, session, history, first_token=60)
+    session = lm.new_session()
+    session.start(prompts)
+    passes = count_passes(monkeypatch)
+    session.feed(rows)
+    if backend == "fast":
+        assert passes == ["packed"]
+        session.feed([[]] * len(rows))  # nothing to feed: no pass
+        assert passes == ["packed"]
+    history = [p + r for p, r in zip(prompts, rows)]
+    check_next_logits(target, session, history, first_token=60)
     with pytest.raises(ShapeError, match="one list of tokens per row"):
         session.feed([[1]])
+
+
+def test_packed_feed_writes_what_single_row_extends_write(target):
+    """models.packed against the padded forward, row by row: after a packed feed of ragged
+    rows (a row mid-sequence, an empty one, a 40-token one), every layer's keys and values at
+    each row's positions equal those of feeding that row alone, one extend at a time, to
+    float32 rounding (the projections see the rows in another layout)."""
+    lm = FastLlamaLM(target)
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    rows = [[7, 8], [], list(range(10, 50))]
+    packed = lm.new_session()
+    packed.start(prompts)
+    packed.feed(rows)
+    for row, (prompt, fed) in enumerate(zip(prompts, rows)):
+        alone = lm.new_session()
+        alone.start([prompt])
+        for token in fed:
+            alone.extend(torch.tensor([[token]]))
+        end = len(prompt) + len(fed)
+        for layer in range(len(lm.layers)):
+            for mine, theirs in ((packed.cache.keys, alone.cache.keys),
+                                 (packed.cache.values, alone.cache.values)):
+                torch.testing.assert_close(mine[layer][row, :, :end], theirs[layer][0, :, :end],
+                                           atol=1e-5, rtol=1e-5)
 
 
 def pack_every_weight(monkeypatch) -> None:

@@ -93,15 +93,10 @@ class TextBatch:
         return PendingRow(prepared, tag)
 
     def add_rows(self, pending: Sequence[PendingRow]) -> list[TextRow]:
-        """Prepared rows join together (returned in the order given). They join shortest
-        prompt first, so that a backend prefilling them in groups (models.base.prefill_groups)
-        pads each group's prompts to near lengths; a row's place in the batch changes nothing
-        of its text."""
+        """Prepared rows join together, prefilled in one pass (returned in the order given)."""
         if not pending:
             return []
-        order = sorted(range(len(pending)), key=lambda i: len(pending[i].prepared.prompt_ids))
-        joined = dict(zip(order, self._join([pending[i] for i in order])))
-        return [joined[i] for i in range(len(pending))]
+        return self._join(list(pending))
 
     def _join(self, pending: list[PendingRow]) -> list[TextRow]:
         prepared = [row.prepared for row in pending]

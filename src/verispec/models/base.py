@@ -14,7 +14,6 @@ The engine knows nothing about tokenisation, devices or caches: it only calls th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -54,35 +53,6 @@ class LanguageModel(Protocol):
 
     def new_session(self) -> LMSession:
         ...
-
-
-def prefill_groups(lengths: Sequence[int], pass_tokens: int) -> list[tuple[int, int]]:
-    """Rows joining together, in order, split into contiguous groups [first, last) that are each
-    prefilled in one right-padded pass, at the least cost: every row of a group costs its
-    longest prompt, and a pass costs ``pass_tokens`` more (its fixed cost, in tokens).
-
-    Why: one pass over all joining rows pads every prompt to the longest, and the padding is
-    computed like real tokens; one pass per row pays the fixed cost of a pass (at small n the
-    weights are read from memory once per pass, whatever n is) once per row. Callers order the
-    rows by length (TextBatch.add_rows), so that near lengths share a group.
-    Example: lengths [6, 11, 57, 63], pass_tokens 20 -> [(0, 2), (2, 4)]: 2 * 11 + 2 * 63 + 2 * 20
-    = 188 padded tokens, against 4 * 63 + 20 = 272 in one pass and 137 + 4 * 20 = 217 in four.
-    """
-    num_rows = len(lengths)
-    best = [0.0] + [math.inf] * num_rows  # best[j]: the least cost of rows 0 .. j - 1
-    cut = [0] * (num_rows + 1)  # cut[j]: where the last group of that best split starts
-    for end in range(1, num_rows + 1):
-        longest = 0
-        for first in range(end - 1, -1, -1):
-            longest = max(longest, lengths[first])
-            cost = best[first] + pass_tokens + (end - first) * longest
-            if cost < best[end]:
-                best[end], cut[end] = cost, first
-    groups, end = [], num_rows
-    while end > 0:
-        groups.append((cut[end], end))
-        end = cut[end]
-    return groups[::-1]
 
 
 def feed_rows(rows: Sequence[Sequence[int]], num_rows: int) -> list[list[int]]:

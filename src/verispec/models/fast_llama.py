@@ -11,8 +11,9 @@ This module runs the same computation as ``LlamaForCausalLM`` as one function ov
 own weight tensors (q/k/v and gate/up fused in place, see _fuse_linears; with the oneDNN kernel
 the large projections are read from packed copies, see models/matmul.py), with the same
 preallocated per-row KV cache semantics as transformers.py (position-indexed writes, free
-rewind, ragged rows). Per step it issues about 20 ops a layer; at batch 1 on a CPU each
-costs a few microseconds whatever its size, which is what bounds a small draft's step.
+rewind, ragged rows; prefills and a draft's catch-ups lay their rows end to end, unpadded:
+models/packed.py). Per step it issues about 20 ops a layer; at batch 1 on a CPU each costs a
+few microseconds whatever its size, which is what bounds a small draft's step.
 torch.compile was measured and does not pay here: the demo draft's step went 0.89 -> 0.74 ms
 after a 12 s compile per shape, with logits that differ from the eager ones by ~3e-6.
 
@@ -33,9 +34,10 @@ from transformers import PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
 from .attention import attention_kernels
-from .base import as_ints, prefill_groups, right_padded
+from .base import as_ints, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
+from .packed import feed_packed
 from .transformers import max_positions, output_width
 
 
@@ -43,11 +45,6 @@ from .transformers import max_positions, output_width
 # computes: Mistral (Llama + an optional sliding window) and Qwen2 (Llama + q/k/v biases + an
 # optional window). A window is not computed here: a model using one takes the transformers path.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-# a prefill pass's fixed cost in tokens (models.base.prefill_groups): on a 2-core EPYC a pass
-# over one row cost the demo target 3.3 ms + 0.16 ms a token (~20 tokens), the demo draft
-# 0.65 ms + 0.017 ms a token (~38)
-PREFILL_PASS_TOKENS = 24
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -397,20 +394,16 @@ class FastLlamaSession:
         self._prefill(prompts)
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Fill this session's (empty, large enough) cache with ``prompts``."""
-        longest = max((len(p) for p in prompts), default=0)
+        """Fill this session's (empty, large enough) cache with ``prompts``, packed
+        (:meth:`feed`)."""
         self.num_rows = len(prompts)
         self.lengths = [0] * self.num_rows
-        if longest == 0:
-            return
-        padded, _ = right_padded(prompts, self.num_rows)  # [B, longest]
-        self._forward(padded.to(self.lm.device), logits_to_keep=1)
-        self.lengths = [len(p) for p in prompts]
+        self.feed(prompts)
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
         """New rows at the end holding these prompts, prefilled straight into the cache's free
-        slots, in as few right-padded passes as pay (models.base.prefill_groups, through
-        :meth:`feed` on empty rows); the other rows' caches are neither read nor copied."""
+        slots in one packed pass (:meth:`feed` on empty rows); the other rows' caches are
+        neither read nor copied."""
         if not prompts:
             return
         longest = max(len(p) for p in prompts)
@@ -440,26 +433,20 @@ class FastLlamaSession:
         return logits
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
-        """Append rows[b] to row b with no logits (a draft catching up, LMSession.feed).
-
-        Contiguous rows of near widths share a right-padded pass, split as joining prompts are
-        (models.base.prefill_groups), rows with nothing to feed take no pass of their own, and
-        each pass computes the head at one position a row instead of at every token. Worked
-        example: widths [8, 8, 8, 41] (three rows behind by eight plain rounds, then a
-        deferred prompt) -> a pass over rows 0-2, 8 wide, and one over row 3, 41 wide: 65
-        padded tokens against 164 in one pass. A draft catching up 12 such rows and 4 prompts
-        took 29 ms padded to the widest and 7.5 ms grouped on a 2-core EPYC.
+        """Append rows[b] to row b with no logits (a draft catching up, LMSession.feed; joining
+        prompts, :meth:`add_rows`), every row's tokens packed end to end in one pass
+        (models/packed.py): the projections see only real tokens, attention runs row by row.
+        Rows with nothing to feed take no part. Against right-padded passes in groups of near
+        widths, on a 2-core EPYC: 16 joining prompts of 6-63 tokens 94 -> 79 ms on the demo
+        target and 18.5 -> 12.6 ms on its draft; a draft catching up 14 rows by one token and
+        2 prompts 5.1 -> 3.4 ms.
         """
-        tokens, widths = right_padded(rows, self.num_rows)  # [B, u]
+        rows = feed_rows(rows, self.num_rows)
+        widths = [len(row) for row in rows]
         if not any(widths):
             return
-        self.cache.ensure(max(self.lengths) + tokens.shape[1])  # every group's passes fit
-        for first, end in prefill_groups(widths, PREFILL_PASS_TOKENS):
-            width = max(widths[first:end])
-            if width:
-                group = FastLlamaSession(self.lm, self.cache.slots(first, end - first))
-                group.lengths = self.lengths[first:end]
-                group._forward(tokens[first:end, :width].to(self.lm.device), logits_to_keep=1)
+        self.cache.ensure(max(length + width for length, width in zip(self.lengths, widths)))
+        feed_packed(self.lm, self.cache, self.lengths, rows)
         self.lengths = [length + width for length, width in zip(self.lengths, widths)]
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:

@@ -4,20 +4,21 @@
     python benchmarks/load_time_split.py --clients 16 --modes speculative
 
 For each mode (speculative, plain) a demo server is started with a timer around every forward
-pass of the fast path (``FastLlamaLM.forward``, installed by a ``sitecustomize`` module on the
-server's PYTHONPATH: the library itself is not changed), warmed up, and run at each client
+pass of the fast path (``FastLlamaLM.forward`` and the packed feed, ``feed_packed``, installed
+by a ``sitecustomize`` module on the server's PYTHONPATH: the library itself is not changed),
+warmed up, and run at each client
 count as a level of batching_load.py (the same greedy streaming clients and prompts). Per level
 it prints the wall time, the tok/s, and per model (target, draft) and kind of pass:
 
-    prefill       a pass computing logits at one position a row: a joining prompt, or the
-                  draft catching up on plain rounds' tokens and deferred prompts
+    prefill       a packed feed, computing no logits (models/packed.py): joining prompts, or
+                  the draft catching up on plain rounds' tokens and deferred prompts
                   (LMSession.feed)
     1 token       a plain decoding step (target), a draft step (draft)
     2+ tokens     a verification pass over k + 1 tokens a row (target), the draft's feed of
                   the tokens a round committed (draft)
 
 with calls, seconds, share of the wall time, ms per call and tokens fed a call (rows x width,
-padding included);
+padding included; a packed feed has none);
 "outside" is the wall time no forward pass took (the engine's Python, detokenising, the event
 loop and HTTP, and the level's ramp-up and tail). Writes load_time_split.json to --out-dir.
 """
@@ -38,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from batching_load import MODES, machine, pass_rate, per_client, run_level  # noqa: E402
 from load_test import prompts_for, start_server, wait_until_healthy  # noqa: E402
 
-# written into the server's sitecustomize.py: times every FastLlamaLM.forward by (model, kind)
-# and dumps the totals to $VERISPEC_TIME_SPLIT every 0.2 s
+# written into the server's sitecustomize.py: times every FastLlamaLM.forward and packed feed
+# by (model, kind) and dumps the totals to $VERISPEC_TIME_SPLIT every 0.2 s
 HOOK = '''
 import json, os, threading, time
 import verispec.models.fast_llama as fast_llama
@@ -47,18 +48,27 @@ import verispec.models.fast_llama as fast_llama
 _totals = {}
 _forward = fast_llama.FastLlamaLM.forward
 
-def _timed(self, tokens, positions, start, cache, used, logits_to_keep=0):
-    began = time.perf_counter()
-    logits = _forward(self, tokens, positions, start, cache, used, logits_to_keep)
-    seconds = time.perf_counter() - began
-    width = tokens.shape[1]
-    kind = "prefill" if logits_to_keep == 1 else "1 token" if width == 1 else "2+ tokens"
-    model = getattr(self.model.config, "_name_or_path", "") or "model"
+_feed_packed = fast_llama.feed_packed
+
+def _add(lm, kind, seconds, num_tokens):
+    model = getattr(lm.model.config, "_name_or_path", "") or "model"
     entry = _totals.setdefault(f"{model}|{kind}", [0, 0.0, 0])
     entry[0] += 1
     entry[1] += seconds
-    entry[2] += tokens.numel()
+    entry[2] += num_tokens
+
+def _timed(self, tokens, positions, start, cache, used, logits_to_keep=0):
+    began = time.perf_counter()
+    logits = _forward(self, tokens, positions, start, cache, used, logits_to_keep)
+    width = tokens.shape[1]
+    kind = "1 token" if width == 1 else "2+ tokens"  # prefills are packed feeds (below)
+    _add(self, kind, time.perf_counter() - began, tokens.numel())
     return logits
+
+def _timed_feed(lm, cache, starts, rows):
+    began = time.perf_counter()
+    _feed_packed(lm, cache, starts, rows)
+    _add(lm, "prefill", time.perf_counter() - began, sum(len(row) for row in rows))
 
 def _dump():
     while True:
@@ -69,6 +79,7 @@ def _dump():
         os.replace(path + ".tmp", path)
 
 fast_llama.FastLlamaLM.forward = _timed
+fast_llama.feed_packed = _timed_feed
 threading.Thread(target=_dump, daemon=True).start()
 '''
 

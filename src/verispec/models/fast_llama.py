@@ -458,7 +458,7 @@ class FastLlamaSession:
                              f"length {self.lengths}; got {dropped}.")
         self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
-    def _forward(self, tokens: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         num_new = tokens.shape[1]
         if not self.lengths:  # no rows: nothing to compute
             return torch.empty((0, num_new, self.lm.vocab_size), dtype=self.lm.dtype,
@@ -471,7 +471,7 @@ class FastLlamaSession:
             positions = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
         self.cache.ensure(used)
         with torch.inference_mode(), attention_kernels(self.lm.device):
-            return self.lm.forward(tokens, positions, start, self.cache, used, logits_to_keep)
+            return self.lm.forward(tokens, positions, start, self.cache, used)
 
 
 def _checked_rows(rows: Sequence[int], num_rows: int) -> list[int]:

@@ -139,23 +139,10 @@ class FastLlamaLM:
         batch, num_new = tokens.shape
         hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
         cos, signed_sin = self.rotary.lookup(positions, start, num_new, used)  # [B|1, n, 1, D]
-        half_dim = self.head_dim // 2
         mask = _attention_mask(positions, start, num_new, used, self.dtype, tokens.device)
         rows = None if positions is None else torch.arange(batch, device=tokens.device)[:, None]
-        num_qk_heads = self.num_heads + self.num_kv_heads
         for w, keys, values in zip(self.layers, cache.keys, cache.values):
-            x = self.rms_norm(hidden, w.input_norm, self.eps)
-            qkv = self.linear(x, w.qkv, w.qkv_bias)  # [B, n, (H + 2 Hkv) D], one matmul
-            qkv = qkv.view(batch, num_new, -1, self.head_dim)  # [B, n, H+2Hkv, D]
-            # rotate queries and keys together: one pass over [B, n, H+Hkv, D]. HF's
-            # rotate_half(x) * sin is [-x2 * s1, x1 * s2]; roll(x) * signed_sin is
-            # [x2 * -s1, x1 * s2], the same numbers bit for bit (negation is exact), in 2 ops
-            # instead of 4
-            qk = qkv[:, :, :num_qk_heads]
-            qk = qk * cos + qk.roll(half_dim, -1) * signed_sin
-            query = qk[:, :, : self.num_heads].transpose(1, 2)  # [B, H, n, D]
-            key = qk[:, :, self.num_heads:]  # [B, n, Hkv, D]
-            value = qkv[:, :, num_qk_heads:]  # [B, n, Hkv, D]
+            query, key, value = self.rotated_qkv(w, hidden, cos, signed_sin)
             if positions is None:
                 keys[:, :, start : start + num_new] = key.transpose(1, 2)
                 values[:, :, start : start + num_new] = value.transpose(1, 2)
@@ -163,18 +150,42 @@ class FastLlamaLM:
                 keys[rows, :, positions] = key
                 values[rows, :, positions] = value
             out = F.scaled_dot_product_attention(
-                query, keys[:, :, :used], values[:, :, :used], attn_mask=mask,
+                query.transpose(1, 2), keys[:, :, :used], values[:, :, :used], attn_mask=mask,
                 scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
-            out = out.transpose(1, 2).reshape(batch, num_new, -1)
-            hidden = hidden + self.linear(out, w.o, w.o_bias)
-            x = self.rms_norm(hidden, w.post_norm, self.eps)
-            gate_up = self.linear(x, w.gate_up, w.gate_up_bias)  # [B, n, 2 I], one matmul
-            gate, up = gate_up[..., : w.gate_width], gate_up[..., w.gate_width :]
-            hidden = hidden + self.linear(F.silu(gate) * up, w.down, w.down_bias)
+            hidden = self.finish_layer(w, hidden, out.transpose(1, 2).reshape(batch, num_new, -1))
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         hidden = self.rms_norm(hidden, self.norm_weight, self.eps)
         return self.linear(hidden, self.head_weight)
+
+
+    def rotated_qkv(self, w: _LayerWeights, hidden: torch.Tensor, cos: torch.Tensor,
+                    signed_sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's first half up to attention: hidden [B, n, E] -> query [B, n, H, D], key and
+        value [B, n, Hkv, D], query and key rotated (cos, signed_sin as RotaryTable.lookup)."""
+        batch, num_new = hidden.shape[:2]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        x = self.rms_norm(hidden, w.input_norm, self.eps)
+        qkv = self.linear(x, w.qkv, w.qkv_bias)  # [B, n, (H + 2 Hkv) D], one matmul
+        qkv = qkv.view(batch, num_new, -1, self.head_dim)  # [B, n, H+2Hkv, D]
+        # rotate queries and keys together: one pass over [B, n, H+Hkv, D]. HF's
+        # rotate_half(x) * sin is [-x2 * s1, x1 * s2]; roll(x) * signed_sin is
+        # [x2 * -s1, x1 * s2], the same numbers bit for bit (negation is exact), in 2 ops
+        # instead of 4
+        qk = qkv[:, :, :num_qk_heads]
+        qk = qk * cos + qk.roll(self.head_dim // 2, -1) * signed_sin
+        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads:], qkv[:, :, num_qk_heads:]
+
+    def finish_layer(self, w: _LayerWeights, hidden: torch.Tensor, attended: torch.Tensor
+                     ) -> torch.Tensor:
+        """A layer's second half: attended [B, n, H D] -> the next hidden [B, n, E] (output
+        projection and MLP, each added to the residual)."""
+        hidden = hidden + self.linear(attended, w.o, w.o_bias)
+        x = self.rms_norm(hidden, w.post_norm, self.eps)
+        gate_up = self.linear(x, w.gate_up, w.gate_up_bias)  # [B, n, 2 I], one matmul
+        gate, up = gate_up[..., : w.gate_width], gate_up[..., w.gate_width :]
+        return hidden + self.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
 def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, used: int,

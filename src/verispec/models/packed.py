@@ -13,8 +13,8 @@ row anyway, runs row by row: each segment's queries against its own row's cached
 
 What it is not: a pass that returns logits (nothing fed here needs them: a joining row's last
 prompt token and a draft's last unfed token are fed by the next round), or another model: the
-projections, norms, rotary table and attention scale are FastLlamaLM's own, so a packed feed
-writes the keys and values a padded one would, up to the summation order of the matmuls.
+layer's halves around attention are FastLlamaLM's own (rotated_qkv, finish_layer), so a packed
+feed writes the keys and values a padded one would, up to the summation order of the matmuls.
 """
 
 from __future__ import annotations
@@ -59,22 +59,13 @@ def feed_packed(lm: FastLlamaLM, cache: KVCache, starts: Sequence[int],
     cos, signed_sin = lm.rotary.lookup(positions[None], 0, num_tokens, used)  # [1, N, 1, D]
     masks = [_attention_mask(None, start, width, start + width, lm.dtype, device)
              for _, start, width in segments]  # [1, 1, w, start + w] or None (one token)
-    half_dim, num_qk_heads = lm.head_dim // 2, lm.num_heads + lm.num_kv_heads
     with torch.inference_mode(), attention_kernels(device):
         for w, keys, values in zip(lm.layers, cache.keys, cache.values):
-            x = lm.rms_norm(hidden, w.input_norm, lm.eps)
-            qkv = lm.linear(x, w.qkv, w.qkv_bias).view(1, num_tokens, -1, lm.head_dim)
-            qk = qkv[:, :, :num_qk_heads]  # rotated as in FastLlamaLM.forward
-            qk = qk * cos + qk.roll(half_dim, -1) * signed_sin
-            query = qk[0, :, : lm.num_heads].transpose(0, 1)  # [H, N, D]
-            keys[cache_rows, :, positions] = qk[0, :, lm.num_heads:]  # [N, Hkv, D]
-            values[cache_rows, :, positions] = qkv[0, :, num_qk_heads:]
-            out = _attend_by_row(lm, query, keys, values, segments, masks)  # [1, N, H D]
-            hidden = hidden + lm.linear(out, w.o, w.o_bias)
-            x = lm.rms_norm(hidden, w.post_norm, lm.eps)
-            gate_up = lm.linear(x, w.gate_up, w.gate_up_bias)
-            gate, up = gate_up[..., : w.gate_width], gate_up[..., w.gate_width :]
-            hidden = hidden + lm.linear(F.silu(gate) * up, w.down, w.down_bias)
+            query, key, value = lm.rotated_qkv(w, hidden, cos, signed_sin)  # [1, N, H|Hkv, D]
+            keys[cache_rows, :, positions] = key[0]  # [N, Hkv, D]
+            values[cache_rows, :, positions] = value[0]
+            out = _attend_by_row(lm, query[0].transpose(0, 1), keys, values, segments, masks)
+            hidden = lm.finish_layer(w, hidden, out)  # out [1, N, H D]
 
 
 def _attend_by_row(lm: FastLlamaLM, query: torch.Tensor, keys: torch.Tensor,

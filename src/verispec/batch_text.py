@@ -96,9 +96,6 @@ class TextBatch:
         """Prepared rows join together, prefilled in one pass (returned in the order given)."""
         if not pending:
             return []
-        return self._join(list(pending))
-
-    def _join(self, pending: list[PendingRow]) -> list[TextRow]:
         prepared = [row.prepared for row in pending]
         generators = [make_generator(p.config.seed, self.batch.device) for p in prepared]
         rows = self.batch.add([p.prompt_ids for p in prepared], [p.config for p in prepared],

@@ -326,6 +326,51 @@ def test_onednn_leaves_small_weights_to_aten_and_packs_large_ones():
     assert_extend_matches_forward(lm, model)
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_a_draft_picks_its_small_projections_kernel_by_rows_and_stays_exact(target, draft):
+    # a draft (draft=True) keeps small weights dense and packed: ATen over one row, oneDNN over
+    # more. Its numbers then differ between batch sizes, which exactness allows: greedy
+    # speculative output still equals plain decoding of the target
+    lm = FastLlamaLM(draft, matmul="onednn", draft=True)
+    layer = lm.layers[0]
+    assert isinstance(layer.qkv, matmul_module.BothLayouts) and layer.qkv.packed.is_mkldnn
+    assert not layer.qkv.dense.is_mkldnn
+    calls = []
+    real_linear = torch.ops.mkldnn._linear_pointwise
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real_linear(*args)
+    session = lm.new_session()
+    session.start([[1, 2, 3]])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matmul_module.torch.ops.mkldnn, "_linear_pointwise", counting)
+        one_row = session.extend(torch.tensor([[4]]))
+        assert calls == []  # one row: every small projection by ATen
+        session.rewind([1])
+        two_rows = session.extend(torch.tensor([[4, 5]]))
+        assert len(calls) == 4 * len(lm.layers) + 1  # two rows: all by oneDNN, the head too
+    with torch.inference_mode():
+        fresh = draft(torch.tensor([[1, 2, 3, 4, 5]])).logits[0, 3:]
+    torch.testing.assert_close(one_row[0, 0], fresh[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(two_rows[0], fresh, atol=1e-5, rtol=1e-5)
+    # a target never gets both layouts: its kernel is fixed per weight
+    assert not isinstance(FastLlamaLM(target, matmul="onednn").layers[0].qkv,
+                          matmul_module.BothLayouts)
+    decoder = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, matmul="onednn"), lm)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
+                              sampling=SamplingConfig(temperature=0.0))
+    speculative = decoder.generate(PROMPTS, config)
+    assert speculative.token_ids == decoder.generate(PROMPTS, config, speculative=False).token_ids
+    assert speculative.metrics.num_accepted > 0
+
+
+def test_wrap_model_gives_only_the_draft_the_by_rows_kernel(target):
+    by_rows = wrap_model(target, VOCAB, "fast", draft=True)
+    assert by_rows.linear is (matmul_module._linear_by_rows if by_rows.matmul == "onednn"
+                              else torch.nn.functional.linear)
+    assert wrap_model(target, VOCAB, "fast").linear is not matmul_module._linear_by_rows
+
+
 def test_matmul_auto_picks_onednn_only_for_fp32_on_cpus_other_than_intels(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(matmul_module.platform, "machine", lambda: "x86_64")

@@ -66,8 +66,9 @@ BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 
 
 def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
-               llama_cpp_config: LlamaCppConfig | None = None):
-    """The LanguageModel adapter for ``model`` under ``backend`` (see :func:`load`)."""
+               llama_cpp_config: LlamaCppConfig | None = None, draft: bool = False):
+    """The LanguageModel adapter for ``model`` under ``backend`` (see :func:`load`); ``draft``:
+    the model only drafts (the fast path may then pick kernels by batch size)."""
     if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
         return LlamaCppLM(model, vocab_size, llama_cpp_config)
     if backend == "llama.cpp":
@@ -75,7 +76,7 @@ def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
                           "is a transformers model: use backend='auto', 'fast' or "
                           "'transformers'.")
     if backend == "fast" or (backend == "auto" and fast_llama.supports(model)):
-        return fast_llama.FastLlamaLM(model, vocab_size)
+        return fast_llama.FastLlamaLM(model, vocab_size, draft=draft)
     return TransformersLM(model, vocab_size)
 
 
@@ -216,7 +217,7 @@ class Decoder:
         self.target = wrap_model(target_model, vocab_size, backend, llama_cpp_config)
         # the draft model's adapter; None with no draft or an n-gram one (self.ngram)
         self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend,
-                                                                 llama_cpp_config)
+                                                                 llama_cpp_config, draft=True)
         self.ngram = ngram
         self.hybrid = hybrid  # lookup settings, n-grams first, then self.draft; None: not hybrid
         proposer = (NgramProposer(vocab_size, ngram) if ngram is not None else

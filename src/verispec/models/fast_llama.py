@@ -76,11 +76,13 @@ class FastLlamaLM:
 
     ``matmul`` picks the kernel of every projection (models/matmul.py): "aten" (F.linear),
     "onednn", or "auto" (oneDNN for float32 on x86 CPUs not made by Intel, where MKL is slow);
-    the resolved name is ``self.matmul``.
+    the resolved name is ``self.matmul``. ``draft``: the model only drafts, so its numbers may
+    differ between batch sizes, and under "onednn" each projection picks its kernel by the rows
+    of the call (matmul.linear_kernel's ``by_rows``); a target's kernel is fixed per weight.
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None,
-                 matmul: str = "auto") -> None:
+                 matmul: str = "auto", draft: bool = False) -> None:
         if not supports(model):
             raise ConfigError(f"the fast Llama path does not support model_type="
                               f"{getattr(model.config, 'model_type', None)!r} with this config; "
@@ -102,7 +104,7 @@ class FastLlamaLM:
         self.dtype = model.dtype
         self._device = model.device  # cached: the model property walks every parameter
         self.matmul = resolve_matmul(matmul, self._device, self.dtype)
-        kernel = linear_kernel(self.matmul)
+        kernel = linear_kernel(self.matmul, by_rows=draft)
         self.linear = kernel.linear  # x [.., E], weight [O, E] as prepared, bias -> [.., O]
         inner = model.model
         self.embed_weight = inner.embed_tokens.weight  # [V_model, E]

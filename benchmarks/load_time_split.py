@@ -16,8 +16,6 @@ it prints the wall time, the tok/s, and per model (target, draft) and kind of pa
     1 token       a plain decoding step (target), a draft step (draft)
     2+ tokens     a verification pass over k + 1 tokens a row (target), the draft's feed of
                   the tokens a round committed (draft)
-    ... + joining prompts   such a pass carrying the prompts of rows that joined since the
-                  last round (FastLlamaSession.add_rows); its tokens count the rows' only
 
 with calls, seconds, share of the wall time, ms per call and tokens fed a call (rows x width,
 padding included; a packed feed has none);
@@ -59,14 +57,11 @@ def _add(lm, kind, seconds, num_tokens):
     entry[1] += seconds
     entry[2] += num_tokens
 
-def _timed(self, tokens, positions, start, cache, used, packed=None):
+def _timed(self, tokens, positions, start, cache, used, logits_to_keep=0):
     began = time.perf_counter()
-    logits = _forward(self, tokens, positions, start, cache, used, packed)
+    logits = _forward(self, tokens, positions, start, cache, used, logits_to_keep)
     width = tokens.shape[1]
-    # prefills are packed feeds (below), or ride a pass as ``packed``: that pass counts apart
-    kind = "1 token" if width == 1 else "2+ tokens"
-    if packed is not None:
-        kind += " + joining prompts"
+    kind = "1 token" if width == 1 else "2+ tokens"  # prefills are packed feeds (below)
     _add(self, kind, time.perf_counter() - began, tokens.numel())
     return logits
 

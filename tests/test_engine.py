@@ -595,22 +595,6 @@ def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
     assert policy.round_costs()[1] - policy.round_costs()[0] > 0.05  # a timed round counts
 
 
-def test_goodput_policy_keeps_its_timings_through_a_round_that_prefilled_a_join():
-    # joining prompts ride the next round's passes (models/packed.py): that round's times
-    # measure the join, not its depth, and must not move the costs (charged to one depth, a
-    # 16-prompt join drove the 16-row policy to k = 8); its acceptance still counts
-    policy = GoodputPolicyConfig(max_num_draft_tokens=8, probe_every=0).build(2)
-    for _ in range(5):
-        policy.next_num_draft_tokens(replace(_stats(2, 10, 0.8), draft_time=0.02))
-    costs, rates = policy.round_costs(), policy.acceptance_estimates()
-    policy.next_num_draft_tokens(replace(_stats(2, 10, 0.2), draft_time=0.5, target_time=0.9,
-                                         target_timed=False))
-    assert policy.round_costs() == pytest.approx(costs)
-    assert policy.acceptance_estimates()[0] < rates[0]
-    policy.next_num_draft_tokens(replace(_stats(2, 10, 0.8), target_time=0.9))
-    assert policy.round_costs()[1] > costs[1]  # a timed round counts
-
-
 def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
     # plain rounds (k = 0) test no position, so they must not forget what was measured: decayed
     # towards the prior (0.6 here), a 0.95 rate would drift down and could keep k at 0 for good

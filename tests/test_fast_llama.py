@@ -182,69 +182,20 @@ def count_passes(monkeypatch) -> list[str]:
     return passes
 
 
-def test_rows_joining_ride_the_next_pass_and_hold_their_own_prompts(target, monkeypatch):
-    """Joining rows of very different lengths cost no pass of their own: their prompts ride the
-    next extend (one padded pass, no packed one). Each row's logits then equal a fresh forward
-    over its own history; a second extend needs nothing more."""
+def test_rows_joining_in_one_packed_pass_hold_their_own_prompts(target, monkeypatch):
+    """Joining rows of very different lengths are prefilled in one packed pass (no padded
+    one); each row's logits after the join and after an extend equal a fresh forward over its
+    own history, and the rows already there are untouched."""
     lm = FastLlamaLM(target)
     joining = [[3], [4, 5], [6] * 9, [7] * 30, [8] * 31]
     session = lm.new_session()
     session.start([[1, 2, 3, 4, 5]])
     passes = count_passes(monkeypatch)
     session.add_rows(joining)
-    assert passes == []
+    assert passes == ["packed"]
     history = [[1, 2, 3, 4, 5]] + [list(p) for p in joining]
     assert session.lengths == [len(h) for h in history]
     check_next_logits(target, session, history, first_token=12)
-    assert passes == ["padded"]
-    history = [h + list(range(12 + 2 * b, 14 + 2 * b)) for b, h in enumerate(history)]
-    check_next_logits(target, session, history, first_token=40)
-    assert passes == ["padded", "padded"]
-
-
-def test_a_join_riding_a_pass_leaves_the_other_rows_logits_as_they_were(target):
-    """The rows already decoding get the logits they would get without the join, to float32
-    rounding (their projections run over more rows), and the join's keys and values equal a
-    join prefilled in a pass of its own."""
-    lm = FastLlamaLM(target)
-    running = [[1, 2, 3, 4, 5], [6, 7]]
-    joining = [[8, 9, 10], [11] * 12]
-    tokens = torch.tensor([[20, 21], [22, 23], [24, 25], [26, 27]])
-    riding, alone = lm.new_session(), lm.new_session()
-    for session in (riding, alone):
-        session.start(running)
-        session.add_rows(joining)
-    alone._fill_joining()  # a pass of its own, as before joins rode the next pass
-    with_join, without = riding.extend(tokens), alone.extend(tokens)
-    torch.testing.assert_close(with_join, without, atol=1e-5, rtol=1e-5)
-    for mine, theirs in zip(riding.cache.keys + riding.cache.values,
-                            alone.cache.keys + alone.cache.values):
-        torch.testing.assert_close(mine[:, :, :14], theirs[:, :, :14], atol=1e-5, rtol=1e-5)
-
-
-def test_joining_rows_are_kept_in_their_slots_or_dropped_and_filled_before_a_rewind(
-        target, monkeypatch):
-    """Between a join and the next pass: rows leave (a joining row that leaves is never
-    prefilled, one that moves keeps its prompt), a feed puts each joining prompt before its
-    row's tokens, and a rewind prefills them first. Every row's next logits equal a fresh
-    forward over its own history."""
-    lm = FastLlamaLM(target)
-    session = lm.new_session()
-    session.start([[1, 2, 3]])
-    session.add_rows([[4, 5], [6, 7, 8, 9], [10]])
-    passes = count_passes(monkeypatch)
-    session.keep_rows([0, 3, 2])  # row 1 leaves before its prompt is ever computed
-    assert passes == [] and session.lengths == [3, 1, 4]
-    session.feed([[11], [], [12, 13]])  # one packed pass: prompts, then the fed tokens
-    assert passes == ["packed"]
-    check_next_logits(target, session, [[1, 2, 3, 11], [10], [6, 7, 8, 9, 12, 13]],
-                      first_token=30)
-    session.add_rows([[14, 15, 16]])
-    session.rewind([1, 0, 0, 0])  # cannot carry the prompt: it is prefilled first
-    assert passes == ["packed", "padded", "packed"]
-    check_next_logits(target, session, [[1, 2, 3, 11, 30], [10, 32, 33],
-                                        [6, 7, 8, 9, 12, 13, 34, 35], [14, 15, 16]],
-                      first_token=50)
 
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])

@@ -50,10 +50,6 @@ class RoundStats:
     draft_timed: False when the draft's first step also fed the tokens of the plain rounds
         before it: draft_time is then no measure of k steps (a probe of k = 1 after 15 plain
         rounds would make drafting look several times dearer than it is, and keep k at 0).
-    target_timed: False when the round's passes also prefilled the prompts of rows that joined
-        before it (models/packed.py: joins ride the next pass): target_time and draft_time are
-        then no measure of the round (a join of 16 prompts costs several verification passes,
-        and charged to one depth it drove the 16-row policy to k = 8).
     """
 
     num_draft_tokens: int
@@ -63,7 +59,6 @@ class RoundStats:
     target_time: float
     other_time: float = 0.0
     draft_timed: bool = True  # False: the draft also caught up on plain rounds' tokens
-    target_timed: bool = True  # False: the passes also prefilled joining prompts
 
 
 class AdaptivePolicy:
@@ -359,8 +354,6 @@ class GoodputPolicy(AdaptivePolicy):
             if i < len(self._reached):
                 self._reached[i] += reached
                 self._accepted[i] += accepted
-        if not stats.target_timed:  # a join rode the passes: the old estimates stand
-            return
         if stats.draft_timed:  # else the old estimate stands (both sums decay alike)
             self._draft_step_time = self._draft_step_time * decay + stats.draft_time
             self._draft_steps = self._draft_steps * decay + stats.num_draft_tokens

@@ -76,7 +76,6 @@ class Batch:
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
         self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
-        self._joined = False  # rows joined since the last round: their prefills ride its passes
 
     @property
     def speculative(self) -> bool:
@@ -106,7 +105,6 @@ class Batch:
         if self.constraints is not None:
             self.constraints.add_rows(joining, len(rows))
         self.rows += rows
-        self._joined = True
         return rows
 
     def remove(self, rows: Sequence[Row]) -> None:
@@ -304,11 +302,9 @@ class Batch:
         self.last_policy = policy
         draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
         self._draft_lags = width == 0 and self.proposer is not None
-        # a backend may prefill joining rows in this round's passes (models/packed.py)
-        target_timed, self._joined = not self._joined, False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
-                               times["target_time"], other_time, draft_timed, target_timed)
+                               times["target_time"], other_time, draft_timed)
             self._policy_k[self._bucket()] = policy.next_num_draft_tokens(stats)
             if self.policy_config is not None and self.policy_config.carry_over and (
                     self._carried is not None):

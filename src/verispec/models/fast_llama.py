@@ -37,7 +37,7 @@ from .attention import attention_kernels
 from .base import as_ints, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
-from .packed import PackedRows, embed_packed, feed_packed, pack_rows, write_and_attend
+from .packed import feed_packed
 from .transformers import max_positions, output_width
 
 
@@ -129,38 +129,22 @@ class FastLlamaLM:
         return FastLlamaSession(self)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int,
-                cache: KVCache, used: int, packed: PackedRows | None = None) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n, V]; writes the cache.
+                cache: KVCache, used: int, logits_to_keep: int = 0) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n or logits_to_keep, V]; writes the cache.
 
         Two ways to place the tokens. Uniform rows (batch 1, or every row holding ``start``
         tokens): ``positions`` is None and row b's tokens go to start .. start + n - 1, so cache
         writes are slices and a single new token needs no mask. Ragged rows: ``positions`` [B, n]
         gives each token's position; writes are indexed and a [B, 1, n, used] mask hides what a
         row must not see (its stale tail, other rows' padding).
-
-        ``packed``: more tokens for this pass (models/packed.py; joining rows' prompts), laid
-        after the B n rows' in every projection, their keys written before any attention, and
-        no logits for them. A joining row's own tokens in ``tokens`` thus see its prompt.
         """
         batch, num_new = tokens.shape
         hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
         cos, signed_sin = self.rotary.lookup(positions, start, num_new, used)  # [B|1, n, 1, D]
-        if packed is not None:  # one token axis: the rows' B n tokens, then the N packed
-            extra, extra_cos, extra_sin = embed_packed(self, packed)  # [1, N, E], [1, N, 1, D]
-            hidden = torch.cat([hidden.reshape(1, batch * num_new, -1), extra], dim=1)
-            cos, signed_sin = (torch.cat([table.expand(batch, -1, -1, -1).reshape(
-                1, batch * num_new, 1, -1), extra_table], dim=1)
-                for table, extra_table in ((cos, extra_cos), (signed_sin, extra_sin)))
         mask = _attention_mask(positions, start, num_new, used, self.dtype, tokens.device)
         rows = None if positions is None else torch.arange(batch, device=tokens.device)[:, None]
         for w, keys, values in zip(self.layers, cache.keys, cache.values):
             query, key, value = self.rotated_qkv(w, hidden, cos, signed_sin)
-            if packed is not None:  # packed keys first: a joining row's tokens attend to them
-                extra = write_and_attend(self, packed, query[0, batch * num_new:],
-                                         key[0, batch * num_new:], value[0, batch * num_new:],
-                                         keys, values)  # [1, N, H D]
-                query, key, value = (x[0, : batch * num_new].view(batch, num_new, *x.shape[2:])
-                                     for x in (query, key, value))  # [B, n, H|Hkv, D]
             if positions is None:
                 keys[:, :, start : start + num_new] = key.transpose(1, 2)
                 values[:, :, start : start + num_new] = value.transpose(1, 2)
@@ -170,14 +154,12 @@ class FastLlamaLM:
             out = F.scaled_dot_product_attention(
                 query.transpose(1, 2), keys[:, :, :used], values[:, :, :used], attn_mask=mask,
                 scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
-            out = out.transpose(1, 2).reshape(batch, num_new, -1)  # [B, n, H D]
-            if packed is not None:
-                out = torch.cat([out.reshape(1, batch * num_new, -1), extra], dim=1)
-            hidden = self.finish_layer(w, hidden, out)
-        if packed is not None:
-            hidden = hidden[0, : batch * num_new].view(batch, num_new, -1)
+            hidden = self.finish_layer(w, hidden, out.transpose(1, 2).reshape(batch, num_new, -1))
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
         hidden = self.rms_norm(hidden, self.norm_weight, self.eps)
         return self.linear(hidden, self.head_weight)
+
 
     def rotated_qkv(self, w: _LayerWeights, hidden: torch.Tensor, cos: torch.Tensor,
                     signed_sin: torch.Tensor
@@ -332,6 +314,7 @@ class KVCache:
         self._head_shape = (lm.num_kv_heads, lm.head_dim)  # Hkv, D
         self._dtype, self._device = lm.dtype, lm.device
         self._num_layers = len(lm.layers)
+        self._is_slice = False  # a slots() view of another cache's storage: never regrown
         self.num_rows = num_rows
         self.capacity = capacity
         self._key_store = self._allocate(num_rows, capacity)
@@ -352,6 +335,19 @@ class KVCache:
         self.keys = [store[:num_rows] for store in self._key_store]  # [B, Hkv, T, D] each
         self.values = [store[:num_rows] for store in self._value_store]
 
+    def slots(self, first: int, num_rows: int) -> KVCache:
+        """A cache over slots first .. first + num_rows - 1 (views: writes land here), for
+        prefilling joining rows in place; its capacity is fixed (ensure it first)."""
+        part = KVCache.__new__(KVCache)
+        part._head_shape, part._dtype, part._device = (self._head_shape, self._dtype,
+                                                       self._device)
+        part._num_layers, part.capacity = self._num_layers, self.capacity
+        part._is_slice = True
+        part._key_store = [store[first : first + num_rows] for store in self._key_store]
+        part._value_store = [store[first : first + num_rows] for store in self._value_store]
+        part._views(num_rows)
+        return part
+
     def ensure(self, needed: int) -> None:
         """Room for ``needed`` positions, doubling so that growth is amortized."""
         if needed > self.capacity:
@@ -363,6 +359,7 @@ class KVCache:
             self._grow(max(needed, 2 * self.row_capacity), self.capacity)
 
     def _grow(self, num_slots: int, capacity: int) -> None:
+        assert not self._is_slice, "a slots() cache cannot grow: ensure the whole cache first"
         held_rows, held = self.num_rows, self.capacity
         for stores in (self._key_store, self._value_store):
             for i, old in enumerate(stores):
@@ -401,16 +398,12 @@ class FastLlamaSession:
     def __init__(self, lm: FastLlamaLM, cache: KVCache | None = None) -> None:
         self.lm = lm
         self.cache = cache if cache is not None else KVCache(lm, 0, 0)
-        self.lengths: list[int] = []  # tokens held per row (a joining row's: its prompt)
+        self.lengths: list[int] = []  # tokens held per row
         self.num_rows = self.cache.num_rows
-        # joined rows whose prompts are not in the cache yet: row -> prompt, prefilled by the
-        # next pass (add_rows)
-        self._joining: dict[int, list[int]] = {}
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         longest = max((len(p) for p in prompts), default=0)
         self.cache = KVCache(self.lm, len(prompts), max(128, 2 * longest))
-        self._joining = {}
         self._prefill(prompts)
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -421,44 +414,26 @@ class FastLlamaSession:
         self.feed(prompts)
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New rows at the end holding these prompts, in the cache's free slots (the other
-        rows' caches are neither read nor copied). The prompts are prefilled by the next pass,
-        packed: an ``extend`` carries them with the rows' own tokens (a round pays no pass of
-        its own for a join), a ``feed`` puts each before its row's tokens, and any other verb
-        prefills them first (:meth:`_fill_joining`)."""
+        """New rows at the end holding these prompts, prefilled straight into the cache's free
+        slots in one packed pass (:meth:`feed` on empty rows); the other rows' caches are
+        neither read nor copied."""
         if not prompts:
             return
         longest = max(len(p) for p in prompts)
         self.cache.ensure(max(128, 2 * longest))
         self.cache.ensure_rows(self.num_rows + len(prompts))
-        self._joining.update((self.num_rows + i, list(p)) for i, p in enumerate(prompts) if p)
-        self.lengths += [len(p) for p in prompts]
+        joining = FastLlamaSession(self.lm, self.cache.slots(self.num_rows, len(prompts)))
+        joining.lengths = [0] * len(prompts)
+        joining.feed(prompts)
+        self.lengths += joining.lengths
         self.cache.add_rows(len(prompts))
         self.num_rows += len(prompts)
 
-    def _take_joining(self) -> tuple[list[int], list[list[int]]]:
-        """The joining prompts as a packed feed's starts and rows (empty for other rows), now
-        owned by the caller's pass."""
-        starts, rows = list(self.lengths), [[] for _ in range(self.num_rows)]
-        for row, prompt in self._joining.items():
-            starts[row], rows[row] = 0, prompt
-        self._joining = {}
-        return starts, rows
-
-    def _fill_joining(self) -> None:
-        """Prefill the joining prompts in a pass of their own (before a verb that cannot carry
-        them)."""
-        if self._joining:
-            starts, rows = self._take_joining()
-            feed_packed(self.lm, self.cache, starts, rows)
-
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Keep only these rows, in this order (a joining row that leaves is never prefilled)."""
+        """Keep only these rows, in this order."""
         rows = _checked_rows(rows, self.num_rows)
         self.cache.keep_rows(rows)
         self.lengths = [self.lengths[row] for row in rows]
-        self._joining = {slot: self._joining[row] for slot, row in enumerate(rows)
-                         if row in self._joining}
         self.num_rows = len(rows)
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -481,12 +456,10 @@ class FastLlamaSession:
         """
         rows = feed_rows(rows, self.num_rows)
         widths = [len(row) for row in rows]
-        starts, packed = self._take_joining()  # a joining row's prompt goes before its tokens
-        packed = [prompt + row for prompt, row in zip(packed, rows)]
-        if not any(packed):
+        if not any(widths):
             return
-        self.cache.ensure(max(start + len(row) for start, row in zip(starts, packed)))
-        feed_packed(self.lm, self.cache, starts, packed)
+        self.cache.ensure(max(length + width for length, width in zip(self.lengths, widths)))
+        feed_packed(self.lm, self.cache, self.lengths, rows)
         self.lengths = [length + width for length, width in zip(self.lengths, widths)]
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
@@ -496,7 +469,6 @@ class FastLlamaSession:
                 0 <= n <= length for n, length in zip(dropped, self.lengths)):
             raise ShapeError(f"rewind expects [B={self.num_rows}] counts from 0 to each row's "
                              f"length {self.lengths}; got {dropped}.")
-        self._fill_joining()
         self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -511,9 +483,8 @@ class FastLlamaSession:
             lengths = torch.tensor(self.lengths, dtype=torch.int64, device=tokens.device)
             positions = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
         self.cache.ensure(used)
-        packed = pack_rows(self.lm, *self._take_joining()) if self._joining else None
         with torch.inference_mode(), attention_kernels(self.lm.device):
-            return self.lm.forward(tokens, positions, start, self.cache, used, packed)
+            return self.lm.forward(tokens, positions, start, self.cache, used)
 
 
 def _checked_rows(rows: Sequence[int], num_rows: int) -> list[int]:

@@ -157,10 +157,19 @@ def pass_rate(results: list[dict], elapsed: float) -> float:
     return sum(r["tokens"] for r in results if r["status"] == "200") / elapsed
 
 
+def mean_k(results: list[dict]) -> float | None:
+    """The draft depth the server chose for these requests, weighted by their tokens (None for
+    a plain server)."""
+    weighted = [(r["k"], r["tokens"]) for r in results
+                if r["status"] == "200" and r["k"] is not None]
+    if not weighted:
+        return None
+    return sum(k * n for k, n in weighted) / max(1, sum(n for _, n in weighted))
+
+
 def summarize(results: list[dict], elapsed: float, reference: dict[str, str], rss: int | None,
               clients: int, mode: str) -> dict:
     ok = [r for r in results if r["status"] == "200"]
-    weighted = [(r["k"], r["tokens"]) for r in ok if r["k"] is not None]
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
     differ = [{"prompt": r["prompt"][:60], "offset": first_difference(r["text"],
                                                                       reference[r["prompt"]])}
@@ -172,8 +181,7 @@ def summarize(results: list[dict], elapsed: float, reference: dict[str, str], rs
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "latency_p50": percentile([r["latency"] for r in ok], 50),
             "latency_p99": percentile([r["latency"] for r in ok], 99),
-            "mean_k": (sum(k * n for k, n in weighted) / max(1, sum(n for _, n in weighted))
-                       if weighted else None),
+            "mean_k": mean_k(results),
             "equal_alone": 1 - len(differ) / len(ok) if ok else None, "differ": differ,
             "rss_mib": None if rss is None else rss / 2**20, "seconds": elapsed}
 
@@ -235,8 +243,10 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     passes.setdefault((mode, clients), []).append((results, elapsed))
                     if repeat == 0:  # later sweeps would show the larger levels' peak
                         rss[mode, clients] = rss_bytes(servers[mode][0].pid)
+                    k = mean_k(results)
                     print(f"pass {repeat + 1}/{args.repeats} {mode:11} {clients:2} clients: "
-                          f"{pass_rate(results, elapsed):7.1f} tok/s", flush=True)
+                          f"{pass_rate(results, elapsed):7.1f} tok/s"
+                          + ("" if k is None else f", mean k {k:.2f}"), flush=True)
         rows = []
         for (mode, clients), level in passes.items():
             reference = servers[mode][2]
@@ -244,6 +254,7 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                             sum(elapsed for _, elapsed in level), reference,
                             rss[mode, clients], clients, mode)
             row["tokens_per_s_passes"] = [pass_rate(results, elapsed) for results, elapsed in level]
+            row["mean_k_passes"] = [mean_k(results) for results, _ in level]
             row["tokens_per_s"] = statistics.median(row["tokens_per_s_passes"])
             rows.append(row)
         return rows

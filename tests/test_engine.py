@@ -595,6 +595,30 @@ def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
     assert policy.round_costs()[1] - policy.round_costs()[0] > 0.05  # a timed round counts
 
 
+def test_goodput_policy_measures_a_plain_round_first_and_keeps_its_cost_while_drafting():
+    # a policy that may choose plain rounds and starts drafting: its first probe is a plain
+    # round, and that round's T(0) prices plain rounds through the drafting stretch after it.
+    # Priced flat from the lowest drafting depth instead, a plain round looked as dear as a
+    # 4-token verification pass (at 16 rows on 2 cores: 14.9 ms against 7.3) and a policy that
+    # started drafting never stopped
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=8,
+                                 probe_every=4).build(4)
+    ks = [4]
+    for _ in range(4):
+        ks.append(policy.next_num_draft_tokens(replace(_stats(ks[-1], 16, 0.5),
+                                                       draft_time=0.002 * ks[-1],
+                                                       target_time=0.012 + 0.002 * ks[-1])))
+    assert 0 in ks[1:5] and policy.plain_cost() > 0.015  # flat from the lowest depth: unmeasured
+    k = policy.next_num_draft_tokens(RoundStats(0, (), (), 0.0, 0.004))
+    for _ in range(30):  # drafting rounds (forced): T(0) is not forgotten
+        policy.next_num_draft_tokens(replace(_stats(3, 16, 0.5), draft_time=0.006,
+                                             target_time=0.018))
+    assert policy.plain_cost() == pytest.approx(0.004, abs=0.001)
+    assert policy.next_num_draft_tokens(replace(_stats(3, 16, 0.5), draft_time=0.006,
+                                                target_time=0.018)) == 0
+    assert k == 0
+
+
 def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
     # plain rounds (k = 0) test no position, so they must not forget what was measured: decayed
     # towards the prior (0.6 here), a 0.95 rate would drift down and could keep k at 0 for good

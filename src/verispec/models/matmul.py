@@ -48,8 +48,9 @@ A draft may take both (``linear_kernel(name, by_rows=True)``): its small weights
 and each call picks oneDNN over 2 or more rows and ATen over one. A draft's numbers need not be
 the same at every batch size: exactness needs only that the probabilities it reports are those
 it drew from, which holds whatever kernel computed them (a target's kernel is fixed per weight,
-see below). On the 2-core EPYC the demo draft's step over 16 rows went 2.1 -> 1.9 ms (1 token a
-row) and 3.4 -> 2.8 ms (2 tokens a row), its 1-row step unchanged (ATen).
+see below). On the 2-core EPYC (interleaved, medians of 8) the demo draft's step over 16 rows
+went 1.97 -> 1.91 ms (1 token a row) and 2.10 -> 1.97 ms (2 tokens a row), over 4 rows 2-3%
+faster, its 1-row step unchanged (ATen).
 
 Both kernels compute the same products in a different summation order, so logits agree to
 ~1e-6 relative, not bit for bit; within one kernel a given input always gives the same output.
@@ -152,6 +153,11 @@ def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     ``_onednn_linear`` reads); a weight under SMALL_WEIGHT_ELEMENTS stays as it is, for ATen."""
     if weight.numel() < SMALL_WEIGHT_ELEMENTS:
         return weight
+    return _reorder(weight)
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """weight [O, E] -> a packed copy in oneDNN's blocked layout for PACK_ROWS rows."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
@@ -166,9 +172,8 @@ def _pack_both(weight: torch.Tensor) -> torch.Tensor | BothLayouts:
     """weight [O, E] -> packed for oneDNN; a weight under SMALL_WEIGHT_ELEMENTS in both
     layouts (ATen is the faster over one row, oneDNN over more: the docstring's table)."""
     if weight.numel() >= SMALL_WEIGHT_ELEMENTS:
-        return _pack_for_onednn(weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
-    return BothLayouts(weight, packed)
+        return _reorder(weight)
+    return BothLayouts(weight, _reorder(weight))
 
 
 def _linear_by_rows(x: torch.Tensor, weight: torch.Tensor | BothLayouts,
@@ -176,10 +181,8 @@ def _linear_by_rows(x: torch.Tensor, weight: torch.Tensor | BothLayouts,
     """x [..., E] @ weight.T + bias for a weight prepared by ``_pack_both``: a weight in both
     layouts by ATen over one row, by oneDNN over more; a large one always by oneDNN."""
     if isinstance(weight, BothLayouts):
-        if x.numel() == x.shape[-1]:  # one row
-            return F.linear(x, weight.dense, bias)
-        weight = weight.packed
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        weight = weight.dense if x.numel() == x.shape[-1] else weight.packed  # one row: ATen
+    return _onednn_linear(x, weight, bias)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -17,6 +17,7 @@ import torch
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.batch import fill_from_the_end
+from verispec.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
 from verispec.sampling import make_generator
@@ -193,6 +194,26 @@ def test_demo_pair_batched_greedy_text_equals_each_prompt_alone(demo_decoder, k)
     for prompt, completion in zip(PROMPTS, batched):
         alone = demo_decoder.generate(prompt, max_new_tokens=32, num_draft_tokens=k)
         assert completion.text == alone.text, prompt
+
+
+@pytest.fixture(scope="module")
+def twelve_alone(demo_decoder):
+    """Twelve held-out prompts of 6-63 tokens and each one's plain greedy text, sent alone."""
+    prompts = heldout_prompts()[:12]
+    return prompts, [demo_decoder.generate(prompt, max_new_tokens=24, speculative=False).text
+                     for prompt in prompts]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_demo_pair_batch_of_twelve_greedy_text_equals_plain_decoding_alone(
+        demo_decoder, twelve_alone, k):
+    """Twelve rows: verification passes take attention's matmul path (models/attention.py),
+    prompts and plain steps the flash kernel; no row's text may change."""
+    prompts, alone = twelve_alone
+    batched = demo_decoder.generate(prompts, max_new_tokens=24, num_draft_tokens=k,
+                                    adaptive=False)
+    assert [completion.text for completion in batched] == alone
+    assert all(completion.metrics.num_drafted > 0 for completion in batched)
 
 
 def test_per_row_settings_and_seeds(tiny_decoder):

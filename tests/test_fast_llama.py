@@ -9,6 +9,7 @@ from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.api import wrap_model
 from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
+from verispec.models import attention as attention_module
 from verispec.models import matmul as matmul_module
 from verispec.models import fast_llama as fast_llama_module
 from verispec.models.fast_llama import FastLlamaLM, supports
@@ -35,26 +36,29 @@ def draft():
 
 
 def check_logits_after_random_extend_and_rewind(model, session, vocab_size: int,
-                                               steps: int = 12) -> None:
+                                               steps: int = 12,
+                                               prompts: list[list[int]] | None = None) -> None:
     """Random extends and rewinds of ``session`` on three ragged rows; after each extend every
     row's last logits must equal a fresh forward of ``model`` over that row's history (on the
     model's device). Shared with tests/test_gpu.py."""
     generator = torch.Generator().manual_seed(0)
-    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
+    prompts = prompts or [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
+    num_rows = len(prompts)
     session.start(prompts)
     history = [list(p) for p in prompts]
     for _ in range(steps):
         n = int(torch.randint(1, 5, (1,), generator=generator))
-        tokens = torch.randint(0, vocab_size, (3, n), generator=generator)
+        tokens = torch.randint(0, vocab_size, (num_rows, n), generator=generator)
         logits = session.extend(tokens.to(model.device))  # [B, n, V]
-        for row in range(3):
+        for row in range(num_rows):
             history[row].extend(tokens[row].tolist())
             with torch.inference_mode():
                 fresh = model(torch.tensor([history[row]], device=model.device)).logits[0, -1]
             torch.testing.assert_close(logits[row, -1], fresh, atol=1e-4, rtol=1e-4)
-        rewind = [int(torch.randint(0, n + 1, (1,), generator=generator)) for _ in range(3)]
+        rewind = [int(torch.randint(0, n + 1, (1,), generator=generator))
+                  for _ in range(num_rows)]
         session.rewind(rewind)
-        for row in range(3):
+        for row in range(num_rows):
             del history[row][len(history[row]) - rewind[row]:]
 
 
@@ -62,6 +66,43 @@ def check_logits_after_random_extend_and_rewind(model, session, vocab_size: int,
 def test_logits_match_transformers_after_random_extend_and_rewind(target, matmul):
     check_logits_after_random_extend_and_rewind(
         target, FastLlamaLM(target, matmul=matmul).new_session(), VOCAB)
+
+
+def test_logits_match_transformers_with_enough_rows_for_matmul_attention(target):
+    """Nine ragged rows: passes of several tokens take attention's matmul path
+    (models/attention.py), single tokens the flash kernel; both must give the reference's
+    logits."""
+    assert 9 >= attention_module.MATMUL_MIN_ROWS
+    prompts = [[1 + row] * (1 + 3 * row % 7) for row in range(9)]
+    check_logits_after_random_extend_and_rewind(
+        target, FastLlamaLM(target).new_session(), VOCAB, steps=8, prompts=prompts)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("rows, num_queries", [(1, 3), (8, 1), (8, 3), (12, 5)])
+def test_attend_matches_scaled_dot_product_attention(rows, num_queries, num_heads,
+                                                     num_kv_heads, monkeypatch):
+    """attend() against scaled_dot_product_attention on ragged masked rows, grouped heads
+    included; passes of several queries over MATMUL_MIN_ROWS rows or more must not call it."""
+    generator = torch.Generator().manual_seed(rows * 10 + num_queries)
+    head_dim, num_keys = 16, 40
+    query = torch.randn(rows, num_heads, num_queries, head_dim, generator=generator)
+    keys, values = (torch.randn(rows, num_kv_heads, num_keys, head_dim, generator=generator)
+                    for _ in range(2))
+    lengths = torch.randint(0, num_keys - num_queries, (rows,), generator=generator)
+    positions = lengths[:, None] + torch.arange(num_queries)  # [B, n]
+    visible = torch.arange(num_keys)[None, None, :] <= positions[:, :, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=0.25, enable_gqa=num_heads != num_kv_heads)
+    calls = []
+    sdpa = attention_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs))
+    out = attention_module.attend(query, keys, values, mask, 0.25)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    matmul_path = num_queries > 1 and rows >= attention_module.MATMUL_MIN_ROWS
+    assert len(calls) == (0 if matmul_path else 1)
 
 
 @pytest.fixture(scope="module")

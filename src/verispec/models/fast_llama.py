@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
-from .attention import attention_kernels
+from .attention import attend, attention_kernels
 from .base import as_ints, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
@@ -151,9 +151,8 @@ class FastLlamaLM:
             else:  # advanced indices around a slice: the indexed view is [B, n, Hkv, D]
                 keys[rows, :, positions] = key
                 values[rows, :, positions] = value
-            out = F.scaled_dot_product_attention(
-                query.transpose(1, 2), keys[:, :, :used], values[:, :, :used], attn_mask=mask,
-                scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
+            out = attend(query.transpose(1, 2), keys[:, :, :used], values[:, :, :used], mask,
+                         self.scaling)  # [B, H, n, D]
             hidden = self.finish_layer(w, hidden, out.transpose(1, 2).reshape(batch, num_new, -1))
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

@@ -1,4 +1,4 @@
-"""Which kernels ``scaled_dot_product_attention`` may pick in verispec's forward passes.
+"""Attention in verispec's forward passes: which kernel computes it on each device.
 
 Why: decoding feeds a new attention shape at almost every step (one more cached key; the query
 length is 1 for a plain step and k + 1 for a verification pass), and on CUDA in half precision
@@ -70,9 +70,8 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     additive, broadcastable to [B, 1, n, T], or None -> [B, H, n, D].
 
     Several queries a row over at least MATMUL_MIN_ROWS rows on a CPU in float32 take the matmul
-    path (module docstring): a query
-    group's heads share their key head by a reshape, not a copy. Everything else is
-    scaled_dot_product_attention.
+    path (module docstring), where a query group's heads share their key head by a reshape, not
+    a copy. Everything else is scaled_dot_product_attention.
     """
     batch, num_heads, num_queries, head_dim = query.shape
     num_kv_heads = keys.shape[1]

@@ -38,9 +38,9 @@ def draft():
 def check_logits_after_random_extend_and_rewind(model, session, vocab_size: int,
                                                steps: int = 12,
                                                prompts: list[list[int]] | None = None) -> None:
-    """Random extends and rewinds of ``session`` on three ragged rows; after each extend every
-    row's last logits must equal a fresh forward of ``model`` over that row's history (on the
-    model's device). Shared with tests/test_gpu.py."""
+    """Random extends and rewinds of ``session`` on ragged rows (``prompts``, by default three);
+    after each extend every row's last logits must equal a fresh forward of ``model`` over that
+    row's history (on the model's device). Shared with tests/test_gpu.py."""
     generator = torch.Generator().manual_seed(0)
     prompts = prompts or [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
     num_rows = len(prompts)
@@ -73,7 +73,7 @@ def test_logits_match_transformers_with_enough_rows_for_matmul_attention(target)
     (models/attention.py), single tokens the flash kernel; both must give the reference's
     logits."""
     assert 9 >= attention_module.MATMUL_MIN_ROWS
-    prompts = [[1 + row] * (1 + 3 * row % 7) for row in range(9)]
+    prompts = [[1 + row] * (1 + (3 * row) % 7) for row in range(9)]  # 1-7 tokens
     check_logits_after_random_extend_and_rewind(
         target, FastLlamaLM(target).new_session(), VOCAB, steps=8, prompts=prompts)
 
@@ -91,8 +91,8 @@ def test_attend_matches_scaled_dot_product_attention(rows, num_queries, num_head
                     for _ in range(2))
     lengths = torch.randint(0, num_keys - num_queries, (rows,), generator=generator)
     positions = lengths[:, None] + torch.arange(num_queries)  # [B, n]
-    visible = torch.arange(num_keys)[None, None, :] <= positions[:, :, None]
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
+    mask = fast_llama_module._attention_mask(positions, 0, num_queries, num_keys, torch.float32,
+                                             query.device)  # [B, 1, n, T], the forward's own
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=0.25, enable_gqa=num_heads != num_kv_heads)
     calls = []

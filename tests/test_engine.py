@@ -27,7 +27,7 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec.adaptive import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, RoundStats
+from verispec.adaptive import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE, RoundStats
 from verispec.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -537,7 +537,8 @@ def test_goodput_policy_probes_ever_more_rarely_while_plain_rounds_stay_best():
     assert PLAIN_PROBE_BACKOFF * 4 == 64 and set(gaps[3:]) == {64}
     cheap = [policy.next_num_draft_tokens(_timed_stats(k, 0.95, 0.01, lambda k: 1.0))
              for k in [1] * 12]
-    assert cheap[-1] > 0 and 0 < cheap.count(cheap[-1]) < 12  # drafting again, probing at 4
+    assert cheap[:3] == [4, 4, 4] and cheap[3] == 3  # drafting again, probing at 4
+    assert cheap[-1] == 0  # the third probe while drafting is a plain round (PLAIN_REPROBE)
 
 
 def test_a_short_drafting_excursion_keeps_the_plain_probe_backoff():
@@ -619,6 +620,51 @@ def test_goodput_policy_measures_a_plain_round_first_and_keeps_its_cost_while_dr
     assert k == 0
 
 
+def test_goodput_policy_measures_plain_rounds_afresh_while_drafting():
+    # a loaded server: the first plain probe came out slow (9 ms; the plain server's rounds took
+    # 7.2-7.3), so drafting (~6.7 ms a token a row here) looked better than plain rounds by more
+    # than PLAIN_MARGIN. Every PLAIN_REPROBE-th probe while drafting is a plain round; the
+    # fresh 7 ms ones outweigh the stale 9 ms and the policy goes back to plain rounds. Measured
+    # once and kept, the stale T(0) held it drafting for good (the server ran at 0.88x plain)
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
+                                 probe_every=4).build(3)
+    k, plain_rounds = 3, []
+    for round_index in range(120):
+        if k == 0:
+            stats = RoundStats(0, (), (), 0.0, 0.009 if not plain_rounds else 0.007)
+            plain_rounds.append(round_index)
+        else:
+            stats = replace(_stats(k, 16, 0.9), draft_time=0.002 * k,
+                            target_time=0.008 + 0.003 * k)
+        k = policy.next_num_draft_tokens(stats)
+    reprobe = 4 * PLAIN_REPROBE  # rounds between plain probes while drafting
+    assert plain_rounds[:5] == [4, 4 + reprobe, 4 + 2 * reprobe, 4 + 3 * reprobe, 4 + 4 * reprobe]
+    assert len(plain_rounds[4:]) >= 0.9 * (120 - plain_rounds[4])  # plain, probes of k = 1 aside
+    assert policy.plain_cost() == pytest.approx(0.007, abs=2e-4)
+    assert policy.num_draft_tokens == 0
+
+
+def test_goodput_policy_prices_the_drafts_prefill_of_joining_rows():
+    # 16 rows: a drafting round at k = 2 (2.6 tokens a row) costs 17.2 ms, a plain round 7.4:
+    # 0.41 against 0.46 ms a token a row, so drafting wins by more than PLAIN_MARGIN. Each
+    # request also costs the draft a prefill when it joins, 2.5 ms for 48 tokens (0.05 ms a
+    # token), which a plain batch defers: priced per token a round emits, it makes plain rounds
+    # the better choice. The same rounds without joins keep drafting
+    def run(join_time: float) -> tuple[int, float]:
+        policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=2,
+                                     prior_acceptance=0.85, probe_every=0).build(2)
+        policy.next_num_draft_tokens(RoundStats(0, (), (), 0.0, 0.0074, num_rows=16))
+        for _ in range(40):
+            stats = replace(_stats(2, 16, 0.85), draft_time=0.0042, target_time=0.0130,
+                            num_rows=16, join_time=join_time, join_tokens=48)
+            policy.next_num_draft_tokens(stats)
+        return policy.num_draft_tokens, policy.join_cost()
+
+    assert run(0.0) == (2, 0.0)
+    k, join_cost = run(0.0025)
+    assert join_cost == pytest.approx(0.0025 / 48) and k == 0
+
+
 def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
     # plain rounds (k = 0) test no position, so they must not forget what was measured: decayed
     # towards the prior (0.6 here), a 0.95 rate would drift down and could keep k at 0 for good
@@ -654,6 +700,36 @@ def test_a_batch_runs_the_depth_its_policy_returns():
         batch.step()
         widths.append(batch.recorder.snapshot().num_drafted - before)
     assert widths[:5] == [2, 1, 3, 1, 3]
+
+
+def test_a_batch_hands_its_policy_the_drafts_prefill_of_joining_rows():
+    # a join's draft prefill reaches the policy with the next round's stats (and only that
+    # round's); a row joining after a plain round defers its draft work, and nothing is priced
+    seen: list[RoundStats] = []
+
+    class Recording(GoodputPolicyConfig):
+        def build(self, initial_num_draft_tokens, previous=None):
+            policy = super().build(initial_num_draft_tokens, previous)
+
+            def plain_next(stats: RoundStats) -> int:
+                seen.append(stats)
+                return 0
+            policy.next_num_draft_tokens = plain_next
+            return policy
+
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=2, sampling=GREEDY,
+                              adaptive=Recording(min_num_draft_tokens=0))
+    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    batch.add([PROMPTS[0]], [config], [make_generator(0)])
+    batch.step()  # drafts at k = 2; the policy then returns 0
+    batch.step()  # plain
+    batch.add([PROMPTS[1]], [replace(config, max_new_tokens=30)], [make_generator(1)])
+    batch.step()
+    assert seen[0].num_draft_tokens == 2 and seen[0].join_time > 0
+    assert seen[0].join_tokens == 20 and seen[0].num_rows == 1
+    assert (seen[1].join_time, seen[1].join_tokens) == (0.0, 0)
+    assert (seen[2].join_time, seen[2].join_tokens, seen[2].num_rows) == (0.0, 0, 2)  # deferred
 
 
 def test_goodput_policy_with_zero_prior_weight_handles_unreached_positions():

@@ -11,7 +11,9 @@ Two policies:
     is measured: k draft steps plus the target call at depth k, T(k), because a pass over
     k + 1 tokens is not free on every device (on a 2-core CPU T(4) is ~1.8 T(0)), plus the
     round's fixed overhead (verification and bookkeeping: it favours deeper rounds where it
-    is large against T); T is the
+    is large against T), plus the draft's prefill of joining rows spread over the tokens they
+    may emit (GoodputPolicy.join_cost; it weighs on every drafting round in proportion to the
+    tokens it emits); T is the
     measured mean at each depth used recently, interpolated between them, flat below them and
     rising by a fitted slope above them (GoodputPolicy.round_costs). To see more than one
     depth, every ``probe_every`` rounds one round runs at a neighbour of the best k.
@@ -50,6 +52,10 @@ class RoundStats:
     draft_timed: False when the draft's first step also fed the tokens of the plain rounds
         before it: draft_time is then no measure of k steps (a probe of k = 1 after 15 plain
         rounds would make drafting look several times dearer than it is, and keep k at 0).
+    num_rows: rows in the round.
+    join_time, join_tokens: seconds the draft spent prefilling the prompts of rows that joined
+        since the previous round, and those rows' max_new_tokens summed: a cost drafting pays
+        per request, which a batch running plain rounds defers (batch.Batch.add).
     """
 
     num_draft_tokens: int
@@ -59,6 +65,9 @@ class RoundStats:
     target_time: float
     other_time: float = 0.0
     draft_timed: bool = True  # False: the draft also caught up on plain rounds' tokens
+    num_rows: int = 1
+    join_time: float = 0.0
+    join_tokens: int = 0
 
 
 class AdaptivePolicy:
@@ -190,7 +199,8 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
     call T(0), and the policy falls back to it while no depth's expected goodput beats it by
     PLAIN_MARGIN (a draft that rarely agrees, or a machine where the target's pass costs more
-    after the draft's steps than back to back); probes keep measuring k = 1.
+    after the draft's steps than back to back); probes keep measuring k = 1, and while it
+    drafts every PLAIN_REPROBE-th probe is a plain round, so T(0) stays current.
     """
 
     LOWEST_MIN: ClassVar[int] = 0
@@ -230,6 +240,13 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
 # how far the probe interval of a goodput policy stretches while plain rounds stay the best
 PLAIN_PROBE_BACKOFF = 16
 
+# while a policy that may choose plain rounds drafts, every this many probes one is a plain
+# round, so that T(0) is measured afresh. Measured once, at the first probe, a plain round that
+# came out slow (8.9 ms against 7.2-7.3 for the plain server's 16-row rounds) priced plain
+# rounds for good: the speculative server drafted at k ~3 through its 16-row rounds, which
+# cost what plain ones did, and lost its joins' draft prefills (0.88x the plain server)
+PLAIN_REPROBE = 3
+
 # how much more goodput than plain rounds drafting must promise to be chosen over them: a
 # round that drafts after plain ones first makes the draft catch up on their tokens, and the
 # rows that joined meanwhile, outside the priced round (batch.Batch.step). At 16 rows on
@@ -256,9 +273,14 @@ class GoodputPolicy(AdaptivePolicy):
         self._probe_interval = config.probe_every  # doubling while k = 0 stays the best
         self._num_drafting = 0  # consecutive rounds the model chose to draft
         # T(0), a plain round's target call, kept apart: decayed only by plain rounds, so that
-        # a drafting stretch does not forget it (see _measured_costs)
+        # a drafting stretch does not forget it (see _measured_costs); while drafting, plain
+        # probes keep it current (PLAIN_REPROBE)
         self._plain_time = 0.0
         self._plain_rounds = 0.0
+        self._join_time = 0.0  # decayed per join: the draft's prefill seconds, and the tokens
+        self._join_tokens = 0.0  # the joined rows may emit (their max_new_tokens)
+        self._num_rows = 1  # rows in the latest round
+        self._num_drafting_probes = 0  # probes while drafting; every PLAIN_REPROBE-th is plain
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -278,6 +300,14 @@ class GoodputPolicy(AdaptivePolicy):
         if self._draft_steps == 0 or calls == 0 or seconds <= 0:
             return 0.1  # a typical small-draft ratio until something is measured
         return (self._draft_step_time / self._draft_steps) / (seconds / calls)
+
+    def join_cost(self) -> float:
+        """Seconds of the draft's prefill per token a joined row may emit (0 until a join's
+        draft prefill is timed): the per-request cost of drafting, spread over the row's
+        tokens. On the demo pair at 16 rows on 2 cores: 1.2-1.4 ms a joining row in-process
+        (~0.03 ms a token of a 48-token request, 6% of a 16-row round's cost a token), while
+        drafting and plain rounds cost within 5-7% of each other a token."""
+        return self._join_time / self._join_tokens if self._join_tokens > 0 else 0.0
 
     def round_costs(self) -> list[float] | None:
         """Measured cost of a round at k = 1 .. max, in seconds; None until anything is timed.
@@ -336,10 +366,12 @@ class GoodputPolicy(AdaptivePolicy):
         self._observe(stats)
         rates = self.acceptance_estimates()
         costs, plain_cost = self._measured_costs()
+        # the draft's prefill of the rows that join, by the tokens a drafting round emits
+        join_cost = self._num_rows * self.join_cost()
         if costs is None or plain_cost is None:  # in target calls: k draft steps + one call
             c = self.cost_ratio()
             costs = [k * c + 1.0 for k in range(1, self.config.max_num_draft_tokens + 1)]
-            plain_cost = 1.0
+            plain_cost, join_cost = 1.0, 0.0
         best_k, best_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
         if self.config.min_num_draft_tokens == 0:  # a plain round: one token per T(0), and
             # drafting must beat it by PLAIN_MARGIN (what leaving plain rounds costs unpriced)
@@ -347,7 +379,7 @@ class GoodputPolicy(AdaptivePolicy):
         for k in range(1, self.config.max_num_draft_tokens + 1):
             prefix *= rates[k - 1]
             expected += prefix
-            goodput = expected / costs[k - 1]
+            goodput = expected / (costs[k - 1] + expected * join_cost)
             if k >= self.config.min_num_draft_tokens and goodput > best_goodput:
                 best_k, best_goodput = k, goodput
         self.num_draft_tokens = best_k
@@ -370,6 +402,10 @@ class GoodputPolicy(AdaptivePolicy):
         self._target_calls = [n * decay for n in self._target_calls]
         self._other_time = self._other_time * decay + stats.other_time
         self._other_rounds = self._other_rounds * decay + 1.0
+        self._num_rows = stats.num_rows
+        if stats.join_tokens > 0:
+            self._join_time = self._join_time * decay + stats.join_time
+            self._join_tokens = self._join_tokens * decay + stats.join_tokens
         if stats.num_draft_tokens < len(self._target_time):
             self._target_time[stats.num_draft_tokens] += stats.target_time
             self._target_calls[stats.num_draft_tokens] += 1
@@ -393,8 +429,11 @@ class GoodputPolicy(AdaptivePolicy):
         self._since_probe = 0
         if best_k == 0:
             self._probe_interval = min(2 * self._probe_interval, PLAIN_PROBE_BACKOFF * every)
-        elif self.config.min_num_draft_tokens == 0 and self._plain_rounds == 0:
-            return 0  # plain rounds never measured: the first probe measures one
+        elif self.config.min_num_draft_tokens == 0:
+            self._num_drafting_probes += 1
+            if self._plain_rounds == 0 or self._num_drafting_probes >= PLAIN_REPROBE:
+                self._num_drafting_probes = 0
+                return 0  # the first probe measures a plain round, and every few a fresh one
         self._probe_up = not self._probe_up
         for step in ((1, -1) if self._probe_up else (-1, 1)):
             probe = self.config.clamp(best_k + step)

@@ -76,6 +76,8 @@ class Batch:
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
         self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
+        self._join_time = 0.0  # the draft's prefill of rows joining since the last round
+        self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
 
     @property
     def speculative(self) -> bool:
@@ -97,8 +99,14 @@ class Batch:
             # rows joining a batch that runs plain rounds leave their draft work for the next
             # proposal (proposers.base.ProposerSession.add_rows); a row with a fixed k drafts
             # in the next round anyway
-            self.proposer.add_rows(prompts, defer=self._draft_lags and all(
-                row.follows_policy for row in rows))
+            defer = self._draft_lags and all(row.follows_policy for row in rows)
+            started = time.perf_counter()
+            self.proposer.add_rows(prompts, defer=defer)
+            if not defer:  # the policy prices it as a cost of drafting
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._join_time += time.perf_counter() - started
+                self._join_tokens += sum(config.max_new_tokens for config in configs)
         joining = constraints if constraints is not None and constraints.active else None
         if self.constraints is None and joining is not None:
             self.constraints = ConstraintSet(joining.index, [None] * len(self.rows))
@@ -304,11 +312,13 @@ class Batch:
         self._draft_lags = width == 0 and self.proposer is not None
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
-                               times["target_time"], other_time, draft_timed)
+                               times["target_time"], other_time, draft_timed, len(emitted),
+                               self._join_time, self._join_tokens)
             self._policy_k[self._bucket()] = policy.next_num_draft_tokens(stats)
             if self.policy_config is not None and self.policy_config.carry_over and (
                     self._carried is not None):
                 self._carried[self._carry_key(self._bucket())] = policy
+        self._join_time, self._join_tokens = 0.0, 0
 
     def _keep(self, indices: list[int]) -> None:
         """Keep these rows on every side; the others leave. The rows that stay keep their places

@@ -204,6 +204,22 @@ def twelve_alone(demo_decoder):
                      for prompt in prompts]
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_demo_pair_batch_with_a_long_prompt_greedy_text_equals_plain_decoding_alone(
+        demo_decoder, twelve_alone, k):
+    """A ~300-token prompt among eleven of 6-63: the rows attend in ranges, each over its own
+    keys (models/attention.segments_by_length), and no row's text may change."""
+    prompts, alone = twelve_alone
+    long_prompt = " ".join(heldout_prompts()[12:20])
+    assert len(demo_decoder.tokenizer.encode(long_prompt)) > 200
+    prompts = prompts[:5] + [long_prompt] + prompts[6:]
+    alone = alone[:5] + [demo_decoder.generate(long_prompt, max_new_tokens=24,
+                                               speculative=False).text] + alone[6:]
+    batched = demo_decoder.generate(prompts, max_new_tokens=24, num_draft_tokens=k,
+                                    adaptive=False)
+    assert [completion.text for completion in batched] == alone
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_demo_pair_batch_of_twelve_greedy_text_equals_plain_decoding_alone(
         demo_decoder, twelve_alone, k):

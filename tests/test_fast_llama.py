@@ -78,6 +78,49 @@ def test_logits_match_transformers_with_enough_rows_for_matmul_attention(target)
         target, FastLlamaLM(target).new_session(), VOCAB, steps=8, prompts=prompts)
 
 
+def test_segments_by_length_reads_the_fewest_key_rows():
+    segments_by_length = attention_module.segments_by_length
+    assert segments_by_length([60, 70, 900, 65], 64) == [(0, 2, 70), (2, 3, 900), (3, 4, 65)]
+    assert segments_by_length([60, 70, 900, 65], 5000) == [(0, 4, 900)]  # calls too dear
+    assert segments_by_length([50] * 16, 0) == [(0, 16, 50)]  # nothing to save
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(40):  # against every split of up to 7 rows
+        lengths = torch.randint(1, 300, (int(torch.randint(1, 8, (1,), generator=generator)),),
+                                generator=generator).tolist()
+        call_rows = float(torch.randint(0, 200, (1,), generator=generator))
+
+        def cost(segments):
+            return sum((stop - first) * num_keys + call_rows for first, stop, num_keys in segments)
+
+        found = segments_by_length(lengths, call_rows)
+        assert [first for first, _, _ in found] + [len(lengths)] == [0] + [
+            stop for _, stop, _ in found]  # contiguous, covering every row in order
+        assert all(num_keys == max(lengths[first:stop]) for first, stop, num_keys in found)
+        best = min(cost([(cuts[i], cuts[i + 1], max(lengths[cuts[i]:cuts[i + 1]]))
+                         for i in range(len(cuts) - 1)])
+                   for mask in range(2 ** (len(lengths) - 1))
+                   for cuts in [[0] + [i + 1 for i in range(len(lengths) - 1) if mask >> i & 1]
+                                + [len(lengths)]])
+        assert cost(found) == pytest.approx(best)
+
+
+def test_logits_match_transformers_with_a_long_row_among_short_ones(target, monkeypatch):
+    """Rows of very different lengths attend in ranges of rows, each over its own keys
+    (models/attention.segments_by_length); every row's logits must still be the reference's.
+    A low call cost splits the rows into many ranges."""
+    calls = []
+    attend_segments = fast_llama_module.attend_segments
+    monkeypatch.setattr(fast_llama_module, "attend_segments",
+                        lambda *args: calls.append(args[-1]) or attend_segments(*args))
+    lm = FastLlamaLM(target)
+    lm.segment_call_rows = 4.0
+    prompts = [[1 + row] * (1 + (3 * row) % 7) for row in range(9)]
+    prompts[4] = [5, 6, 7] * 40  # 120 tokens among 1-7
+    check_logits_after_random_extend_and_rewind(target, lm.new_session(), VOCAB, steps=8,
+                                                prompts=prompts)
+    assert calls and max(len(segments) for segments in calls) >= 3
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 2)])
 @pytest.mark.parametrize("rows, num_queries", [(1, 3), (8, 1), (8, 3), (12, 5)])
 def test_attend_matches_scaled_dot_product_attention(rows, num_queries, num_heads,

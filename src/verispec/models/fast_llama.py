@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..errors import ConfigError, ShapeError
-from .attention import attend, attention_kernels
+from .attention import (SEGMENT_CALL_BYTES, attend, attend_segments, attention_kernels,
+                        segments_by_length)
 from .base import as_ints, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
@@ -100,6 +101,9 @@ class FastLlamaLM:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
+        # an attention call's fixed cost as cached key-rows (keys and values of every kv head)
+        self.segment_call_rows = SEGMENT_CALL_BYTES / (
+            2 * self.num_kv_heads * self.head_dim * model.dtype.itemsize)
         self.eps = config.rms_norm_eps
         self.dtype = model.dtype
         self._device = model.device  # cached: the model property walks every parameter
@@ -129,14 +133,16 @@ class FastLlamaLM:
         return FastLlamaSession(self)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int,
-                cache: KVCache, used: int, logits_to_keep: int = 0) -> torch.Tensor:
+                cache: KVCache, used: int, logits_to_keep: int = 0,
+                segments: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n or logits_to_keep, V]; writes the cache.
 
         Two ways to place the tokens. Uniform rows (batch 1, or every row holding ``start``
         tokens): ``positions`` is None and row b's tokens go to start .. start + n - 1, so cache
         writes are slices and a single new token needs no mask. Ragged rows: ``positions`` [B, n]
         gives each token's position; writes are indexed and a [B, 1, n, used] mask hides what a
-        row must not see (its stale tail, other rows' padding).
+        row must not see (its stale tail, other rows' padding). ``segments``: ragged rows
+        attend in these ranges, each over its own keys (attention.segments_by_length).
         """
         batch, num_new = tokens.shape
         hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
@@ -151,8 +157,12 @@ class FastLlamaLM:
             else:  # advanced indices around a slice: the indexed view is [B, n, Hkv, D]
                 keys[rows, :, positions] = key
                 values[rows, :, positions] = value
-            out = attend(query.transpose(1, 2), keys[:, :, :used], values[:, :, :used], mask,
-                         self.scaling)  # [B, H, n, D]
+            if segments is None:
+                out = attend(query.transpose(1, 2), keys[:, :, :used], values[:, :, :used],
+                             mask, self.scaling)  # [B, H, n, D]
+            else:
+                out = attend_segments(query.transpose(1, 2), keys, values, mask, self.scaling,
+                                      segments)  # [B, H, n, D]
             hidden = self.finish_layer(w, hidden, out.transpose(1, 2).reshape(batch, num_new, -1))
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -477,13 +487,18 @@ class FastLlamaSession:
                                device=self.lm.device)
         start = self.lengths[0]
         used = max(self.lengths) + num_new
-        positions = None  # uniform rows
+        positions = segments = None  # uniform rows
         if any(length != start for length in self.lengths):
             lengths = torch.tensor(self.lengths, dtype=torch.int64, device=tokens.device)
             positions = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
+            if self.lm.device.type == "cpu":  # measured there (attention.py)
+                segments = segments_by_length([length + num_new for length in self.lengths],
+                                              self.lm.segment_call_rows)
+                segments = segments if len(segments) > 1 else None
         self.cache.ensure(used)
         with torch.inference_mode(), attention_kernels(self.lm.device):
-            return self.lm.forward(tokens, positions, start, self.cache, used)
+            return self.lm.forward(tokens, positions, start, self.cache, used,
+                                   segments=segments)
 
 
 def _checked_rows(rows: Sequence[int], num_rows: int) -> list[int]:

@@ -35,7 +35,7 @@ Rows of different lengths (a batch whose rows joined at different times, or one 
 among short ones) attend in contiguous ranges of rows, each over its own longest row's keys
 (:func:`segments_by_length`, :func:`attend_segments`), not all over the batch's longest: on the
 demo target one 900-token row among 15 of 40-85 made every row of a 1-token pass read 900 keys
-a layer, 16.7 ms a pass (8.5 ms split) against 6.6 for 16 short rows. Rows whose lengths differ
+a layer, 16.6 ms a pass (7.7 ms split) against 6.6 for 16 short rows. Rows whose lengths differ
 less stay one range (SEGMENT_CALL_BYTES).
 
 Not here: the layers around attention (fast_llama.py, packed.py).

@@ -101,7 +101,8 @@ class FastLlamaLM:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
-        # an attention call's fixed cost as cached key-rows (keys and values of every kv head)
+        # what one more range of rows must save to pay (attention.SEGMENT_CALL_BYTES), in
+        # cached key-rows: a key and a value of every kv head, for one row
         self.segment_call_rows = SEGMENT_CALL_BYTES / (
             2 * self.num_kv_heads * self.head_dim * model.dtype.itemsize)
         self.eps = config.rms_norm_eps

@@ -57,9 +57,9 @@ def _add(lm, kind, seconds, num_tokens):
     entry[1] += seconds
     entry[2] += num_tokens
 
-def _timed(self, tokens, positions, start, cache, used, logits_to_keep=0):
+def _timed(self, tokens, positions, start, cache, used, *args, **kwargs):
     began = time.perf_counter()
-    logits = _forward(self, tokens, positions, start, cache, used, logits_to_keep)
+    logits = _forward(self, tokens, positions, start, cache, used, *args, **kwargs)
     width = tokens.shape[1]
     kind = "1 token" if width == 1 else "2+ tokens"  # prefills are packed feeds (below)
     _add(self, kind, time.perf_counter() - began, tokens.numel())

@@ -173,6 +173,24 @@ def test_load_time_split_times_a_real_servers_passes(tmp_path, capsys):
     assert level["tokens_per_s"] > 0 and "plain, 1 clients" in capsys.readouterr().out
 
 
+def test_batching_library_script_times_batched_generate(tmp_path, capsys):
+    # benchmarks/batching_library.py on the shipped pair, shortened: every mode at every batch
+    # size, plain never drafts and k = 2 does, and each greedy row equals its prompt alone (the
+    # fast path's guarantee on a CPU, so the share is exactly 1 here)
+    main = runpy.run_path(str(Path(__file__).parent.parent / "benchmarks"
+                              / "batching_library.py"))["main"]
+    assert main(["--batch-sizes", "1,3", "--max-tokens", "6", "--repeats", "1", "--fixed-k",
+                 "2", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "batching_library.json").read_text())
+    rows = {(row["batch_size"], row["mode"]): row for row in report["rows"]}
+    assert set(rows) == {(size, mode) for size in (1, 3) for mode in ("plain", "speculative", "k=2")}
+    for size in (1, 3):
+        assert rows[size, "plain"]["mean_k"] == 0 and rows[size, "plain"]["vs_plain"] == 1
+        assert 0 < rows[size, "k=2"]["mean_k"] <= 2
+    assert all(row["tokens_per_s"] > 0 and row["equal_alone"] == 1 for row in rows.values())
+    assert report["table"] in capsys.readouterr().out
+
+
 def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
     # benchmarks/batching_ceiling.py on the shipped pair, shortened: every mode runs every
     # client count, each level completes all its requests, the ratios are within the run, and

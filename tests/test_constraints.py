@@ -17,6 +17,7 @@ Legend: B batch, V vocabulary.
 from __future__ import annotations
 
 import json
+import sys
 
 import jsonschema
 import numpy as np
@@ -284,3 +285,12 @@ def test_bad_constraints_are_typed_errors(response_format, match):
 def test_text_and_none_are_unconstrained():
     assert compile_response_format(None) is None
     assert compile_response_format({"type": "text"}) is None
+
+
+def test_unconstrained_text_never_imports_the_grammar_engine(monkeypatch):
+    """A request without response_format works where llguidance cannot be imported (a GPU
+    image without it ran the library this way): the engine is imported only for a constraint."""
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # any `import llguidance` now fails
+    assert compile_response_format(None) is None
+    with pytest.raises(ImportError):
+        compile_response_format({"type": "regex", "regex": "[0-9]+"})

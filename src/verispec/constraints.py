@@ -71,10 +71,10 @@ def compile_response_format(response_format: Mapping[str, object] | None) -> Gra
 
     Raises InvalidConstraintError naming what is wrong (the engine's own message included).
     """
+    if response_format is None:
+        return None  # unconstrained: the grammar engine is not even imported
     import llguidance
 
-    if response_format is None:
-        return None
     if not isinstance(response_format, Mapping) or response_format.get("type") not in FORMAT_KINDS:
         raise InvalidConstraintError(
             f"response_format={response_format!r:.100} is invalid: expected a dict whose type is "

@@ -550,6 +550,7 @@ def test_a_short_drafting_excursion_keeps_the_plain_probe_backoff():
     def probes_after(excursion: int) -> list[int]:
         policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
                                      probe_every=4).build(0)
+        policy._observe(_stats(4, 16, 0.5))  # evidence enough to back off (THIN_EVIDENCE)
         for _ in range(200):  # backs off: 8, 16, 32, 64
             policy._maybe_probe(0)
         choices = [policy._maybe_probe(1) for _ in range(excursion)]
@@ -679,6 +680,66 @@ def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
     assert before[0] > 0.9
 
 
+def test_goodput_policy_barely_weighs_the_timings_of_a_first_use():
+    # a server's first drafting round on an H200: 35.5 ms of draft steps and 8.7 ms of target
+    # against 4.8 and 2.0 warm. Untimed (RoundStats.timed), it prices k = 4 until the next
+    # round at that depth, which then sets the price nearly alone (FIRST_USE_WEIGHT); timed,
+    # the cold round held the price at ~3x the warm one
+    cold = replace(_stats(4, 1, 1.0), draft_time=0.0355, target_time=0.0087)
+    warm = replace(_stats(4, 1, 1.0), draft_time=0.0048, target_time=0.0020)
+    untimed = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=0).build(4)
+    untimed.next_num_draft_tokens(replace(cold, timed=False))
+    assert untimed.round_costs()[3] == pytest.approx(0.0442, rel=0.01)  # alone, it prices
+    untimed.next_num_draft_tokens(warm)
+    assert untimed.round_costs()[3] == pytest.approx(0.0068, rel=0.06)
+    timed = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=0).build(4)
+    timed.next_num_draft_tokens(cold)
+    timed.next_num_draft_tokens(warm)
+    assert timed.round_costs()[3] > 0.02
+
+
+def _h200_server_rounds(num_rounds: int) -> list[int]:
+    """The k a goodput-plain policy runs at one row under an H200 server's timings (measured
+    per round, 2026-11-26): warm, a draft step 1.2 ms, a verification pass 2.0 ms, a plain round
+    2.05 ms; the first round of each depth cold, as logged (the first at k = 4: 35.5 ms of draft
+    steps). Nothing is accepted in the first two rounds; after, position j of round r is
+    accepted unless (r + j) % 10 == 9 (90%)."""
+    first_use = {4: (0.0355, 0.0087), 0: (0.0004, 0.0031), 1: (0.0012, 0.0041),
+                 2: (0.0040, 0.0036), 3: (0.0036, 0.0020)}
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0).build(4)  # goodput-plain's settings
+    k, run, ks, lags = 4, set(), [], False
+    for round_index in range(num_rounds):
+        reached, accepted = [0] * k, [0] * k
+        for j in range(k):
+            reached[j] = 1
+            if round_index < 2 or (round_index + j) % 10 == 9:
+                break
+            accepted[j] = 1
+        draft_time, target_time = first_use[k] if k not in run and k in first_use else (
+            0.0012 * k, 0.0020 if k else 0.00205)
+        stats = RoundStats(k, tuple(reached), tuple(accepted), draft_time, target_time,
+                           other_time=0.00008, draft_timed=not (lags and k == 0),
+                           timed=k in run)
+        run.add(k)
+        lags = k == 0
+        ks.append(k)
+        k = policy.next_num_draft_tokens(stats)
+    return ks
+
+
+def test_a_plain_goodput_policy_on_thin_evidence_probes_at_its_first_depth_until_it_drafts():
+    # on an H200 the demo pair's drafting at one row pays ~1.3-1.6x, but a policy whose first
+    # rounds (cold, nothing accepted) sent it to plain rounds learned one position per k = 1
+    # probe between backed-off probes, and ran plain rounds through three load levels (0.87x
+    # the plain server at one client). On thin evidence (THIN_EVIDENCE tested positions) it now
+    # probes at its first depth every probe_every rounds, and drafts within ~200 rounds here
+    ks = _h200_server_rounds(600)
+    assert ks[:2] == [4, 0]  # the first round's rejection sends it to plain rounds
+    assert [i for i in range(1, 33) if ks[i] > 0] == [16, 32] and ks[16] == ks[32] == 4
+    assert sum(k > 0 for k in ks[-300:]) > 0.8 * 300
+    assert sum(ks[-300:]) / 300 >= 1.5
+
+
 def test_a_batch_runs_the_depth_its_policy_returns():
     # a policy's return value is the next round's k (a goodput probe of a neighbouring depth
     # included), whatever depth it holds as its best
@@ -702,24 +763,29 @@ def test_a_batch_runs_the_depth_its_policy_returns():
     assert widths[:5] == [2, 1, 3, 1, 3]
 
 
-def test_a_batch_hands_its_policy_the_drafts_prefill_of_joining_rows():
-    # a join's draft prefill reaches the policy with the next round's stats (and only that
-    # round's); a row joining after a plain round defers its draft work, and nothing is priced
-    seen: list[RoundStats] = []
-
+def _recording_policy(seen: list[RoundStats], depths) -> GoodputPolicyConfig:
+    """A goodput-plain config whose policies append each round's stats to ``seen`` and return
+    the next of ``depths`` (an iterator of k) instead of choosing."""
     class Recording(GoodputPolicyConfig):
         def build(self, initial_num_draft_tokens, previous=None):
             policy = super().build(initial_num_draft_tokens, previous)
 
-            def plain_next(stats: RoundStats) -> int:
+            def next_depth(stats: RoundStats) -> int:
                 seen.append(stats)
-                return 0
-            policy.next_num_draft_tokens = plain_next
+                return next(depths)
+            policy.next_num_draft_tokens = next_depth
             return policy
 
+    return Recording(min_num_draft_tokens=0)
+
+
+def test_a_batch_hands_its_policy_the_drafts_prefill_of_joining_rows():
+    # a join's draft prefill reaches the policy with the next round's stats (and only that
+    # round's); a row joining after a plain round defers its draft work, and nothing is priced
+    seen: list[RoundStats] = []
     decoder, _ = _decoder()
     config = GenerationConfig(max_new_tokens=20, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=Recording(min_num_draft_tokens=0))
+                              adaptive=_recording_policy(seen, iter([0] * 10)))
     batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
     batch.add([PROMPTS[0]], [config], [make_generator(0)])
     batch.step()  # drafts at k = 2; the policy then returns 0
@@ -730,6 +796,27 @@ def test_a_batch_hands_its_policy_the_drafts_prefill_of_joining_rows():
     assert seen[0].join_tokens == 20 and seen[0].num_rows == 1
     assert (seen[1].join_time, seen[1].join_tokens) == (0.0, 0)
     assert (seen[2].join_time, seen[2].join_tokens, seen[2].num_rows) == (0.0, 0, 2)  # deferred
+
+
+def test_a_batch_marks_the_first_round_of_each_shape_untimed():
+    # RoundStats.timed: the first round at a depth in a batch-size bucket pays one-off costs,
+    # so the policy is told not to price it; later ones are timed
+    seen: list[RoundStats] = []
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, sampling=GREEDY,
+                              adaptive=_recording_policy(seen, iter([2, 3, 3, 2, 0, 0, 2, 2, 2])))
+    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    batch.add([PROMPTS[0]], [config], [make_generator(0)])
+    for _ in range(6):
+        batch.step()
+    batch.add([PROMPTS[1]], [config], [make_generator(1)])  # 2 rows: new shapes
+    for _ in range(3):
+        batch.step()
+    # (the 2-row rounds follow the 2-row bucket's own policy, which starts at k = 2)
+    assert [(s.num_rows, s.num_draft_tokens) for s in seen] == [
+        (1, 2), (1, 2), (1, 3), (1, 3), (1, 2), (1, 0), (2, 2), (2, 2), (2, 2)]
+    assert [s.timed for s in seen] == [False, True, False, True, True, False, False, True,
+                                       True]
 
 
 def test_goodput_policy_with_zero_prior_weight_handles_unreached_positions():
@@ -769,16 +856,18 @@ def test_goodput_policy_with_min_zero_falls_back_to_plain_rounds():
         k_good = good.next_num_draft_tokens(_stats(4, 200, 0.95))
     assert k_good >= 8
     # with measured costs: plain rounds at T(0) = 0.1 s beat k = 1 at 0.05 s of draft + a
-    # 0.2 s target call when the draft is never accepted; probes still revisit k = 1, at
-    # intervals that double while plain rounds stay the best (rounds 3 and 11 here)
+    # 0.2 s target call when the draft is never accepted; probes still revisit k = 1: every
+    # probe_every rounds while its acceptance rests on few positions (THIN_PROBES of them),
+    # then at intervals that double while plain rounds stay the best
     measured = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=4).build(1)
     used = []
-    for _ in range(24):
+    for _ in range(48):
         k = measured.num_draft_tokens if not used else used[-1]
         stats = (RoundStats(0, (), (), 0.0, 0.1) if k == 0 else
                  RoundStats(k, (1,) + (0,) * (k - 1), (0,) * k, 0.05 * k, 0.2))
         used.append(measured.next_num_draft_tokens(stats))
-    assert used[-8:].count(0) == 8 and [i for i, k in enumerate(used) if k == 1] == [3, 11]
+    assert used[-4:].count(0) == 4
+    assert [i for i, k in enumerate(used) if k == 1] == [3, 7, 11, 15, 19, 27, 43]
 
 
 def test_goodput_policy_with_min_zero_through_the_engine():

@@ -56,6 +56,10 @@ class RoundStats:
     join_time, join_tokens: seconds the draft spent prefilling the prompts of rows that joined
         since the previous round, and those rows' max_new_tokens summed: a cost drafting pays
         per request, which a batch running plain rounds defers (batch.Batch.add).
+    timed: False when the round's timings measure a first use rather than a round: the batch
+        had not yet run a round at this depth in this batch-size bucket, whose first call pays
+        one-off costs (kernel and primitive set-up, first-touch memory). Its acceptance still
+        counts.
     """
 
     num_draft_tokens: int
@@ -68,6 +72,7 @@ class RoundStats:
     num_rows: int = 1
     join_time: float = 0.0
     join_tokens: int = 0
+    timed: bool = True  # False: the first round of its shape (one-off costs), timings unused
 
 
 class AdaptivePolicy:
@@ -254,11 +259,28 @@ PLAIN_REPROBE = 3
 # it came out ahead ran at 0.92x the plain server (five paired passes)
 PLAIN_MARGIN = 1.1
 
+# a policy in plain rounds whose acceptance estimates rest on fewer tested draft positions than
+# THIN_EVIDENCE (decayed sums) probes at its first depth every probe_every rounds, without
+# backing off, up to THIN_PROBES times (a draft that is never accepted tests one position a
+# probe, and must not be probed at that rate for good). At one row a probe of k = 1 tests one position, and on an H200 a 1-row policy
+# whose first round (cold, nothing accepted) sent it to plain rounds learned so slowly between
+# backed-off probes that it ran plain through three load levels, where its own k = 3 rounds
+# made 1.57x the tokens a second of its plain ones
+THIN_EVIDENCE = 16.0
+THIN_PROBES = 4
+
+# the weight of a round's timings when it was the first at its depth in its batch-size bucket
+# (RoundStats.timed False): one-off costs (on an H200 the first drafting round of a server took
+# 44 ms against ~5.5 ms warm) must not price the depth, yet a fresh policy needs some price
+FIRST_USE_WEIGHT = 0.01
+
 
 class GoodputPolicy(AdaptivePolicy):
     def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
         self.config = config
         self.num_draft_tokens = initial_num_draft_tokens
+        self._first_k = max(1, initial_num_draft_tokens)  # the depth of probes on thin evidence
+        self._thin_probes_left = THIN_PROBES  # and how many such probes it may still make
         size = config.max_num_draft_tokens
         self._reached = [0.0] * size
         self._accepted = [0.0] * size
@@ -372,18 +394,19 @@ class GoodputPolicy(AdaptivePolicy):
             c = self.cost_ratio()
             costs = [k * c + 1.0 for k in range(1, self.config.max_num_draft_tokens + 1)]
             plain_cost, join_cost = 1.0, 0.0
-        best_k, best_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
-        if self.config.min_num_draft_tokens == 0:  # a plain round: one token per T(0), and
-            # drafting must beat it by PLAIN_MARGIN (what leaving plain rounds costs unpriced)
-            best_k, best_goodput = 0, PLAIN_MARGIN / plain_cost
+        drafting_k, drafting_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
         for k in range(1, self.config.max_num_draft_tokens + 1):
             prefix *= rates[k - 1]
             expected += prefix
             goodput = expected / (costs[k - 1] + expected * join_cost)
-            if k >= self.config.min_num_draft_tokens and goodput > best_goodput:
-                best_k, best_goodput = k, goodput
-        self.num_draft_tokens = best_k
-        return self._maybe_probe(best_k)
+            if k >= self.config.min_num_draft_tokens and goodput > drafting_goodput:
+                drafting_k, drafting_goodput = k, goodput
+        # a plain round: one token per T(0), and drafting must beat it by PLAIN_MARGIN (what
+        # leaving plain rounds costs unpriced)
+        plain = self.config.min_num_draft_tokens == 0 and (
+            PLAIN_MARGIN / plain_cost >= drafting_goodput)
+        self.num_draft_tokens = 0 if plain else drafting_k
+        return self._maybe_probe(self.num_draft_tokens)
 
     def _observe(self, stats: RoundStats) -> None:
         decay = self.config.decay
@@ -395,28 +418,35 @@ class GoodputPolicy(AdaptivePolicy):
             if i < len(self._reached):
                 self._reached[i] += reached
                 self._accepted[i] += accepted
+        # a first use's timings weigh FIRST_USE_WEIGHT: alone they price the round (better
+        # than no price), and the first timed round of its depth outweighs them
+        weight = 1.0 if stats.timed else FIRST_USE_WEIGHT
         if stats.draft_timed:  # else the old estimate stands (both sums decay alike)
-            self._draft_step_time = self._draft_step_time * decay + stats.draft_time
-            self._draft_steps = self._draft_steps * decay + stats.num_draft_tokens
+            self._draft_step_time = self._draft_step_time * decay + weight * stats.draft_time
+            self._draft_steps = self._draft_steps * decay + weight * stats.num_draft_tokens
         self._target_time = [t * decay for t in self._target_time]
         self._target_calls = [n * decay for n in self._target_calls]
-        self._other_time = self._other_time * decay + stats.other_time
-        self._other_rounds = self._other_rounds * decay + 1.0
+        self._other_time = self._other_time * decay + weight * stats.other_time
+        self._other_rounds = self._other_rounds * decay + weight
         self._num_rows = stats.num_rows
         if stats.join_tokens > 0:
             self._join_time = self._join_time * decay + stats.join_time
             self._join_tokens = self._join_tokens * decay + stats.join_tokens
         if stats.num_draft_tokens < len(self._target_time):
-            self._target_time[stats.num_draft_tokens] += stats.target_time
-            self._target_calls[stats.num_draft_tokens] += 1
+            self._target_time[stats.num_draft_tokens] += weight * stats.target_time
+            self._target_calls[stats.num_draft_tokens] += weight
         if stats.num_draft_tokens == 0:
-            self._plain_time = self._plain_time * decay + stats.target_time
-            self._plain_rounds = self._plain_rounds * decay + 1.0
+            self._plain_time = self._plain_time * decay + weight * stats.target_time
+            self._plain_rounds = self._plain_rounds * decay + weight
 
     def _maybe_probe(self, best_k: int) -> int:
         """Every probe_every rounds (measured costs only), one round at best_k +- 1 (the first
         one of a policy that may choose plain rounds and has not timed one yet: k = 0); while
-        best_k is 0, at intervals doubling up to PLAIN_PROBE_BACKOFF * probe_every."""
+        best_k is 0, at intervals doubling up to PLAIN_PROBE_BACKOFF * probe_every, except
+        while the draft's acceptance rests on fewer than THIN_EVIDENCE tested positions: then
+        every probe_every rounds (THIN_PROBES times at most), at the policy's first depth, so
+        that each probe tests several positions (the model's own best depth is shallow then, as
+        its acceptance estimate is)."""
         every = self.config.probe_every
         if self.config.cost_ratio is not None or every == 0:
             return best_k
@@ -427,6 +457,9 @@ class GoodputPolicy(AdaptivePolicy):
         if self._since_probe < self._probe_interval:
             return best_k
         self._since_probe = 0
+        if best_k == 0 and sum(self._reached) < THIN_EVIDENCE and self._thin_probes_left:
+            self._thin_probes_left -= 1
+            return self._first_k
         if best_k == 0:
             self._probe_interval = min(2 * self._probe_interval, PLAIN_PROBE_BACKOFF * every)
         elif self.config.min_num_draft_tokens == 0:

@@ -72,7 +72,7 @@ class RoundStats:
     num_rows: int = 1
     join_time: float = 0.0
     join_tokens: int = 0
-    timed: bool = True  # False: the first round of its shape (one-off costs), timings unused
+    timed: bool = True  # False: a first use (one-off costs), timings weigh FIRST_USE_WEIGHT
 
 
 class AdaptivePolicy:
@@ -262,10 +262,10 @@ PLAIN_MARGIN = 1.1
 # a policy in plain rounds whose acceptance estimates rest on fewer tested draft positions than
 # THIN_EVIDENCE (decayed sums) probes at its first depth every probe_every rounds, without
 # backing off, up to THIN_PROBES times (a draft that is never accepted tests one position a
-# probe, and must not be probed at that rate for good). At one row a probe of k = 1 tests one position, and on an H200 a 1-row policy
-# whose first round (cold, nothing accepted) sent it to plain rounds learned so slowly between
-# backed-off probes that it ran plain through three load levels, where its own k = 3 rounds
-# made 1.57x the tokens a second of its plain ones
+# probe, and must not be probed at that rate for good). At one row a probe of k = 1 tests one
+# position: on an H200 a 1-row policy whose first round (cold, nothing accepted) sent it to
+# plain rounds learned so slowly between backed-off probes that it ran plain through three
+# load levels, where its own k = 3 rounds made 1.57x the tokens a second of its plain ones
 THIN_EVIDENCE = 16.0
 THIN_PROBES = 4
 

@@ -78,12 +78,13 @@ class Batch:
         self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
         self._join_time = 0.0  # the draft's prefill of rows joining since the last round
         self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
-        # (batch-size bucket, depth) of the rounds run: the first round of each is not timed
-        # for the policy (RoundStats.timed). On an H200 a server's first drafting round took
-        # 44 ms against ~5.5 for the next ones at its depth; priced from it, a 1-row goodput
-        # policy ran plain rounds through three levels where drafting measured 1.5x them. Keyed
-        # by exact row counts instead, a 9-16-row policy (rows come and go) left most of its
-        # first rounds untimed and drafted deep on its unmeasured defaults
+        # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
+        # policy with timed=False, and its timings weigh FIRST_USE_WEIGHT. On an H200 a server's
+        # first drafting round took 44 ms against ~5.5 for the next ones at its depth; priced
+        # from it, a 1-row goodput policy ran plain rounds through three levels where drafting
+        # measured 1.5x them. Keyed by exact row counts and skipped outright, a 9-16-row policy
+        # (rows come and go) left most of its first rounds unpriced and drafted deep on its
+        # defaults
         self._shapes_run: set[tuple[int, int]] = set()
 
     @property
@@ -317,17 +318,18 @@ class Batch:
         self.last_policy = policy
         draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
         self._draft_lags = width == 0 and self.proposer is not None
-        shape = (self._bucket(), width)  # per bucket: rows come and go within one
+        bucket = self._bucket()
+        shape = (bucket, width)  # per bucket: rows come and go within one
         timed = shape in self._shapes_run
         self._shapes_run.add(shape)
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
                                times["target_time"], other_time, draft_timed, len(emitted),
                                self._join_time, self._join_tokens, timed)
-            self._policy_k[self._bucket()] = policy.next_num_draft_tokens(stats)
+            self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
             if self.policy_config is not None and self.policy_config.carry_over and (
                     self._carried is not None):
-                self._carried[self._carry_key(self._bucket())] = policy
+                self._carried[self._carry_key(bucket)] = policy
         self._join_time, self._join_tokens = 0.0, 0
 
     def _keep(self, indices: list[int]) -> None:

@@ -16,6 +16,7 @@ import torch
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec.adaptive import AdaptivePolicy
 from verispec.batch import fill_from_the_end
 from verispec.demo import heldout_prompts
 from verispec.errors import ConfigError
@@ -309,7 +310,7 @@ def test_fill_from_the_end_moves_only_the_rows_past_the_kept_count(kept, order):
     assert sorted(order) == kept
 
 
-class _ScriptedPolicy:
+class _ScriptedPolicy(AdaptivePolicy):
     """A depth policy playing a script of k's and keeping the stats it is given."""
 
     def __init__(self, script: tuple[int, ...]) -> None:

@@ -598,19 +598,17 @@ def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
 
 
 def test_goodput_policy_measures_a_plain_round_first_and_keeps_its_cost_while_drafting():
-    # a policy that may choose plain rounds and starts drafting: its first probe is a plain
-    # round, and that round's T(0) prices plain rounds through the drafting stretch after it.
+    # a policy that may choose plain rounds and starts drafting: its second round is a plain
+    # one, and that round's T(0) prices plain rounds through the drafting stretch after it.
     # Priced flat from the lowest drafting depth instead, a plain round looked as dear as a
     # 4-token verification pass (at 16 rows on 2 cores: 14.9 ms against 7.3) and a policy that
     # started drafting never stopped
     policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=8,
                                  probe_every=4).build(4)
-    ks = [4]
-    for _ in range(4):
-        ks.append(policy.next_num_draft_tokens(replace(_stats(ks[-1], 16, 0.5),
-                                                       draft_time=0.002 * ks[-1],
-                                                       target_time=0.012 + 0.002 * ks[-1])))
-    assert 0 in ks[1:5] and policy.plain_cost() > 0.015  # flat from the lowest depth: unmeasured
+    assert policy.plain_cost() is None
+    k = policy.next_num_draft_tokens(replace(_stats(4, 16, 0.5), draft_time=0.008,
+                                             target_time=0.02))
+    assert k == 0 and policy.plain_cost() > 0.015  # flat from the lowest depth: unmeasured
     k = policy.next_num_draft_tokens(RoundStats(0, (), (), 0.0, 0.004))
     for _ in range(30):  # drafting rounds (forced): T(0) is not forgotten
         policy.next_num_draft_tokens(replace(_stats(3, 16, 0.5), draft_time=0.006,
@@ -639,7 +637,8 @@ def test_goodput_policy_measures_plain_rounds_afresh_while_drafting():
                             target_time=0.008 + 0.003 * k)
         k = policy.next_num_draft_tokens(stats)
     reprobe = 4 * PLAIN_REPROBE  # rounds between plain probes while drafting
-    assert plain_rounds[:5] == [4, 4 + reprobe, 4 + 2 * reprobe, 4 + 3 * reprobe, 4 + 4 * reprobe]
+    # the first at the policy's second round, then every PLAIN_REPROBE-th probe
+    assert plain_rounds[:5] == [1, 1 + reprobe, 1 + 2 * reprobe, 1 + 3 * reprobe, 1 + 4 * reprobe]
     assert len(plain_rounds[4:]) >= 0.9 * (120 - plain_rounds[4])  # plain, probes of k = 1 aside
     assert policy.plain_cost() == pytest.approx(0.007, abs=2e-4)
     assert policy.num_draft_tokens == 0
@@ -777,6 +776,84 @@ def _recording_policy(seen: list[RoundStats], depths) -> GoodputPolicyConfig:
             return policy
 
     return Recording(min_num_draft_tokens=0)
+
+
+def _probing_policy(seen: list[RoundStats], choice: int, returned: int) -> GoodputPolicyConfig:
+    """A goodput-plain config whose policies hold ``choice`` as their own depth and return
+    ``returned`` every round (a probe when choice is 0), recording each round's stats."""
+    class Probing(GoodputPolicyConfig):
+        def build(self, initial_num_draft_tokens, previous=None):
+            policy = super().build(initial_num_draft_tokens, previous)
+
+            def next_depth(stats: RoundStats) -> int:
+                seen.append(stats)
+                policy.num_draft_tokens = choice
+                return returned
+            policy.next_num_draft_tokens = next_depth
+            return policy
+
+    return Probing(min_num_draft_tokens=0)
+
+
+@pytest.mark.parametrize("choice", [0, 2])
+def test_a_probe_from_plain_rounds_keeps_one_token_a_row_and_reports_what_it_verified(choice):
+    # a policy whose choice is plain rounds probes k = 2 with a draft that is the target (all
+    # accepted): the probe only measures, so each row keeps its first token and rows that
+    # advanced together still do, while the policy still sees both positions accepted.
+    # Control: the same rounds chosen by the policy (choice 2) keep all three tokens a row
+    target = _target()
+    decoder = SpeculativeDecoder.from_draft_model(target, target)
+    seen: list[RoundStats] = []
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
+                              adaptive=_probing_policy(seen, choice, 2))
+    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    rows = batch.add(PROMPTS, [config] * 3, [make_generator(i) for i in range(3)])
+    tokens = {row.id: [] for row in rows}
+    emitted = []
+    while batch.rows:
+        step = batch.step()
+        emitted.append([len(new) for _, new in step])
+        for row, new in step:
+            tokens[row.id] += new
+        if len(emitted) == 2:
+            drafted = [row.metrics.num_drafted for row in rows]
+    assert emitted[0] == [3, 3, 3]  # the first round: the policy's starting depth, all kept
+    assert seen[1].num_draft_tokens == 2 and seen[1].num_accepted_at == (3, 3)
+    if choice == 0:
+        assert emitted[1:] == [[1, 1, 1]] * 9  # each probe keeps the rows' first tokens
+        assert drafted == [2, 2, 2]  # a row's metrics count the probe as a plain round
+    else:
+        assert emitted[1:] == [[3, 3, 3]] * 3
+        assert drafted == [4, 4, 4]
+    for row, prompt in zip(rows, PROMPTS):
+        assert tokens[row.id] == _plain_greedy(target, prompt, 12)
+
+
+def test_a_probe_over_one_row_keeps_every_accepted_token():
+    # one row has no rows to keep in step with: a probe's accepted tokens are kept
+    target = _target()
+    decoder = SpeculativeDecoder.from_draft_model(target, target)
+    seen: list[RoundStats] = []
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
+                              adaptive=_probing_policy(seen, 0, 2))
+    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    batch.add(PROMPTS[:1], [config], [make_generator(0)])
+    batch.step()
+    assert [len(new) for _, new in batch.step()] == [3]
+
+
+def test_a_fresh_goodput_plain_policy_times_a_plain_round_second():
+    # a fresh 9-16-row bucket drafting at its starting depth until its first probe broke a
+    # server's rows into cohorts for the rest of a level; now its second round is plain
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=16).build(4)
+    assert policy.next_num_draft_tokens(replace(_stats(4, 16, 0.9), draft_time=0.004,
+                                                target_time=0.01)) == 0
+    drafting_only = GoodputPolicyConfig(probe_every=16).build(4)  # plain rounds not allowed
+    assert drafting_only.next_num_draft_tokens(replace(_stats(4, 16, 0.9), draft_time=0.004,
+                                                       target_time=0.01)) > 0
+    started_plain = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=16).build(0)
+    started_plain.next_num_draft_tokens(RoundStats(0, (), (), 0.0, 0.01))
+    assert started_plain._plain_probe_due is False  # its first round was plain already
 
 
 def test_a_batch_hands_its_policy_the_drafts_prefill_of_joining_rows():

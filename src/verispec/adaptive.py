@@ -87,6 +87,12 @@ class AdaptivePolicy:
     def next_num_draft_tokens(self, stats: RoundStats) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def measuring(self, k: int) -> bool:
+        """Whether a round at depth k (the one this policy returned) only measures drafting:
+        a probe while the policy's own choice is plain rounds. Such a round need not keep its
+        accepted draft tokens (batch.Batch._measuring)."""
+        return False
+
 
 @dataclass(frozen=True)
 class AdaptivePolicyConfig:
@@ -292,6 +298,8 @@ class GoodputPolicy(AdaptivePolicy):
         self._other_rounds = 0.0
         self._probe_up = True  # the side of the next probe
         self._since_probe = 0  # rounds since the last probe
+        # a policy that may choose plain rounds probes one after its first round (_maybe_probe)
+        self._plain_probe_due = config.min_num_draft_tokens == 0
         self._probe_interval = config.probe_every  # doubling while k = 0 stays the best
         self._num_drafting = 0  # consecutive rounds the model chose to draft
         # T(0), a plain round's target call, kept apart: decayed only by plain rounds, so that
@@ -408,6 +416,9 @@ class GoodputPolicy(AdaptivePolicy):
         self.num_draft_tokens = 0 if plain else drafting_k
         return self._maybe_probe(self.num_draft_tokens)
 
+    def measuring(self, k: int) -> bool:
+        return k > 0 and self.num_draft_tokens == 0
+
     def _observe(self, stats: RoundStats) -> None:
         decay = self.config.decay
         if stats.num_draft_tokens > 0:  # a plain round tests nothing: the rates stand as they
@@ -450,6 +461,15 @@ class GoodputPolicy(AdaptivePolicy):
         every = self.config.probe_every
         if self.config.cost_ratio is not None or every == 0:
             return best_k
+        if self._plain_probe_due:
+            # a policy that may choose plain rounds times one second (unless its first was
+            # one): a fresh 9-16-row bucket that drafted at its starting depth until its first
+            # probe (16 rounds) broke a server's rows into cohorts that finish in different
+            # rounds and join in small groups, for the rest of the level
+            self._plain_probe_due = False
+            if self._plain_rounds == 0 and best_k > 0:
+                self._since_probe = 0
+                return 0
         self._since_probe += 1
         self._num_drafting = self._num_drafting + 1 if best_k > 0 else 0
         if self._num_drafting >= every:  # drafting held: plain rounds are probed afresh

@@ -11,7 +11,9 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
   3. verify:  greedy rows by verify_greedy.verify_greedy_rows (no random numbers), sampled rows
               by verify.verify_rows, each reading only its first k_b draft tokens and k_b + 1
               distributions, with uniforms from its own generator;
-  4. commit:  both sides rewind each row to its accepted prefix and append the new token;
+  4. commit:  both sides rewind each row to its accepted prefix and append the new token (a
+              round that only measures drafting for the depth policy keeps the first token
+              of every row: Batch._measuring);
   5. emit:    each row's new tokens, cut at its first stop token and at its max_new_tokens;
               finished rows leave the batch.
 Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
@@ -166,6 +168,10 @@ class Batch:
         verify_started = time.perf_counter()
         num_accepted, output_tokens = self._verify(draft_tokens, draft_probs, num_draft,
                                                    target_out)
+        measured = num_accepted  # what verification found: the policy's evidence
+        measuring = self._measuring(policy, policy_k)
+        if measuring:  # each row keeps its first token only: rows in step stay in step
+            num_accepted = [0] * len(self.rows)
         next_tokens = [row[n] for row, n in zip(output_tokens, num_accepted)]  # recovered/bonus
         # 4. commit / rewind both sides (and the grammar) to the accepted prefix + the new token
         self.target.commit(num_accepted, next_tokens)
@@ -179,10 +185,23 @@ class Batch:
         times = {"draft_time": draft_time, "target_time": target_time,
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
-        self._record(draft_tokens.shape[1], num_draft, num_accepted, emitted, times, policy,
-                     self._overhead(times))
+        self._record(draft_tokens.shape[1], num_draft, measured, emitted, times, policy,
+                     self._overhead(times), measuring)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
+
+    def _measuring(self, policy: AdaptivePolicy | None, policy_k: int | None) -> bool:
+        """Whether this round only measures drafting for the policy (AdaptivePolicy.measuring:
+        a probe while its choice is plain rounds) over more than one row.
+        Such a round commits one token a row: its accepted draft tokens are dropped (exact: a
+        round's first token alone has the target's law, and at temperature 0 it is the
+        target's argmax), so that rows which advanced together still do. Kept, a probe's
+        accepted tokens moved most rows one token ahead of the others; the rows then finished
+        in different rounds and rejoined in small groups, each a prefill pass of its own
+        (in-process, 16 clients, nine passes each: 19-27 joins a pass with measuring probes,
+        31-39 without, 8 for the plain batch)."""
+        return (policy is not None and policy_k is not None and len(self.rows) > 1
+                and policy.measuring(policy_k))
 
     @staticmethod
     def _overhead(times: dict[str, float]) -> float:
@@ -302,13 +321,19 @@ class Batch:
 
     def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
                 emitted: list[tuple[Row, list[int]]], times: dict[str, float],
-                policy: AdaptivePolicy | None, other_time: float) -> None:
-        """Add the round to the batch's and each row's metrics; give the policy its stats."""
+                policy: AdaptivePolicy | None, other_time: float, measuring: bool) -> None:
+        """Add the round to the batch's and each row's metrics; give the policy its stats.
+        num_accepted: what verification found. In a measuring round (_measuring) each row's
+        metrics count a plain round (it kept no draft token); the batch's and the policy's
+        count what was verified."""
         reached, accepted_at = [0] * width, [0] * width
         for (row, new), k, n in zip(emitted, num_draft, num_accepted):
             row_reached = [1 if n >= j else 0 for j in range(k)]  # position j tested
             row_accepted = [1 if n > j else 0 for j in range(k)]
-            row.recorder.record_round(k, 1, n, len(new), row_reached, row_accepted, times)
+            if measuring:
+                row.recorder.record_round(0, 1, 0, len(new), [], [], times)
+            else:
+                row.recorder.record_round(k, 1, n, len(new), row_reached, row_accepted, times)
             for j in range(k):
                 reached[j] += row_reached[j]
                 accepted_at[j] += row_accepted[j]

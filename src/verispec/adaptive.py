@@ -451,8 +451,9 @@ class GoodputPolicy(AdaptivePolicy):
             self._plain_rounds = self._plain_rounds * decay + weight
 
     def _maybe_probe(self, best_k: int) -> int:
-        """Every probe_every rounds (measured costs only), one round at best_k +- 1 (the first
-        one of a policy that may choose plain rounds and has not timed one yet: k = 0); while
+        """Every probe_every rounds (measured costs only), one round at best_k +- 1 (a policy
+        that may choose plain rounds times one at its second round, and its first probe is
+        one too until it has: k = 0); while
         best_k is 0, at intervals doubling up to PLAIN_PROBE_BACKOFF * probe_every, except
         while the draft's acceptance rests on fewer than THIN_EVIDENCE tested positions: then
         every probe_every rounds (THIN_PROBES times at most), at the policy's first depth, so

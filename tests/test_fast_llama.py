@@ -305,6 +305,22 @@ def test_feed_leaves_each_row_as_if_its_tokens_had_been_extended(target, backend
         session.feed([[1]])
 
 
+def test_rows_that_move_on_a_leave_keep_their_keys_and_values(target):
+    """A leave moves the last rows into the freed slots, copying each moved row's held
+    positions only (not the cache's whole capacity): the rows that stay, moved or not, then
+    continue exactly as a fresh forward over their own history, and so do new tokens written
+    past what was copied. A moved row's stale tail (a longer row's keys in its new slot) is
+    never read."""
+    lm = FastLlamaLM(target)
+    prompts = [list(range(1, 40)), [2, 3], [4, 5, 6, 7], [8] * 9]
+    session = lm.new_session()
+    session.start(prompts)  # capacity 128: every row holds far fewer positions
+    session.extend(torch.tensor([[50], [51], [52], [53]]))
+    history = [p + [50 + i] for i, p in enumerate(prompts)]
+    session.keep_rows([3, 1, 2])  # row 0 leaves: row 3 moves into slot 0 over its 40 keys
+    check_next_logits(target, session, [history[3], history[1], history[2]], first_token=60)
+
+
 def test_packed_feed_writes_what_single_row_extends_write(target):
     """models.packed against the padded forward, row by row: after a packed feed of ragged
     rows (a row mid-sequence, an empty one, a 40-token one), every layer's keys and values at

@@ -384,17 +384,20 @@ class KVCache:
         assert self.num_rows + num_rows <= self.row_capacity
         self._views(self.num_rows + num_rows)
 
-    def keep_rows(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int], lengths: Sequence[int] | None = None) -> None:
         """Keep these live rows, in this order: row rows[i] moves to slot i (only the rows whose
-        slot changes are copied)."""
+        slot changes are copied, and of each only its first ``lengths[row]`` positions when
+        given: a moved row's tail beyond them is stale, and copying the whole capacity made a
+        leave cost up to ~2.5x what its row held)."""
         moved = [(slot, row) for slot, row in enumerate(rows) if slot != row]
         if moved:
             device = self._device
+            used = self.capacity if lengths is None else max(lengths[row] for _, row in moved)
             slots = torch.tensor([slot for slot, _ in moved], dtype=torch.int64, device=device)
             sources = torch.tensor([row for _, row in moved], dtype=torch.int64, device=device)
             for stores in (self._key_store, self._value_store):
                 for store in stores:  # the read is a copy, so overlapping moves are safe
-                    store[slots] = store.index_select(0, sources)
+                    store[slots, :, :used] = store[:, :, :used].index_select(0, sources)
         self._views(len(rows))
 
 
@@ -442,7 +445,7 @@ class FastLlamaSession:
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order."""
         rows = _checked_rows(rows, self.num_rows)
-        self.cache.keep_rows(rows)
+        self.cache.keep_rows(rows, self.lengths)
         self.lengths = [self.lengths[row] for row in rows]
         self.num_rows = len(rows)
 

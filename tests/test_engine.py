@@ -6,6 +6,7 @@ and the checks are exact.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -785,37 +786,24 @@ def test_a_batch_runs_the_depth_its_policy_returns():
     assert widths[:5] == [2, 1, 3, 1, 3]
 
 
-def _recording_policy(seen: list[RoundStats], depths) -> GoodputPolicyConfig:
+def _recording_policy(seen: list[RoundStats], depths,
+                      choice: int | None = None) -> GoodputPolicyConfig:
     """A goodput-plain config whose policies append each round's stats to ``seen`` and return
-    the next of ``depths`` (an iterator of k) instead of choosing."""
+    the next of ``depths`` (an iterator of k) instead of choosing; with ``choice``, they hold
+    it as their own depth (a returned k > 0 is then a probe when choice is 0)."""
     class Recording(GoodputPolicyConfig):
         def build(self, initial_num_draft_tokens, previous=None):
             policy = super().build(initial_num_draft_tokens, previous)
 
             def next_depth(stats: RoundStats) -> int:
                 seen.append(stats)
+                if choice is not None:
+                    policy.num_draft_tokens = choice
                 return next(depths)
             policy.next_num_draft_tokens = next_depth
             return policy
 
     return Recording(min_num_draft_tokens=0)
-
-
-def _probing_policy(seen: list[RoundStats], choice: int, returned: int) -> GoodputPolicyConfig:
-    """A goodput-plain config whose policies hold ``choice`` as their own depth and return
-    ``returned`` every round (a probe when choice is 0), recording each round's stats."""
-    class Probing(GoodputPolicyConfig):
-        def build(self, initial_num_draft_tokens, previous=None):
-            policy = super().build(initial_num_draft_tokens, previous)
-
-            def next_depth(stats: RoundStats) -> int:
-                seen.append(stats)
-                policy.num_draft_tokens = choice
-                return returned
-            policy.next_num_draft_tokens = next_depth
-            return policy
-
-    return Probing(min_num_draft_tokens=0)
 
 
 @pytest.mark.parametrize("choice", [0, 2])
@@ -828,7 +816,7 @@ def test_a_probe_from_plain_rounds_keeps_one_token_a_row_and_reports_what_it_ver
     decoder = SpeculativeDecoder.from_draft_model(target, target)
     seen: list[RoundStats] = []
     config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_probing_policy(seen, choice, 2))
+                              adaptive=_recording_policy(seen, itertools.repeat(2), choice))
     batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
     rows = batch.add(PROMPTS, [config] * 3, [make_generator(i) for i in range(3)])
     tokens = {row.id: [] for row in rows}
@@ -858,7 +846,7 @@ def test_a_probe_over_one_row_keeps_every_accepted_token():
     decoder = SpeculativeDecoder.from_draft_model(target, target)
     seen: list[RoundStats] = []
     config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_probing_policy(seen, 0, 2))
+                              adaptive=_recording_policy(seen, itertools.repeat(2), 0))
     batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
     batch.add(PROMPTS[:1], [config], [make_generator(0)])
     batch.step()

@@ -280,6 +280,13 @@ THIN_PROBES = 4
 # 44 ms against ~5.5 ms warm) must not price the depth, yet a fresh policy needs some price
 FIRST_USE_WEIGHT = 0.01
 
+# a round's timing counts at most this many times its kind's running mean (once that mean
+# rests on a round's weight): in a loaded server a round that the event loop or the clients
+# preempt (a plain 16-row round of 16.8 or 19.3 ms among rounds of 7-9) moved T(0) by 10-20%
+# at decay 0.9, more than PLAIN_MARGIN, and sent the 9-16-row policy drafting for a stretch
+# that left its rows out of step. A real change of cost still passes, by up to 2.5% a round
+OUTLIER_CAP = 1.25
+
 
 class GoodputPolicy(AdaptivePolicy):
     def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
@@ -459,12 +466,11 @@ class GoodputPolicy(AdaptivePolicy):
     def _maybe_probe(self, best_k: int) -> int:
         """Every probe_every rounds (measured costs only), one round at best_k +- 1 (a policy
         that may choose plain rounds times one at its second round, and its first probe is
-        one too until it has: k = 0); while
-        best_k is 0, at intervals doubling up to PLAIN_PROBE_BACKOFF * probe_every, except
-        while the draft's acceptance rests on fewer than THIN_EVIDENCE tested positions: then
-        every probe_every rounds (THIN_PROBES times at most), at the policy's first depth, so
-        that each probe tests several positions (the model's own best depth is shallow then, as
-        its acceptance estimate is)."""
+        one too until it has: k = 0); while best_k is 0, at intervals doubling up to
+        PLAIN_PROBE_BACKOFF * probe_every, except while the draft's acceptance rests on fewer
+        than THIN_EVIDENCE tested positions: then every probe_every rounds (THIN_PROBES times
+        at most), at the policy's first depth, so that each probe tests several positions (the
+        model's own best depth is shallow then, as its acceptance estimate is)."""
         every = self.config.probe_every
         if self.config.cost_ratio is not None or every == 0:
             return best_k
@@ -525,13 +531,6 @@ def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:
 
 
 # the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
-# a round's timing counts at most this many times its kind's running mean (once that mean
-# rests on a round's weight): in a loaded server a round that the event loop or the clients
-# preempt (a plain 16-row round of 16.8 or 19.3 ms among rounds of 7-9) moved T(0) by 10-20%
-# at decay 0.9, more than PLAIN_MARGIN, and sent the 9-16-row policy drafting for a stretch
-# that left its rows out of step. A real change of cost still passes, by up to 2.5% a round
-OUTLIER_CAP = 1.25
-
 POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 
 

@@ -265,17 +265,6 @@ PLAIN_REPROBE = 3
 # it came out ahead ran at 0.92x the plain server (five paired passes)
 PLAIN_MARGIN = 1.1
 
-# and how much more to be taken up after plain rounds: a hysteresis, since the switch is what
-# costs. At 16 rows on 2 cores a k = 1 round costs ~11% less a token than a plain one (a target
-# pass 9.9 ms over 2 tokens a row against 7.0 over 1, a 1.7 ms draft step, acceptance 0.88):
-# near PLAIN_MARGIN, and a 16-row policy tipped into drafting for a round or a few, each time a
-# catch-up for the draft and rows out of step for the rest of the level. In-process at 16
-# clients a batch that never drafted at 9+ rows made 1.00x plain (two runs of 12 rotated
-# passes) against 0.90-0.93x for the policy; with this margin and timings priced at today's
-# speed (_speed_scale), 0.93-0.97x (mean k 0.03 against 0.04-0.14). At 8 rows drafting wins
-# by ~24% a token and is taken up as before
-ENTRY_MARGIN = 1.2
-
 # a policy in plain rounds whose acceptance estimates rest on fewer tested draft positions than
 # THIN_EVIDENCE (decayed sums) probes at its first depth every probe_every rounds, without
 # backing off, up to THIN_PROBES times (a draft that is never accepted tests one position a
@@ -312,13 +301,6 @@ class GoodputPolicy(AdaptivePolicy):
         self._draft_steps = 0.0
         self._target_time = [0.0] * (size + 1)  # decayed seconds of target calls at depth k
         self._target_calls = [0.0] * (size + 1)
-        # T(0) as priced when each timing was taken, decayed alike (weighted sums, and their
-        # weights): a cost measured rounds ago is priced at the machine's speed now
-        # (_speed_scale)
-        self._target_ref = [0.0] * (size + 1)
-        self._target_ref_calls = [0.0] * (size + 1)
-        self._draft_ref = 0.0
-        self._draft_ref_steps = 0.0
         self._other_time = 0.0  # decayed seconds per round outside drafting and scoring
         self._other_rounds = 0.0
         self._probe_up = True  # the side of the next probe
@@ -395,38 +377,17 @@ class GoodputPolicy(AdaptivePolicy):
                             else _piecewise(recent, 0, slope))
         if self._draft_steps <= 1e-9:
             return None, plain
-        draft_step = (self._draft_step_time / self._draft_steps
-                      * self._speed_scale(self._draft_ref, self._draft_ref_steps))
+        draft_step = self._draft_step_time / self._draft_steps
         return [overhead + k * draft_step + _piecewise(recent, k, slope)
                 for k in range(1, self.config.max_num_draft_tokens + 1)], plain
-
-    def _plain_now(self) -> float | None:
-        """T(0) as plain rounds price it now (None before any plain round)."""
-        return self._plain_time / self._plain_rounds if self._plain_rounds > 1e-9 else None
-
-    def _speed_scale(self, ref: float, ref_weight: float) -> float:
-        """T(0) now over T(0) when a kind's timings were taken (``ref / ref_weight``), at least
-        1: the factor that prices them at the machine's speed now, never below what they
-        measured (1.0 until both are known). A 2-core VM's speed drifts by 20-30% within
-        minutes; between rare probes a 16-row policy in plain rounds saw T(0) rise from ~8 to
-        ~10 ms against drafting timings from before, priced k = 1-3 below plain rounds, and
-        drafted a round or a few at a time. Not below 1: a T(0) that was high when drafting was
-        timed may have been an outlier rather than a slower machine (a slow first plain probe),
-        and drafting priced cheaper from it would hold a loaded policy drafting."""
-        plain_now = self._plain_now()
-        if plain_now is not None and ref_weight > 1e-9 and ref > 0:
-            return max(1.0, plain_now * ref_weight / ref)
-        return 1.0
 
     def _target_call_model(self) -> tuple[list[tuple[int, float]], float] | None:
         """(recent (depth, mean T) points, least-squares slope of T over depth), from the
         decayed timings; None with a given cost ratio or nothing timed yet."""
         if self.config.cost_ratio is not None:
             return None
-        seen = [(k, seconds / calls * self._speed_scale(ref, ref_calls), calls)
-                for k, (seconds, calls, ref, ref_calls) in enumerate(zip(
-                    self._target_time, self._target_calls, self._target_ref,
-                    self._target_ref_calls)) if calls > 1e-9]
+        seen = [(k, seconds / calls, calls) for k, (seconds, calls) in
+                enumerate(zip(self._target_time, self._target_calls)) if calls > 1e-9]
         if not seen or any(t <= 0 for _, t, _ in seen):
             return None
         recent = [(k, t) for k, t, w in seen if w >= 0.5] or [max(seen, key=lambda s: s[2])[:2]]
@@ -455,10 +416,10 @@ class GoodputPolicy(AdaptivePolicy):
             goodput = expected / (costs[k - 1] + expected * join_cost)
             if k >= self.config.min_num_draft_tokens and goodput > drafting_goodput:
                 drafting_k, drafting_goodput = k, goodput
-        # a plain round: one token per T(0); drafting must beat it by PLAIN_MARGIN to be kept,
-        # and by ENTRY_MARGIN to be taken up after plain rounds (what the switch costs unpriced)
-        margin = ENTRY_MARGIN if self.num_draft_tokens == 0 else PLAIN_MARGIN
-        plain = self.config.min_num_draft_tokens == 0 and margin / plain_cost >= drafting_goodput
+        # a plain round: one token per T(0), and drafting must beat it by PLAIN_MARGIN (what
+        # leaving plain rounds costs unpriced)
+        plain = self.config.min_num_draft_tokens == 0 and (
+            PLAIN_MARGIN / plain_cost >= drafting_goodput)
         self.num_draft_tokens = 0 if plain else drafting_k
         return self._maybe_probe(self.num_draft_tokens)
 
@@ -479,19 +440,13 @@ class GoodputPolicy(AdaptivePolicy):
         # than no price), and the first timed round of its depth outweighs them
         weight = 1.0 if stats.timed else FIRST_USE_WEIGHT
         k = stats.num_draft_tokens
-        plain_now = self._plain_now()  # T(0) before this round: the reference of its timings
-        ref_weight = 0.0 if plain_now is None else weight
         if stats.draft_timed:  # else the old estimate stands (both sums decay alike)
             draft_time = _capped(stats.draft_time, self._draft_step_time * k,
                                  self._draft_steps)
             self._draft_step_time = self._draft_step_time * decay + weight * draft_time
             self._draft_steps = self._draft_steps * decay + weight * k
-            self._draft_ref = self._draft_ref * decay + ref_weight * k * (plain_now or 0.0)
-            self._draft_ref_steps = self._draft_ref_steps * decay + ref_weight * k
         self._target_time = [t * decay for t in self._target_time]
         self._target_calls = [n * decay for n in self._target_calls]
-        self._target_ref = [t * decay for t in self._target_ref]
-        self._target_ref_calls = [n * decay for n in self._target_ref_calls]
         self._other_time = self._other_time * decay + weight * stats.other_time
         self._other_rounds = self._other_rounds * decay + weight
         self._num_rows = stats.num_rows
@@ -503,8 +458,6 @@ class GoodputPolicy(AdaptivePolicy):
                                   self._target_calls[k])
             self._target_time[k] += weight * target_time
             self._target_calls[k] += weight
-            self._target_ref[k] += ref_weight * (plain_now or 0.0)
-            self._target_ref_calls[k] += ref_weight
         if k == 0:
             plain_time = _capped(stats.target_time, self._plain_time, self._plain_rounds)
             self._plain_time = self._plain_time * decay + weight * plain_time

@@ -806,6 +806,20 @@ def _recording_policy(seen: list[RoundStats], depths,
     return Recording(min_num_draft_tokens=0)
 
 
+def _probing_batch(target: MarkovLM, prompts: list[list[int]], choice: int):
+    """(batch, rows, seen): ``prompts`` in a greedy batch whose draft is the target (all
+    accepted), under a recording policy that returns k = 2 every round and holds ``choice``
+    as its own depth (_recording_policy), 12 tokens a row."""
+    decoder = SpeculativeDecoder.from_draft_model(target, target)
+    seen: list[RoundStats] = []
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
+                              adaptive=_recording_policy(seen, itertools.repeat(2), choice))
+    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    rows = batch.add(prompts, [config] * len(prompts),
+                     [make_generator(i) for i in range(len(prompts))])
+    return batch, rows, seen
+
+
 @pytest.mark.parametrize("choice", [0, 2])
 def test_a_probe_from_plain_rounds_keeps_one_token_a_row_and_reports_what_it_verified(choice):
     # a policy whose choice is plain rounds probes k = 2 with a draft that is the target (all
@@ -813,12 +827,7 @@ def test_a_probe_from_plain_rounds_keeps_one_token_a_row_and_reports_what_it_ver
     # advanced together still do, while the policy still sees both positions accepted.
     # Control: the same rounds chosen by the policy (choice 2) keep all three tokens a row
     target = _target()
-    decoder = SpeculativeDecoder.from_draft_model(target, target)
-    seen: list[RoundStats] = []
-    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_recording_policy(seen, itertools.repeat(2), choice))
-    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
-    rows = batch.add(PROMPTS, [config] * 3, [make_generator(i) for i in range(3)])
+    batch, rows, seen = _probing_batch(target, PROMPTS, choice)
     tokens = {row.id: [] for row in rows}
     emitted = []
     while batch.rows:
@@ -842,13 +851,7 @@ def test_a_probe_from_plain_rounds_keeps_one_token_a_row_and_reports_what_it_ver
 
 def test_a_probe_over_one_row_keeps_every_accepted_token():
     # one row has no rows to keep in step with: a probe's accepted tokens are kept
-    target = _target()
-    decoder = SpeculativeDecoder.from_draft_model(target, target)
-    seen: list[RoundStats] = []
-    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_recording_policy(seen, itertools.repeat(2), 0))
-    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
-    batch.add(PROMPTS[:1], [config], [make_generator(0)])
+    batch, _, _ = _probing_batch(_target(), PROMPTS[:1], 0)
     batch.step()
     assert [len(new) for _, new in batch.step()] == [3]
 

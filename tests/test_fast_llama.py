@@ -13,6 +13,7 @@ from verispec.models import attention as attention_module
 from verispec.models import matmul as matmul_module
 from verispec.models import fast_llama as fast_llama_module
 from verispec.models.fast_llama import FastLlamaLM, supports
+from verispec.models.fixtures import MarkovLM
 from verispec.models.matmul import onednn_available, resolve_matmul
 from verispec.models.transformers import TransformersLM
 
@@ -303,6 +304,35 @@ def test_feed_leaves_each_row_as_if_its_tokens_had_been_extended(target, backend
     check_next_logits(target, session, history, first_token=60)
     with pytest.raises(ShapeError, match="one list of tokens per row"):
         session.feed([[1]])
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers", "fixture"])
+def test_logits_at_one_column_a_row_equal_those_columns_of_a_full_extend(target, backend):
+    """LMSession.extend's logits_at (a draft feeding ragged rows needs each row's last real
+    position only): [B, V], row b's logits at its column, what a full extend returns there
+    (the fast backend runs its output layer at those positions only, so to float32
+    rounding), and the cache as after a full extend. One column for every row too; a column
+    outside the pass or a missing row is a ShapeError."""
+    lm = MarkovLM.random(VOCAB, torch.Generator().manual_seed(3), order=2) if (
+        backend == "fixture") else wrap_model(target, VOCAB, backend)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    tokens = torch.tensor([[10, 11, 12], [13, 14, 15], [16, 17, 18]])
+    full, picked = lm.new_session(), lm.new_session()
+    full.start(prompts)
+    picked.start(prompts)
+    for logits_at in ([2, 0, 1], [2, 2, 2], [0, 0, 0]):
+        expected = full.extend(tokens)[torch.arange(3), torch.tensor(logits_at)]  # [B, V]
+        logits = picked.extend(tokens, logits_at)
+        assert logits.shape == (3, VOCAB)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+        full.rewind([1, 2, 0])
+        picked.rewind([1, 2, 0])
+    nxt = torch.tensor([[20], [21], [22]])
+    torch.testing.assert_close(picked.extend(nxt), full.extend(nxt), atol=1e-5, rtol=1e-5)
+    for bad in ([0, 1], [0, 1, 2]):  # two rows for three; column 2 of a 2-token pass
+        with pytest.raises(ShapeError, match="logits_at"):
+            picked.extend(tokens[:, :2], bad)
 
 
 def test_rows_that_move_on_a_leave_keep_their_keys_and_values(target):

@@ -110,6 +110,23 @@ def test_rewind_equals_a_fresh_decode(tiny):
     assert torch.equal(logits.argmax(-1), expected[:, 1:].argmax(-1))
 
 
+def test_logits_at_one_column_a_row_are_those_of_a_full_extend(tiny):
+    """LMSession.extend's logits_at on llama.cpp: row b's logits at column logits_at[b], [B, V],
+    as a full extend of the same tokens returns them there."""
+    lm = LlamaCppLM(LlamaCppModel(tiny["target"]))
+    tokens = torch.tensor([[10, 11, 12], [13, 14, 15]])
+    # one session per llama.cpp model at a time: the full extend on a second copy
+    full, picked = LlamaCppLM(LlamaCppModel(tiny["target"])).new_session(), lm.new_session()
+    full.start([[1, 2, 3], [4]])
+    expected = full.extend(tokens)[torch.arange(2), torch.tensor([2, 0])]
+    picked.start([[1, 2, 3], [4]])
+    logits = picked.extend(tokens, [2, 0])
+    assert logits.shape == (2, lm.vocab_size)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(verispec.errors.ShapeError, match="logits_at"):
+        picked.extend(tokens, [3, 0])
+
+
 def test_feed_packs_ragged_rows_and_equals_extending_them(tiny):
     """A draft's catch-up (LMSession.feed) on llama.cpp: ragged rows, one empty, go packed
     with no logits; the next tokens' logits equal a fresh session's over each row's history."""

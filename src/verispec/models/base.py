@@ -29,9 +29,13 @@ class LMSession(Protocol):
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         """Reset and feed one prompt per row (rows may differ in length, and may be empty)."""
 
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
         """Feed tokens [B, n] int64; return logits [B, n, V]: row b, position i holds the
-        next-token logits after tokens[b, :i+1] (on top of everything fed before)."""
+        next-token logits after tokens[b, :i+1] (on top of everything fed before).
+        ``logits_at`` [B] (column per row): return only row b's logits at column logits_at[b],
+        [B, V]; a backend may then skip the output layer at the other columns (a draft feeding
+        ragged rows needs one position a row, see proposers/draft_model.py)."""
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] (host ids; ragged, possibly empty) to row b, computing no logits: a
@@ -73,6 +77,25 @@ def right_padded(rows: Sequence[Sequence[int]], num_rows: int) -> tuple[torch.Te
     for row, ids in enumerate(rows):
         tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
     return tokens, widths
+
+
+def logits_columns(logits: torch.Tensor, logits_at: Sequence[int] | None) -> torch.Tensor:
+    """logits [B, n, V] as ``LMSession.extend`` returns them: all of them, or with
+    ``logits_at`` [B] row b's at column logits_at[b], [B, V] (for backends that compute
+    every position anyway)."""
+    if logits_at is None:
+        return logits
+    columns = check_logits_at(logits_at, logits.shape[0], logits.shape[1])
+    return logits[torch.arange(len(columns)), torch.tensor(columns)]
+
+
+def check_logits_at(logits_at: Sequence[int], num_rows: int, num_new: int) -> list[int]:
+    """``extend``'s logits_at as ints: one column per row, each in [0, num_new)."""
+    columns = as_ints(logits_at)
+    if len(columns) != num_rows or not all(0 <= c < num_new for c in columns):
+        raise ShapeError(f"logits_at expects one column in [0, {num_new}) for each of the "
+                         f"{num_rows} rows; got {columns}.")
+    return columns
 
 
 def as_ints(values: torch.Tensor | Sequence[int]) -> list[int]:

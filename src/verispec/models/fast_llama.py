@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from ..errors import ConfigError, ShapeError
 from .attention import (SEGMENT_CALL_BYTES, attend, attend_segments, attention_kernels,
                         segments_by_length)
-from .base import as_ints, feed_rows
+from .base import as_ints, check_logits_at, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
 from .packed import feed_packed
@@ -134,9 +134,11 @@ class FastLlamaLM:
         return FastLlamaSession(self)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int,
-                cache: KVCache, used: int, logits_to_keep: int = 0,
+                cache: KVCache, used: int, logits_at: int | torch.Tensor | None = None,
                 segments: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n or logits_to_keep, V]; writes the cache.
+        """tokens [B, n] -> logits [B, n, V], or [B, 1, V] at column logits_at[b] of each row
+        b (logits_at [B] int64, or one int for every row: the output layer runs at those
+        positions only); writes the cache.
 
         Two ways to place the tokens. Uniform rows (batch 1, or every row holding ``start``
         tokens): ``positions`` is None and row b's tokens go to start .. start + n - 1, so cache
@@ -165,8 +167,10 @@ class FastLlamaLM:
                 out = attend_segments(query.transpose(1, 2), keys, values, mask, self.scaling,
                                       segments)  # [B, H, n, D]
             hidden = self.finish_layer(w, hidden, out.transpose(1, 2).reshape(batch, num_new, -1))
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
+        if isinstance(logits_at, int):  # [B, 1, E]
+            hidden = hidden[:, logits_at : logits_at + 1]
+        elif logits_at is not None:
+            hidden = hidden[torch.arange(batch, device=hidden.device), logits_at][:, None]
         hidden = self.rms_norm(hidden, self.norm_weight, self.eps)
         return self.linear(hidden, self.head_weight)
 
@@ -449,14 +453,21 @@ class FastLlamaSession:
         self.lengths = [self.lengths[row] for row in rows]
         self.num_rows = len(rows)
 
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n, V]."""
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n, V]; with logits_at [B], [B, V] at those columns only
+        (LMSession.extend), the output layer run at B positions instead of B n."""
         if tokens.dim() != 2 or tokens.shape[0] != self.num_rows:
             raise ShapeError(f"extend expects tokens [B={self.num_rows}, n]; got "
                              f"{tuple(tokens.shape)}.")
-        logits = self._forward(tokens.to(self.lm.device))
+        columns = None
+        if logits_at is not None:  # one column for all rows is a slice, no index tensor
+            columns = check_logits_at(logits_at, self.num_rows, tokens.shape[1])
+            columns = columns[0] if len(set(columns)) == 1 else torch.tensor(
+                columns, device=self.lm.device)
+        logits = self._forward(tokens.to(self.lm.device), columns)
         self.lengths = [length + tokens.shape[1] for length in self.lengths]
-        return logits
+        return logits if columns is None else logits[:, 0]
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (a draft catching up, LMSession.feed; joining
@@ -484,11 +495,12 @@ class FastLlamaSession:
                              f"length {self.lengths}; got {dropped}.")
         self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
-    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, logits_at: int | torch.Tensor | None = None
+                 ) -> torch.Tensor:
         num_new = tokens.shape[1]
         if not self.lengths:  # no rows: nothing to compute
-            return torch.empty((0, num_new, self.lm.vocab_size), dtype=self.lm.dtype,
-                               device=self.lm.device)
+            return torch.empty((0, num_new if logits_at is None else 1, self.lm.vocab_size),
+                               dtype=self.lm.dtype, device=self.lm.device)
         start = self.lengths[0]
         used = max(self.lengths) + num_new
         positions = segments = None  # uniform rows
@@ -501,7 +513,7 @@ class FastLlamaSession:
                 segments = segments if len(segments) > 1 else None
         self.cache.ensure(used)
         with torch.inference_mode(), attention_kernels(self.lm.device):
-            return self.lm.forward(tokens, positions, start, self.cache, used,
+            return self.lm.forward(tokens, positions, start, self.cache, used, logits_at,
                                    segments=segments)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ShapeError
-from .base import right_padded
+from .base import logits_columns, right_padded
 
 BOS_STATE = 0  # the context token assumed before the start of a sequence
 
@@ -59,8 +59,9 @@ class _HistorySession:
         index = torch.tensor(list(rows), dtype=torch.int64)
         self.history, self.lengths = self.history[index], self.lengths[index]
 
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n, V]."""
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n, V] ([B, V] with logits_at: LMSession.extend)."""
         batch_size, num_new = tokens.shape
         if batch_size != self.history.shape[0]:
             raise ShapeError(f"extend got {batch_size} rows; the session has "
@@ -80,7 +81,8 @@ class _HistorySession:
             idx = positions - back
             ctx = self.history.gather(1, idx.clamp_min(0))
             contexts.append(torch.where(idx >= 0, ctx, torch.full_like(ctx, BOS_STATE)))
-        return self.model.table[tuple(contexts)].to(tokens.device)  # [B, n, V]
+        logits = self.model.table[tuple(contexts)].to(tokens.device)  # [B, n, V]
+        return logits_columns(logits, logits_at)
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b (LMSession.feed): the padded tokens are written, then

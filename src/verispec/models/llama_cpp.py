@@ -46,7 +46,7 @@ from ..errors import (
     UnsupportedFeatureError,
     UnsupportedModelError,
 )
-from .base import as_ints, feed_rows
+from .base import as_ints, feed_rows, logits_columns
 
 logger = logging.getLogger("verispec.llama_cpp")
 
@@ -402,13 +402,15 @@ class LlamaCppSession:
             self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
                                  flat_positions[begin:end], logits=False)
 
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, n] int64 -> logits [B, n, V] fp32 (every fed position)."""
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
+        """tokens [B, n] int64 -> logits [B, n, V] fp32 (every fed position; [B, V] at
+        logits_at's columns: LMSession.extend)."""
         self.lm.check_live(self)
         num_rows, width = tokens.shape
         assert num_rows == len(self.lengths)
         if width == 0 or num_rows == 0:
-            return torch.empty((num_rows, width, self.lm.vocab_size))
+            return logits_columns(torch.empty((num_rows, width, self.lm.vocab_size)), logits_at)
         self._check_room(max(self.lengths) + width)
         lengths = np.array(self.lengths, dtype=np.int32)
         rows = np.repeat(np.array(self.seq_ids, dtype=np.int64), width)  # [B*n] sequence ids
@@ -422,7 +424,8 @@ class LlamaCppSession:
         self.lengths = [length + width for length in self.lengths]
         for history, row in zip(self._histories, tokens.tolist()):
             history.extend(row)
-        return logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size]
+        return logits_columns(logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size],
+                              logits_at)
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import ConfigError, ShapeError, UnsupportedModelError
 from .attention import attention_kernels
-from .base import right_padded
+from .base import logits_columns, right_padded
 from .masks import MaskPlan, build_masks, mask_plan
 
 
@@ -285,14 +285,16 @@ class TransformersSession:
         self.cache.num_rows = len(rows)
         self.lengths = self.lengths.index_select(0, index)
 
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n, V] (model dtype, restricted to the vocabulary)."""
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n, V] (model dtype, restricted to the vocabulary; [B, V]
+        with logits_at: LMSession.extend)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.cache.num_rows:
             raise ShapeError(f"extend expects tokens [B={self.cache.num_rows}, n]; got "
                              f"{tuple(tokens.shape)}.")
         logits = self._forward(tokens.to(self.lm.device))
         self.lengths = self.lengths + tokens.shape[1]
-        return logits[..., : self.lm.vocab_size]
+        return logits_columns(logits[..., : self.lm.vocab_size], logits_at)
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (LMSession.feed): one right-padded pass whose

@@ -110,7 +110,10 @@ class DraftModelSession:
         return Proposal(self._proposal, stacked_probs, list(plan.num_draft_tokens))
 
     def _feed_unfed(self) -> torch.Tensor:
-        """Feed every row's unfed tokens in one pass; the logits after each row's last [B, V].
+        """Feed every row's unfed tokens in one pass; the logits after each row's last [B, V],
+        asked of the session at that column only (LMSession.extend's logits_at): after a
+        fully accepted round most rows feed two tokens, and over [16, 2] rows the demo
+        draft's output layer at both positions was a third of the pass (0.77 ms of 2.3).
 
         Rows with fewer unfed tokens are padded on the right with copies of their last one, and
         the padding is rewound at once (the cache is then exactly the committed sequence).
@@ -120,11 +123,10 @@ class DraftModelSession:
         width = max(widths)
         inputs = torch.tensor([row + row[-1:] * (width - len(row)) for row in self.unfed],
                               dtype=torch.int64)  # [B, u]
-        logits = self.session.extend(inputs)  # [B, u, V]
-        if min(widths) == width:
-            return logits[:, -1]
-        self.session.rewind([width - len(row) for row in self.unfed])
-        return logits[torch.arange(len(widths)), torch.tensor(widths) - 1]  # [B, V]
+        logits = self.session.extend(inputs, [w - 1 for w in widths])  # [B, V]
+        if min(widths) < width:
+            self.session.rewind([width - w for w in widths])
+        return logits
 
     def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
         """Tokens committed in a round this session did not propose ([B][*] host ids): they

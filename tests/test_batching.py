@@ -323,6 +323,40 @@ class _ScriptedPolicy(AdaptivePolicy):
         return self.num_draft_tokens
 
 
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
+    # on the fast path a join's prompt rides the next round's target pass
+    # (TargetScorer.add_rows): that round's timings weigh like a first use
+    # (RoundStats.timed False), the round after it is timed again, and the rows' greedy text
+    # is the target's own. Control: the transformers backend prefills a join in a pass of
+    # its own, so the same round is timed
+    from verispec.api import wrap_model
+
+    target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
+    decoder = SpeculativeDecoder.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),
+                                                  wrap_model(draft, VOCAB_SIZE, backend))
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,
+                              adaptive=verispec.adaptive.GoodputPolicyConfig(
+                                  min_num_draft_tokens=0))
+    batch = decoder.batch(policy=config.adaptive)
+    scripted = _ScriptedPolicy((1,) * 12)
+    batch._policies[2] = scripted  # the 2-row bucket's
+    prompts = [[3, 5, 1, 2], [3, 5], [5, 1, 6, 2, 7]]
+    first, second = batch.add(prompts[:2], [config] * 2, [make_generator(i) for i in (0, 1)])
+    batch.step()
+    batch.step()  # the bucket's shape has run: timed
+    batch.remove([second])
+    (third,) = batch.add(prompts[2:], [config], [make_generator(2)])
+    batch.step()  # carried the join on the fast path
+    batch.step()
+    assert [stats.timed for stats in scripted.seen] == [False, True, backend != "fast", True]
+    _run(batch, [first, third])
+    for row, prompt in ((first, prompts[0]), (third, prompts[2])):
+        alone = decoder.generate([prompt], GenerationConfig(max_new_tokens=12, sampling=GREEDY),
+                                 speculative=False)
+        assert row.token_ids == alone.token_ids[0]
+
+
 def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
     # plain rounds, a row joining during them (its draft prefill deferred), then drafting:
     # the draft catches up before the round's clock starts, so that round's draft time is

@@ -283,6 +283,46 @@ def test_rows_joining_in_one_packed_pass_hold_their_own_prompts(target, monkeypa
     check_next_logits(target, session, history, first_token=12)
 
 
+@pytest.mark.parametrize("rows_before", [1, 9])  # 9 rows: verification attends by matmuls
+def test_joining_prompts_ride_the_next_extend(target, rows_before, monkeypatch):
+    """add_rows(ride=True): the prompts wait for the next pass, which carries them beside the
+    rows' own tokens (one padded pass, no packed one); every row's logits, the joining rows'
+    included, equal a fresh forward over its own history. A riding row that leaves before the
+    pass is never prefilled, and one that stays moves with its slot."""
+    lm = FastLlamaLM(target)
+    before = [[1, 2, 3, 4, 5][: 1 + row % 5] for row in range(rows_before)]
+    joining = [[3], [4, 5], [6] * 9, [7] * 30, [8] * 31]
+    session = lm.new_session()
+    session.start(before)
+    passes = count_passes(monkeypatch)
+    assert session.add_rows(joining, ride=True)
+    assert passes == []
+    history = [list(p) for p in before + joining]
+    assert session.lengths == [len(h) for h in history]
+    session.keep_rows([i for i in range(len(history)) if i != rows_before + 2])  # [6] * 9 leaves
+    del history[rows_before + 2]
+    check_next_logits(target, session, history, first_token=12)
+    assert passes == ["padded"]
+
+
+def test_riding_prompts_go_in_before_a_feed_or_a_rewind(target):
+    """A feed after a riding join puts each prompt before its row's tokens (one packed pass);
+    a rewind prefills the prompts first. Either way each row then holds its own history."""
+    lm = FastLlamaLM(target)
+    for verb in ("feed", "rewind"):
+        session = lm.new_session()
+        session.start([[1, 2, 3]])
+        session.add_rows([[4, 5, 6, 7], [8]], ride=True)
+        history = [[1, 2, 3], [4, 5, 6, 7], [8]]
+        if verb == "feed":
+            session.feed([[9], [10, 11], []])
+            history = [h + f for h, f in zip(history, [[9], [10, 11], []])]
+        else:
+            session.rewind([1, 2, 0])
+            history = [h[: len(h) - n] for h, n in zip(history, [1, 2, 0])]
+        check_next_logits(target, session, history, first_token=20)
+
+
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_feed_leaves_each_row_as_if_its_tokens_had_been_extended(target, backend, monkeypatch):
     """A draft's catch-up (LMSession.feed): ragged rows, some with nothing to feed, one far

@@ -58,7 +58,8 @@ class RoundStats:
         per request, which a batch running plain rounds defers (batch.Batch.add).
     timed: False when the round's timings measure a first use rather than a round: the batch
         had not yet run a round at this depth in this batch-size bucket, whose first call pays
-        one-off costs (kernel and primitive set-up, first-touch memory). Its acceptance still
+        one-off costs (kernel and primitive set-up, first-touch memory), or its target pass
+        also prefilled rows that had just joined (batch.Batch.add). Its acceptance still
         counts.
     """
 

@@ -78,6 +78,9 @@ class Batch:
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
         self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
+        # the target's next pass also prefills rows that joined since the last round (their
+        # prompts ride it: TargetScorer.add_rows), so its timing is not a round's alone
+        self._joins_ride = False
         self._join_time = 0.0  # the draft's prefill of rows joining since the last round
         self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
         # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
@@ -104,7 +107,7 @@ class Batch:
         rows = [Row(prompt, config, generator,
                     follows_policy=self.policy_config is not None and config.adaptive is not None)
                 for prompt, config, generator in zip(prompts, configs, generators)]
-        self.target.add_rows(prompts)
+        self._joins_ride |= self.target.add_rows(prompts)
         if self.proposer is not None:
             # rows joining a batch that runs plain rounds leave their draft work for the next
             # proposal (proposers.base.ProposerSession.add_rows); a row with a fixed k drafts
@@ -345,8 +348,11 @@ class Batch:
         self._draft_lags = width == 0 and self.proposer is not None
         bucket = self._bucket()
         shape = (bucket, width)  # per bucket: rows come and go within one
-        timed = shape in self._shapes_run
+        # a round whose target pass also prefilled joining rows weighs like a first use: a
+        # 16-prompt join charged to its depth drove a 16-row policy to k = 8 (0.76x plain)
+        timed = shape in self._shapes_run and not self._joins_ride
         self._shapes_run.add(shape)
+        self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
                                times["target_time"], other_time, draft_timed, len(emitted),

@@ -123,10 +123,13 @@ class TargetScorer:
         self.pending = _pending(prompts)  # [B, 1]
         self._num_scored = 0  # draft tokens fed by the last score() call
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Rows joining between rounds, each with its prompt (>= 1 token)."""
-        self.session.add_rows([list(p[:-1]) for p in prompts])
+    def add_rows(self, prompts: Sequence[Sequence[int]]) -> bool:
+        """Rows joining between rounds, each with its prompt (>= 1 token). Returns whether
+        their prefill rides the next score's pass (a backend that can: FastLlamaSession), which
+        then costs what it does plus that prefill."""
+        riding = self.session.add_rows([list(p[:-1]) for p in prompts], ride=True)
         self.pending = torch.cat([self.pending, _pending(prompts)])
+        return riding
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (between rounds)."""

@@ -38,7 +38,7 @@ from .attention import (SEGMENT_CALL_BYTES, attend, attend_segments, attention_k
 from .base import as_ints, check_logits_at, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
-from .packed import feed_packed
+from .packed import PackedRows, embed_packed, feed_packed, pack_rows, write_and_attend
 from .transformers import max_positions, output_width
 
 
@@ -135,7 +135,8 @@ class FastLlamaLM:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int,
                 cache: KVCache, used: int, logits_at: int | torch.Tensor | None = None,
-                segments: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+                segments: Sequence[tuple[int, int, int]] | None = None,
+                packed: PackedRows | None = None) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V], or [B, 1, V] at column logits_at[b] of each row
         b (logits_at [B] int64, or one int for every row: the output layer runs at those
         positions only); writes the cache.
@@ -146,14 +147,33 @@ class FastLlamaLM:
         gives each token's position; writes are indexed and a [B, 1, n, used] mask hides what a
         row must not see (its stale tail, other rows' padding). ``segments``: ragged rows
         attend in these ranges, each over its own keys (attention.segments_by_length).
+
+        ``packed``: more tokens for this pass (models/packed.py: joining rows' prompts), laid
+        after the B n rows' tokens in every projection, their keys written before any
+        attention, and no logits for them: a joining row's own tokens in ``tokens`` see its
+        prompt. Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the
+        projections see [x y a b c] ([1, 5, E]); attention runs for [a b c] against that
+        row's keys (a causal band), then for [x], [y] and the joining row's token as usual.
         """
         batch, num_new = tokens.shape
         hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
         cos, signed_sin = self.rotary.lookup(positions, start, num_new, used)  # [B|1, n, 1, D]
+        width = batch * num_new  # the rows' own tokens on the joint token axis
+        if packed is not None:  # one token axis: the rows' B n tokens, then the N packed
+            extra, extra_cos, extra_sin = embed_packed(self, packed)  # [1, N, E], [1, N, 1, D]
+            hidden = torch.cat([hidden.reshape(1, width, -1), extra], dim=1)  # [1, Bn+N, E]
+            cos, signed_sin = (torch.cat([table.expand(batch, num_new, -1, -1).reshape(
+                1, width, 1, -1), extra_table], dim=1)
+                for table, extra_table in ((cos, extra_cos), (signed_sin, extra_sin)))
         mask = _attention_mask(positions, start, num_new, used, self.dtype, tokens.device)
         rows = None if positions is None else torch.arange(batch, device=tokens.device)[:, None]
         for w, keys, values in zip(self.layers, cache.keys, cache.values):
             query, key, value = self.rotated_qkv(w, hidden, cos, signed_sin)
+            if packed is not None:  # packed keys first: a joining row's tokens attend to them
+                joined = write_and_attend(self, packed, query[0, width:], key[0, width:],
+                                          value[0, width:], keys, values)  # [1, N, H D]
+                query, key, value = (x[0, :width].view(batch, num_new, *x.shape[2:])
+                                     for x in (query, key, value))  # [B, n, H|Hkv, D]
             if positions is None:
                 keys[:, :, start : start + num_new] = key.transpose(1, 2)
                 values[:, :, start : start + num_new] = value.transpose(1, 2)
@@ -166,7 +186,12 @@ class FastLlamaLM:
             else:
                 out = attend_segments(query.transpose(1, 2), keys, values, mask, self.scaling,
                                       segments)  # [B, H, n, D]
-            hidden = self.finish_layer(w, hidden, out.transpose(1, 2).reshape(batch, num_new, -1))
+            out = out.transpose(1, 2).reshape(batch, num_new, -1)  # [B, n, H D]
+            if packed is not None:
+                out = torch.cat([out.reshape(1, width, -1), joined], dim=1)  # [1, Bn+N, H D]
+            hidden = self.finish_layer(w, hidden, out)
+        if packed is not None:
+            hidden = hidden[0, :width].view(batch, num_new, -1)  # [B, n, E]
         if isinstance(logits_at, int):  # [B, 1, E]
             hidden = hidden[:, logits_at : logits_at + 1]
         elif logits_at is not None:
@@ -415,12 +440,16 @@ class FastLlamaSession:
     def __init__(self, lm: FastLlamaLM, cache: KVCache | None = None) -> None:
         self.lm = lm
         self.cache = cache if cache is not None else KVCache(lm, 0, 0)
-        self.lengths: list[int] = []  # tokens held per row
+        self.lengths: list[int] = []  # tokens held per row (a riding join's: its prompt's)
         self.num_rows = self.cache.num_rows
+        # rows that joined with ride=True, their prompts not in the cache yet: row -> prompt,
+        # prefilled by the next pass (add_rows)
+        self._joining: dict[int, list[int]] = {}
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         longest = max((len(p) for p in prompts), default=0)
         self.cache = KVCache(self.lm, len(prompts), max(128, 2 * longest))
+        self._joining = {}
         self._prefill(prompts)
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -430,27 +459,51 @@ class FastLlamaSession:
         self.lengths = [0] * self.num_rows
         self.feed(prompts)
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New rows at the end holding these prompts, prefilled straight into the cache's free
-        slots in one packed pass (:meth:`feed` on empty rows); the other rows' caches are
-        neither read nor copied."""
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
+        """New rows at the end holding these prompts, in the cache's free slots (the other
+        rows' caches are neither read nor copied). Prefilled now in one packed pass
+        (:meth:`feed` on empty rows), or with ``ride`` by the next pass: an ``extend`` lays
+        them beside the rows' own tokens (models/packed.py), so the join pays no pass of its
+        own (~3.4 ms on the demo target on 2 cores, every weight read once more); a ``feed``
+        puts each before its row's tokens, a ``rewind`` prefills them first, and a row that
+        leaves before then is never prefilled. Returns whether the prompts ride."""
         if not prompts:
-            return
+            return False
         longest = max(len(p) for p in prompts)
         self.cache.ensure(max(128, 2 * longest))
         self.cache.ensure_rows(self.num_rows + len(prompts))
-        joining = FastLlamaSession(self.lm, self.cache.slots(self.num_rows, len(prompts)))
-        joining.lengths = [0] * len(prompts)
-        joining.feed(prompts)
-        self.lengths += joining.lengths
+        if ride:
+            self._joining.update((self.num_rows + i, list(p)) for i, p in enumerate(prompts)
+                                 if p)
+            self.lengths += [len(p) for p in prompts]
+        else:
+            joining = FastLlamaSession(self.lm, self.cache.slots(self.num_rows, len(prompts)))
+            joining.lengths = [0] * len(prompts)
+            joining.feed(prompts)
+            self.lengths += joining.lengths
         self.cache.add_rows(len(prompts))
         self.num_rows += len(prompts)
+        return ride and any(prompts)
+
+    def _take_joining(self) -> tuple[list[int], list[list[int]]]:
+        """The riding prompts as a packed feed's starts and rows (empty for the other rows),
+        now owned by the caller's pass. Worked example: lengths [7, 3], row 1 joining with
+        [a b c] -> starts [7, 0], rows [[], [a b c]]."""
+        starts, rows = list(self.lengths), [[] for _ in range(self.num_rows)]
+        for row, prompt in self._joining.items():
+            starts[row], rows[row] = 0, prompt
+        self._joining = {}
+        return starts, rows
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Keep only these rows, in this order."""
+        """Keep only these rows, in this order (a riding join that leaves is never
+        prefilled; one that stays keeps riding, from its new slot)."""
         rows = _checked_rows(rows, self.num_rows)
-        self.cache.keep_rows(rows, self.lengths)
+        held = [0 if row in self._joining else length for row, length in enumerate(self.lengths)]
+        self.cache.keep_rows(rows, held)
         self.lengths = [self.lengths[row] for row in rows]
+        self._joining = {slot: self._joining[row] for slot, row in enumerate(rows)
+                         if row in self._joining}
         self.num_rows = len(rows)
 
     def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
@@ -480,10 +533,12 @@ class FastLlamaSession:
         """
         rows = feed_rows(rows, self.num_rows)
         widths = [len(row) for row in rows]
-        if not any(widths):
+        starts, packed = self._take_joining()  # a riding join's prompt goes before its tokens
+        packed = [prompt + row for prompt, row in zip(packed, rows)]
+        if not any(packed):
             return
-        self.cache.ensure(max(length + width for length, width in zip(self.lengths, widths)))
-        feed_packed(self.lm, self.cache, self.lengths, rows)
+        self.cache.ensure(max(start + len(row) for start, row in zip(starts, packed)))
+        feed_packed(self.lm, self.cache, starts, packed)
         self.lengths = [length + width for length, width in zip(self.lengths, widths)]
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
@@ -493,6 +548,8 @@ class FastLlamaSession:
                 0 <= n <= length for n, length in zip(dropped, self.lengths)):
             raise ShapeError(f"rewind expects [B={self.num_rows}] counts from 0 to each row's "
                              f"length {self.lengths}; got {dropped}.")
+        if self._joining:  # riding prompts go in before anything is dropped
+            feed_packed(self.lm, self.cache, *self._take_joining())
         self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
     def _forward(self, tokens: torch.Tensor, logits_at: int | torch.Tensor | None = None
@@ -512,9 +569,10 @@ class FastLlamaSession:
                                               self.lm.segment_call_rows)
                 segments = segments if len(segments) > 1 else None
         self.cache.ensure(used)
+        packed = pack_rows(self.lm, *self._take_joining()) if self._joining else None
         with torch.inference_mode(), attention_kernels(self.lm.device):
             return self.lm.forward(tokens, positions, start, self.cache, used, logits_at,
-                                   segments=segments)
+                                   segments=segments, packed=packed)
 
 
 def _checked_rows(rows: Sequence[int], num_rows: int) -> list[int]:

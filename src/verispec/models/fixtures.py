@@ -40,8 +40,9 @@ class _HistorySession:
             self.history[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New rows at the end holding these prompts; the others unchanged."""
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
+        """New rows at the end holding these prompts; the others unchanged. Never rides
+        (FastLlamaSession.add_rows): returns False."""
         joining = type(self)(self.model)
         joining.start(prompts)
         width = max(self.history.shape[1], joining.history.shape[1])
@@ -50,6 +51,7 @@ class _HistorySession:
         grown[self.history.shape[0]:, : joining.history.shape[1]] = joining.history
         self.history = grown
         self.lengths = torch.cat([self.lengths, joining.lengths])
+        return False
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order."""

@@ -351,8 +351,9 @@ class LlamaCppSession:
         self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
         self.add_rows(prompts)
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Rows joining at the end, each prefilled with its prompt under a free sequence id."""
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
+        """Rows joining at the end, each prefilled with its prompt under a free sequence id.
+        Never rides (FastLlamaSession.add_rows): returns False."""
         self.lm.check_live(self)
         self._check_room(max((len(p) for p in prompts), default=0))
         needed = len(self.seq_ids) + len(prompts)
@@ -368,6 +369,7 @@ class LlamaCppSession:
         self.seq_ids += joining
         self._histories += [list(p) for p in prompts]
         self.lengths += [len(p) for p in prompts]
+        return False
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order; the others' sequences are cleared."""

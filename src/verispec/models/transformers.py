@@ -250,9 +250,10 @@ class TransformersSession:
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64,
                                     device=self.lm.device)
 
-    def add_rows(self, prompts: Sequence[Sequence[int]]) -> None:
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
         """New rows at the end holding these prompts, prefilled in a cache of their own and
-        then appended; the other rows' caches are copied, not recomputed."""
+        then appended; the other rows' caches are copied, not recomputed. Never rides
+        (FastLlamaSession.add_rows): returns False."""
         joining = TransformersSession(self.lm)
         joining.start(prompts)
         ours, theirs = self.cache, joining.cache
@@ -272,6 +273,7 @@ class TransformersSession:
         ours.values = [torch.cat(pair) for pair in zip(ours.values, theirs.values)]
         ours.num_rows += theirs.num_rows
         self.lengths = torch.cat([self.lengths, joining.lengths])
+        return False
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order."""

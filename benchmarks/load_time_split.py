@@ -10,12 +10,14 @@ warmed up, and run at each client
 count as a level of batching_load.py (the same greedy streaming clients and prompts). Per level
 it prints the wall time, the tok/s, and per model (target, draft) and kind of pass:
 
-    prefill       a packed feed, computing no logits (models/packed.py): joining prompts, or
-                  the draft catching up on plain rounds' tokens and deferred prompts
+    prefill       a packed feed, computing no logits (models/packed.py): the draft's joining
+                  prompts, or its catching up on plain rounds' tokens and deferred prompts
                   (LMSession.feed)
     1 token       a plain decoding step (target), a draft step (draft)
     2+ tokens     a verification pass over k + 1 tokens a row (target), the draft's feed of
                   the tokens a round committed (draft)
+    ... + joins   either of those carrying joining rows' prompts (the target's joins ride the
+                  next round's pass: FastLlamaSession.add_rows)
 
 with calls, seconds, share of the wall time, ms per call and tokens fed a call (rows x width,
 padding included; a packed feed has none);
@@ -61,8 +63,11 @@ def _timed(self, tokens, positions, start, cache, used, *args, **kwargs):
     began = time.perf_counter()
     logits = _forward(self, tokens, positions, start, cache, used, *args, **kwargs)
     width = tokens.shape[1]
-    kind = "1 token" if width == 1 else "2+ tokens"  # prefills are packed feeds (below)
-    _add(self, kind, time.perf_counter() - began, tokens.numel())
+    kind = "1 token" if width == 1 else "2+ tokens"  # the draft's prefills: packed feeds
+    packed = kwargs.get("packed")  # joining prompts riding this pass
+    num_tokens = tokens.numel() + (0 if packed is None else packed.tokens.shape[1])
+    _add(self, kind if packed is None else kind + " + joins", time.perf_counter() - began,
+         num_tokens)
     return logits
 
 def _timed_feed(lm, cache, starts, rows):

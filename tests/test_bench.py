@@ -157,7 +157,8 @@ def test_speedup_is_the_median_of_paired_per_repeat_ratios():
 
 def test_load_time_split_times_a_real_servers_passes(tmp_path, capsys):
     # benchmarks/load_time_split.py against a real plain demo server, one client, shortened:
-    # the target's prefills and 1-token steps are timed, the shares of the wall time (with
+    # the target's passes carrying a joining prompt (one per request: it rides the request's
+    # first pass) and its 1-token steps are timed, the shares of the wall time (with
     # "outside") add up to one, and the environment the servers inherited is restored.
     script = Path(__file__).parent.parent / "benchmarks" / "load_time_split.py"
     main = runpy.run_path(str(script))["main"]
@@ -167,8 +168,9 @@ def test_load_time_split_times_a_real_servers_passes(tmp_path, capsys):
     assert {name: os.environ.get(name) for name in before} == before
     (level,) = json.loads((tmp_path / "load_time_split.json").read_text())["levels"]
     kinds = {(row["model"], row["kind"]): row for row in level["passes"]}
-    assert kinds["target", "prefill"]["calls"] == 2  # one per request
-    assert kinds["target", "1 token"]["calls"] >= 2 * 7  # 8 tokens, the first from prefill
+    assert kinds["target", "1 token + joins"]["calls"] == 2  # one per request
+    assert ("target", "prefill") not in kinds  # no pass of its own
+    assert kinds["target", "1 token"]["calls"] >= 2 * 7  # 8 tokens, the first from that pass
     assert sum(row["share"] for row in level["passes"]) == pytest.approx(1.0)
     assert level["tokens_per_s"] > 0 and "plain, 1 clients" in capsys.readouterr().out
 

@@ -115,10 +115,11 @@ class ServerSettings:
     max_batch_size: int = _setting(16, "requests decoded together (continuous batching: a "
                                    "request joins the running batch between rounds); more wait "
                                    "in the queue", metavar="N")
-    prefill_budget: int = _setting(512, "prompt tokens prefilled between two rounds at most "
-                                   "(joining requests beyond it wait a round, so a burst of long "
-                                   "prompts does not stall the running ones; a single longer "
-                                   "prompt is prefilled alone)", metavar="TOKENS")
+    prefill_budget: int = _setting(512, "prompt tokens that may join in one round at most "
+                                   "(prefilled between rounds, or on the fast path in the next "
+                                   "round's pass; joining requests beyond it wait a round, so a "
+                                   "burst of long prompts does not stall the running ones; a "
+                                   "single longer prompt joins alone)", metavar="TOKENS")
     max_queue: int = _setting(64, "requests that may wait for a place in the batch; more get "
                               "503", metavar="N")
     max_body_bytes: int = _setting(1 << 20, "largest request body in bytes; larger bodies get 413",

@@ -549,7 +549,7 @@ class FastLlamaSession:
             raise ShapeError(f"rewind expects [B={self.num_rows}] counts from 0 to each row's "
                              f"length {self.lengths}; got {dropped}.")
         if self._joining:  # riding prompts go in before anything is dropped
-            feed_packed(self.lm, self.cache, *self._take_joining())
+            self.feed([[] for _ in range(self.num_rows)])
         self.lengths = [length - n for length, n in zip(self.lengths, dropped)]
 
     def _forward(self, tokens: torch.Tensor, logits_at: int | torch.Tensor | None = None

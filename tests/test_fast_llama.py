@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -606,3 +610,41 @@ def test_a_windowed_model_takes_the_transformers_path(model_type, window):
     assert isinstance(wrap_model(model, VOCAB, "auto"), TransformersLM)
     with pytest.raises(ConfigError, match="fast Llama path does not support"):
         wrap_model(model, VOCAB, "fast")
+
+
+# a process that packs a 512 x 512 weight through the library, multiplies one row, then N other
+# row counts, then one row again; oneDNN's verbose mode prints a line per primitive compiled
+CACHE_SCRIPT = """
+import sys, torch
+from verispec.models.matmul import linear_kernel
+kernel = linear_kernel("onednn")
+weight = kernel.prepare(torch.randn(512, 512))
+for rows in [1, *range(2, 2 + int(sys.argv[1])), 1]:
+    kernel.linear(torch.randn(rows, 512), weight)
+"""
+
+
+def one_row_compilations(num_other_shapes: int, **env: str) -> int:
+    """How many times the process above compiled its one-row product (the environment: this
+    one's without the cache variables, which the library set here, plus ``env``)."""
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in matmul_module.ONEDNN_CACHE_VARIABLES}
+    completed = subprocess.run(
+        [sys.executable, "-c", CACHE_SCRIPT, str(num_other_shapes)], capture_output=True,
+        text=True, timeout=120, check=True,
+        env={**inherited, "ONEDNN_VERBOSE": "profile_create", **env})
+    return sum("create:cache_miss" in line and ",mb1ic512oc512," in line
+               for line in completed.stdout.splitlines())
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_onednn_caches_are_bounded_unless_the_environment_sets_them():
+    """A server meets a new row count in most passes that carry prompts; oneDNN's and ideep's
+    caches keep every compiled product (1024 each by default) and its memory grew for minutes.
+    The library caps both (matmul.bound_onednn_caches): the one-row product, pushed out by
+    more shapes than the cap, is compiled again; with the user's own larger capacities (the
+    control) it is compiled once."""
+    beyond_cap = matmul_module.ONEDNN_CACHE_CAPACITY + 44
+    assert one_row_compilations(beyond_cap) == 2
+    users = dict.fromkeys(matmul_module.ONEDNN_CACHE_VARIABLES, "1024")
+    assert one_row_compilations(beyond_cap, **users) == 1

@@ -533,12 +533,12 @@ class FastLlamaSession:
         """
         rows = feed_rows(rows, self.num_rows)
         widths = [len(row) for row in rows]
-        starts, packed = self._take_joining()  # a riding join's prompt goes before its tokens
-        packed = [prompt + row for prompt, row in zip(packed, rows)]
-        if not any(packed):
+        starts, prompts = self._take_joining()  # a riding join's prompt goes before its tokens
+        fed = [prompt + row for prompt, row in zip(prompts, rows)]
+        if not any(fed):
             return
-        self.cache.ensure(max(start + len(row) for start, row in zip(starts, packed)))
-        feed_packed(self.lm, self.cache, starts, packed)
+        self.cache.ensure(max(start + len(row) for start, row in zip(starts, fed)))
+        feed_packed(self.lm, self.cache, starts, fed)
         self.lengths = [length + width for length, width in zip(self.lengths, widths)]
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:

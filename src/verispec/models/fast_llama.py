@@ -38,7 +38,8 @@ from .attention import (SEGMENT_CALL_BYTES, attend, attend_segments, attention_k
 from .base import as_ints, check_logits_at, feed_rows
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
-from .packed import PackedRows, embed_packed, feed_packed, pack_rows, write_and_attend
+from .packed import (PackedRows, embed_packed, feed_packed, pack_rows, write_and_attend,
+                     write_packed)
 from .transformers import max_positions, output_width
 
 
@@ -151,7 +152,8 @@ class FastLlamaLM:
         ``packed``: more tokens for this pass (models/packed.py: joining rows' prompts), laid
         after the B n rows' tokens in every projection, their keys written before any
         attention, and no logits for them: a joining row's own tokens in ``tokens`` see its
-        prompt. Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the
+        prompt. Nothing reads their last layer's output, so there they only write keys and
+        values (its attention, output projection and MLP run over the B n tokens alone). Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the
         projections see [x y a b c] ([1, 5, E]); attention runs for [a b c] against that
         row's keys (a causal band), then for [x], [y] and the joining row's token as usual.
         """
@@ -167,11 +169,16 @@ class FastLlamaLM:
                 for table, extra_table in ((cos, extra_cos), (signed_sin, extra_sin)))
         mask = _attention_mask(positions, start, num_new, used, self.dtype, tokens.device)
         rows = None if positions is None else torch.arange(batch, device=tokens.device)[:, None]
-        for w, keys, values in zip(self.layers, cache.keys, cache.values):
+        last = len(self.layers) - 1
+        for layer, (w, keys, values) in enumerate(zip(self.layers, cache.keys, cache.values)):
             query, key, value = self.rotated_qkv(w, hidden, cos, signed_sin)
             if packed is not None:  # packed keys first: a joining row's tokens attend to them
-                joined = write_and_attend(self, packed, query[0, width:], key[0, width:],
-                                          value[0, width:], keys, values)  # [1, N, H D]
+                if layer < last:
+                    joined = write_and_attend(self, packed, query[0, width:], key[0, width:],
+                                              value[0, width:], keys, values)  # [1, N, H D]
+                else:  # no logits for packed tokens: their last layer writes keys, values only
+                    write_packed(packed, key[0, width:], value[0, width:], keys, values)
+                    hidden = hidden[:, :width]  # [1, Bn, E]
                 query, key, value = (x[0, :width].view(batch, num_new, *x.shape[2:])
                                      for x in (query, key, value))  # [B, n, H|Hkv, D]
             if positions is None:
@@ -187,8 +194,9 @@ class FastLlamaLM:
                 out = attend_segments(query.transpose(1, 2), keys, values, mask, self.scaling,
                                       segments)  # [B, H, n, D]
             out = out.transpose(1, 2).reshape(batch, num_new, -1)  # [B, n, H D]
-            if packed is not None:
-                out = torch.cat([out.reshape(1, width, -1), joined], dim=1)  # [1, Bn+N, H D]
+            if packed is not None:  # [1, Bn+N, H D], in the last layer [1, Bn, H D]
+                out = (torch.cat([out.reshape(1, width, -1), joined], dim=1) if layer < last
+                       else out.reshape(1, width, -1))
             hidden = self.finish_layer(w, hidden, out)
         if packed is not None:
             hidden = hidden[0, :width].view(batch, num_new, -1)  # [B, n, E]

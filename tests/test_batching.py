@@ -273,12 +273,49 @@ def test_a_long_prompt_joins_a_batch_whose_cache_is_smaller(tiny_decoder, backen
     short = batch.add(PROMPTS[0], max_new_tokens=6, ignore_eos=True)
     batch.step()
     joined = batch.add(long_prompt, max_new_tokens=6, ignore_eos=True)
-    while short.completion is None or joined.completion is None:
+    _finish_and_compare_alone(decoder, batch,
+                              {PROMPTS[0]: (short, 6), tuple(long_prompt): (joined, 6)})
+
+
+def _finish_and_compare_alone(decoder, batch, rows) -> None:
+    """Step ``batch`` until every row of ``rows`` {prompt: (text row, max_new_tokens)} is
+    complete (token prompts as tuples); each one's greedy text must equal its prompt generated
+    alone."""
+    while any(row.completion is None for row, _ in rows.values()):
         batch.step()
-    assert joined.completion.text == decoder.generate(long_prompt, max_new_tokens=6,
-                                                      ignore_eos=True).text
-    assert short.completion.text == decoder.generate(PROMPTS[0], max_new_tokens=6,
-                                                     ignore_eos=True).text
+    for prompt, (row, max_new_tokens) in rows.items():
+        alone = decoder.generate(list(prompt) if isinstance(prompt, tuple) else prompt,
+                                 max_new_tokens=max_new_tokens, ignore_eos=True)
+        assert row.completion.text == alone.text
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_a_long_prompt_prefilled_in_chunks_joins_as_if_prefilled_whole(tiny_decoder, backend,
+                                                                       speculative):
+    # chunked_prefill: the prompt goes in 7 tokens a gap while the running row decodes, then its
+    # row joins with its cache copied in; both rows' greedy text equals each sent alone
+    decoder = tiny_decoder[backend]
+    long_prompt = [5, 6, 7, 8] * 25
+    batch = decoder.open_batch(speculative)
+    short = batch.add(PROMPTS[0], max_new_tokens=100, ignore_eos=True)
+    pending = batch.prepare(long_prompt, max_new_tokens=6, ignore_eos=True)
+    chunked = batch.start_prefill(pending)
+    rounds = 0
+    while not chunked.done:
+        assert chunked.advance(7) == min(7, 99 - 7 * rounds)
+        batch.step()
+        rounds += 1
+    assert rounds == 15 and short.completion is None  # the running row decoded meanwhile
+    assert chunked.advance(7) == 0
+    (joined,) = batch.add_rows([pending], prefilled=[chunked])
+    _finish_and_compare_alone(decoder, batch,
+                              {PROMPTS[0]: (short, 100), tuple(long_prompt): (joined, 6)})
+
+
+def test_a_backend_that_cannot_adopt_a_row_prefills_long_prompts_whole():
+    # the fixture models' sessions have no adopt_rows: no chunked prefill, the row joins whole
+    assert _fixture_decoder().batch().start_prefill([1, 2, 3]) is None
 
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])

@@ -7,6 +7,8 @@ frees its row within a round or so; requests beyond the batch size wait and stil
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +18,9 @@ import pytest
 
 import verispec
 from verispec.server import ServerSettings, create_app
+from verispec.server import worker as worker_module
+from verispec.server.worker import Event, GenerationWorker, Job
+from verispec.text_stream import Completion
 
 from test_server import ServerThread, model_dirs  # noqa: F401 (a fixture)
 
@@ -99,3 +104,100 @@ def test_a_bad_request_joining_with_others_gets_its_error_and_they_go_on(server,
         results = list(pool.map(send, prompts))
     assert results == [alone[0], 413, alone[1], alone[2]]
     assert server.server.config.app.state.worker.num_running == 0
+
+
+class _RecordedWorker:
+    """A GenerationWorker over ``decoder`` (prefill budget 8, batch of 4) whose cross-thread
+    posts are recorded in order (its module's post_all), on a real event loop in a thread."""
+
+    SETTINGS = {"temperature": 0.0, "ignore_eos": True}
+
+    def __init__(self, decoder, monkeypatch) -> None:
+        self.order: list[tuple[Job, Event, object]] = []
+        original = worker_module.post_all
+
+        def recording(posts):
+            self.order.extend(posts)
+            original(posts)
+
+        monkeypatch.setattr(worker_module, "post_all", recording)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.worker = GenerationWorker(decoder, max_queue=8, on_finish=lambda row, outcome: None,
+                                       max_batch_size=4, prefill_budget=8)
+
+    def __enter__(self):
+        self.thread.start()
+        self.worker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.worker.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def submit(self, prompt: str, max_tokens: int) -> Job:
+        job = Job(lambda batch: batch.prepare(prompt, max_new_tokens=max_tokens,
+                                              **self.SETTINGS), self.loop)
+        self.worker.submit(job)
+        return job
+
+    def posted(self, job: Job, event: Event) -> bool:
+        return any(posted is job and kind is event for posted, kind, _ in list(self.order))
+
+    def completion(self, job: Job) -> Completion:
+        return next(value for posted, kind, value in list(self.order)
+                    if posted is job and kind is Event.DONE)
+
+    @staticmethod
+    def wait_for(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, "the worker did not get there in 60 s"
+            time.sleep(0.002)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_row_streams(model_dirs,
+                                                                             monkeypatch):
+    # prefill budget 8: a ~90-token prompt arriving while a row streams goes in 8 tokens a gap
+    # (chunked_prefill.py) while the running row gets its rounds (a delta in most: some hold
+    # text back; admitted whole, the prompt would start within a round); both texts equal the
+    # same requests alone
+    decoder = verispec.load(*model_dirs)
+    long_prompt = " ".join(PROMPTS)
+    with _RecordedWorker(decoder, monkeypatch) as recorded:
+        short = recorded.submit(PROMPTS[0], 160)
+        recorded.wait_for(lambda: recorded.posted(short, Event.DELTA))
+        submitted = len(recorded.order)
+        long = recorded.submit(long_prompt, 8)
+        recorded.wait_for(lambda: recorded.posted(short, Event.DONE)
+                          and recorded.posted(long, Event.DONE))
+    order = recorded.order
+    num_prompt_tokens = len(decoder.tokenizer.encode(long_prompt))
+    started = next(i for i, (posted, event, _) in enumerate(order)
+                   if posted is long and event is Event.STARTED)
+    rounds_meanwhile = sum(1 for posted, event, _ in order[submitted:started]
+                           if posted is short and event is Event.DELTA)
+    assert num_prompt_tokens > 80 and rounds_meanwhile >= (num_prompt_tokens - 1) // 8 // 2
+    settings = _RecordedWorker.SETTINGS
+    assert recorded.completion(long).text == decoder.generate(long_prompt, max_new_tokens=8,
+                                                              **settings).text
+    assert recorded.completion(short).text == decoder.generate(PROMPTS[0], max_new_tokens=160,
+                                                               **settings).text
+
+
+def test_a_request_cancelled_while_its_prompt_is_prefilled_in_chunks_never_joins(model_dirs,
+                                                                                monkeypatch):
+    decoder = verispec.load(*model_dirs)
+    # the long prompt needs ~90 gaps, the short row runs 300 tokens: the cancel comes while
+    # the prompt is still going in, and the next gap drops it
+    with _RecordedWorker(decoder, monkeypatch) as recorded:
+        short = recorded.submit(PROMPTS[0], 300)
+        recorded.wait_for(lambda: recorded.posted(short, Event.DELTA))
+        long = recorded.submit(" ".join(PROMPTS * 8), 8)
+        recorded.wait_for(lambda: recorded.worker.num_prefilling == 1)
+        long.cancel()  # the client went away
+        recorded.wait_for(lambda: recorded.worker.num_prefilling == 0)
+        recorded.wait_for(lambda: recorded.posted(short, Event.DONE))
+        recorded.wait_for(lambda: not recorded.worker.busy)
+    assert not recorded.posted(long, Event.STARTED) and not recorded.posted(long, Event.ERROR)

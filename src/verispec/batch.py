@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from .adaptive import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .chunked_prefill import ChunkedPrefill, start_chunked_prefill
 from .config import GenerationConfig
 from .constraints import ConstraintSet
 from .errors import EmptyPromptError, InputError, TokenOutOfRangeError
@@ -66,6 +67,7 @@ class Batch:
                  cost_ratio: float | None = None) -> None:
         self.device = target.device  # where the target's logits, and verification, live
         self.vocab_size = target.vocab_size
+        self._target_model = target
         self.target = TargetScorer(target.new_session(), [])
         self.proposer = None if proposer is None else proposer.start([])
         self.policy_config = policy if proposer is not None else None
@@ -98,16 +100,24 @@ class Batch:
 
     def add(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig],
             generators: Sequence[torch.Generator],
-            constraints: ConstraintSet | None = None) -> list[Row]:
+            constraints: ConstraintSet | None = None,
+            prefilled: Sequence[ChunkedPrefill] | None = None) -> list[Row]:
         """Rows joining between rounds: one prompt (token ids), config and generator each;
         ``constraints``: their grammars (a ConstraintSet over these rows) or None. The joining
-        rows are prefilled in one pass; the rows already here are not touched."""
+        rows are prefilled in one pass, or with ``prefilled`` (one finished chunked prefill of
+        each prompt, :meth:`start_prefill`) their target caches are copied in; the rows already
+        here are not touched."""
         prompts = check_prompts(prompts, self.vocab_size)
         assert len(configs) == len(prompts) == len(generators)
         rows = [Row(prompt, config, generator,
                     follows_policy=self.policy_config is not None and config.adaptive is not None)
                 for prompt, config, generator in zip(prompts, configs, generators)]
-        self._joins_ride |= self.target.add_rows(prompts)
+        if prefilled is None:
+            self._joins_ride |= self.target.add_rows(prompts)
+        else:
+            assert len(prefilled) == len(prompts) and all(
+                p.done and p.prompt_ids == list(prompt) for p, prompt in zip(prefilled, prompts))
+            self.target.adopt_rows([p.session for p in prefilled], prompts)
         if self.proposer is not None:
             # rows joining a batch that runs plain rounds leave their draft work for the next
             # proposal (proposers.base.ProposerSession.add_rows); a row with a fixed k drafts
@@ -127,6 +137,13 @@ class Batch:
             self.constraints.add_rows(joining, len(rows))
         self.rows += rows
         return rows
+
+    def start_prefill(self, prompt: Sequence[int]) -> ChunkedPrefill | None:
+        """A long prompt's target prefill to run apart, a chunk between rounds, before it joins
+        with :meth:`add`'s ``prefilled``; None where the target's backend cannot take a row
+        prefilled apart."""
+        return start_chunked_prefill(self._target_model, check_prompts([prompt],
+                                                                       self.vocab_size)[0])
 
     def remove(self, rows: Sequence[Row]) -> None:
         """Rows leaving between rounds (a cancelled request): they end as "cancelled"."""

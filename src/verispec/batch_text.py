@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .batch import Batch, check_prompts
+from .chunked_prefill import ChunkedPrefill
 from .constraints import ConstraintSet
 from .errors import ConfigError
 from .rows import Row
@@ -92,14 +93,22 @@ class TextBatch:
         check_prompts([prepared.prompt_ids], self.batch.vocab_size)
         return PendingRow(prepared, tag)
 
-    def add_rows(self, pending: Sequence[PendingRow]) -> list[TextRow]:
-        """Prepared rows join together, prefilled in one pass (returned in the order given)."""
+    def start_prefill(self, pending: PendingRow) -> ChunkedPrefill | None:
+        """A prepared row's prompt prefilled apart, a chunk between rounds
+        (chunked_prefill.py), to join with :meth:`add_rows`' ``prefilled`` once done; None
+        where the target's backend cannot (the row then joins as any other)."""
+        return self.batch.start_prefill(pending.prepared.prompt_ids)
+
+    def add_rows(self, pending: Sequence[PendingRow],
+                 prefilled: Sequence[ChunkedPrefill] | None = None) -> list[TextRow]:
+        """Prepared rows join together, prefilled in one pass, or copied from their finished
+        chunked prefills (returned in the order given)."""
         if not pending:
             return []
         prepared = [row.prepared for row in pending]
         generators = [make_generator(p.config.seed, self.batch.device) for p in prepared]
         rows = self.batch.add([p.prompt_ids for p in prepared], [p.config for p in prepared],
-                              generators, _joined_constraints(prepared))
+                              generators, _joined_constraints(prepared), prefilled)
         text_rows = []
         for row, item in zip(rows, pending):
             text = RowText(self.decoder.tokenizer, item.prepared.stop,

@@ -131,6 +131,14 @@ class TargetScorer:
         self.pending = torch.cat([self.pending, _pending(prompts)])
         return riding
 
+    def adopt_rows(self, sessions: Sequence[LMSession], prompts: Sequence[Sequence[int]]
+                   ) -> None:
+        """Rows joining whose prompts, but their last tokens, are already in one-row sessions of
+        their own (chunked_prefill.ChunkedPrefill): the session copies their caches in
+        (``adopt_rows``, a backend that can)."""
+        self.session.adopt_rows(sessions)  # type: ignore[attr-defined]
+        self.pending = torch.cat([self.pending, _pending(prompts)])
+
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (between rounds)."""
         self.session.keep_rows(rows)

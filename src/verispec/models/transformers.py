@@ -256,6 +256,19 @@ class TransformersSession:
         (FastLlamaSession.add_rows): returns False."""
         joining = TransformersSession(self.lm)
         joining.start(prompts)
+        self._append(joining)
+        return False
+
+    def adopt_rows(self, sessions: Sequence[TransformersSession]) -> None:
+        """New rows at the end whose caches are copies of these sessions of the same model (a
+        long prompt prefilled apart, over several rounds: chunked_prefill.py)."""
+        if not all(isinstance(s, TransformersSession) and s.lm is self.lm for s in sessions):
+            raise ShapeError("adopt_rows expects sessions of this model")
+        for session in sessions:
+            self._append(session)
+
+    def _append(self, joining: TransformersSession) -> None:
+        """``joining``'s rows after ours (its cache may be regrown in place)."""
         ours, theirs = self.cache, joining.cache
         capacity = max(ours.capacity, theirs.capacity)
         for cache in (ours, theirs):
@@ -273,7 +286,6 @@ class TransformersSession:
         ours.values = [torch.cat(pair) for pair in zip(ours.values, theirs.values)]
         ours.num_rows += theirs.num_rows
         self.lengths = torch.cat([self.lengths, joining.lengths])
-        return False
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order."""

@@ -197,6 +197,7 @@ def _operations_routes(service: GenerationService, metrics: ServerMetrics) -> AP
                 "speculative": service.speculative,
                 "num_draft_tokens": service.decoder.num_draft_tokens if service.speculative else 0,
                 "busy": service.worker.busy, "running": service.worker.num_running,
+                "prefilling": service.worker.num_prefilling,
                 "queue_depth": service.worker.queue_depth}
 
     @router.get("/metrics")

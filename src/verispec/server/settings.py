@@ -119,7 +119,8 @@ class ServerSettings:
                                    "(prefilled between rounds, or on the fast path in the next "
                                    "round's pass; joining requests beyond it wait a round, so a "
                                    "burst of long prompts does not stall the running ones; a "
-                                   "single longer prompt joins alone)", metavar="TOKENS")
+                                   "single longer prompt is prefilled this much between rounds "
+                                   "while the others decode, then joins)", metavar="TOKENS")
     max_queue: int = _setting(64, "requests that may wait for a place in the batch; more get "
                               "503", metavar="N")
     max_body_bytes: int = _setting(1 << 20, "largest request body in bytes; larger bodies get 413",

@@ -4,8 +4,10 @@ The event loop never touches a model: a request becomes a :class:`Job` whose ``p
 callable (run on the worker thread) encodes and checks the prompt; between rounds the worker
 admits waiting jobs (up to ``max_batch_size`` rows, and ``prefill_budget`` prompt tokens per
 round: a burst of joining prompts is prefilled over several rounds instead of stalling the
-running rows) as rows of the running :class:`verispec.batch_text.TextBatch`, prefilled together
-in one pass, runs one round for all rows, and hands every row's verified text delta to its
+running rows, and a single prompt longer than the budget is prefilled apart, a budget's worth
+a gap, before its row joins: chunked_prefill.py) as rows of the running
+:class:`verispec.batch_text.TextBatch`, prefilled together in one pass, runs one round for all
+rows, and hands every row's verified text delta to its
 request's event loop queue in one ``loop.call_soon_threadsafe`` per round, so every row's text
 goes out as soon as its round is verified.
 
@@ -29,6 +31,7 @@ import torch
 
 from ..api import Decoder
 from ..batch_text import PendingRow, TextBatch, TextRow
+from ..chunked_prefill import ChunkedPrefill
 from .errors import ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")
@@ -107,7 +110,9 @@ class GenerationWorker:
         self.prefill_budget = prefill_budget
         self._thread: threading.Thread | None = None
         self._running: dict[int, tuple[Job, TextRow]] = {}  # row id -> its job; worker thread
-        self._lock = threading.Lock()  # guards _running's membership for fail_all
+        # jobs whose long prompts are being prefilled apart (chunked_prefill.py), oldest first
+        self._prefilling: list[tuple[Job, PendingRow, ChunkedPrefill]] = []
+        self._lock = threading.Lock()  # guards _running's and _prefilling's membership
         self._stopping = False
         self.num_rounds = 0  # rounds run, and rows over them: the mean batch size
         self.num_row_rounds = 0
@@ -133,6 +138,8 @@ class GenerationWorker:
         a status, or an error event and [DONE] once streaming). Any thread."""
         with self._lock:
             running = [job for job, _ in self._running.values()]
+            running += [job for job, _, _ in self._prefilling]
+            self._prefilling.clear()
         for job in running:
             job.cancel()
             job.post(Event.ERROR, error)
@@ -151,11 +158,16 @@ class GenerationWorker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._running)
+        return bool(self._running or self._prefilling)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests whose long prompts are being prefilled apart before they join."""
+        return len(self._prefilling)
 
     def submit(self, job: Job) -> None:
         try:
@@ -188,13 +200,16 @@ class GenerationWorker:
         """Jobs join between rounds: block for one when the batch is empty; else take the
         waiting ones while there is room and prefill budget (at least one per round). Each is
         checked on its own (a bad request gets its error, the others go on); those that pass
-        join together, in one prefill pass."""
+        join together, in one prefill pass. A prompt longer than the budget left, while rows
+        are running, is prefilled apart a budget's worth a gap (chunked_prefill.py), ahead of
+        later jobs, and joins once all of it is in."""
+        prefilled, ready = self._advance_prefills(batch)
         joining: list[tuple[Job, PendingRow]] = []
-        prefilled = 0
-        while (len(self._running) + len(joining) < self.max_batch_size
-               and prefilled < self.prefill_budget):
+        while (len(self._running) + len(self._prefilling) + len(ready) + len(joining)
+               < self.max_batch_size and prefilled < self.prefill_budget):
             try:
-                job = self._queue.get(block=not self._running and not joining)
+                job = self._queue.get(block=not (self._running or self._prefilling or ready
+                                                 or joining))
             except queue.Empty:
                 break
             if job is None:  # stop() was called
@@ -207,20 +222,60 @@ class GenerationWorker:
             except Exception as exc:  # handed to the request, whose handler maps it to a status
                 job.post(Event.ERROR, exc)
                 continue
-            joining.append((job, pending))
-            prefilled += len(pending.prepared.prompt_ids)
+            num_tokens = len(pending.prepared.prompt_ids)
+            left = self.prefill_budget - prefilled
+            waiting = self._running or ready or joining  # rows the next round runs
+            chunked = batch.start_prefill(pending) if waiting and num_tokens > left else None
+            if chunked is None:
+                joining.append((job, pending))
+                prefilled += num_tokens
+                continue
+            with self._lock:
+                self._prefilling.append((job, pending, chunked))
+            prefilled += chunked.advance(left)
+        self._join(batch, ready, prefilled=True)
+        self._join(batch, [(job, pending) for job, pending in joining])
+
+    def _advance_prefills(self, batch: TextBatch
+                          ) -> tuple[int, list[tuple[Job, PendingRow, ChunkedPrefill]]]:
+        """Feed the prompts being prefilled apart, oldest first, up to the prefill budget (all of
+        it when no row is running: nobody waits); a cancelled one is dropped. Returns the
+        tokens fed and the prefills that join now (taken off the list): while rows run, a
+        prefill joins in the gap after its last chunk, a gap of its own, since its join grows
+        every slot of the batch's cache to hold it (on the demo target, 16 slots to 1,024
+        positions: ~0.1 s)."""
+        fed, ready = 0, []
+        for entry in list(self._prefilling):
+            job, _, chunked = entry
+            was_done = chunked.done
+            if not job.cancelled:
+                budget = self.prefill_budget - fed if self._running else chunked.num_remaining
+                fed += chunked.advance(budget)
+            if job.cancelled or (chunked.done and (was_done or not self._running)):
+                with self._lock:  # fail_all (another thread) may have emptied the list
+                    taken = entry in self._prefilling
+                    if taken:
+                        self._prefilling.remove(entry)
+                if taken and not job.cancelled:
+                    ready.append(entry)
+        return fed, ready
+
+    def _join(self, batch: TextBatch, joining: list, prefilled: bool = False) -> None:
+        """``joining`` [(job, pending)] or, ``prefilled``, [(job, pending, chunked prefill)]
+        join the batch together."""
         if not joining:
             return
         try:
-            rows = batch.add_rows([pending for _, pending in joining])
+            rows = batch.add_rows([entry[1] for entry in joining],
+                                  [entry[2] for entry in joining] if prefilled else None)
         except Exception as exc:  # a fault (checks passed): the batch restarts, see _serve
-            post_all([(job, Event.ERROR, exc) for job, _ in joining])
+            post_all([(entry[0], Event.ERROR, exc) for entry in joining])
             raise
         with self._lock:
-            for (job, _), row in zip(joining, rows):
-                self._running[row.row.id] = (job, row)
-        post_all([(job, Event.STARTED, row.num_prompt_tokens)
-                  for (job, _), row in zip(joining, rows)])
+            for entry, row in zip(joining, rows):
+                self._running[row.row.id] = (entry[0], row)
+        post_all([(entry[0], Event.STARTED, row.num_prompt_tokens)
+                  for entry, row in zip(joining, rows)])
 
     def _drop_cancelled(self, batch: TextBatch) -> None:
         """Rows whose client went away leave the batch before the next round."""
@@ -254,7 +309,13 @@ class GenerationWorker:
             logger.exception("the generation worker's finish hook failed")
 
     def _fail_running(self, error: Exception) -> None:
-        """A round failed (e.g. NonFiniteError): every running request gets the error."""
+        """A round failed (e.g. NonFiniteError): every running request gets the error, and so
+        does every one being prefilled apart (its cache belonged to the failed batch's model
+        state as much as the rows')."""
         for row_id, (job, _) in list(self._running.items()):
             job.post(Event.ERROR, error)
             self._finish(row_id, "failed")
+        with self._lock:
+            prefilling, self._prefilling = self._prefilling, []
+        for job, _, _ in prefilling:
+            job.post(Event.ERROR, error)

@@ -245,3 +245,26 @@ def test_bench_on_cuda_reports_gpu_memory_and_plain_equality(model_dirs):
     verispec_rows = [r for r in results if r.name.startswith("verispec")]
     assert all(r.matches_baseline for r in verispec_rows), [
         r.name for r in verispec_rows if not r.matches_baseline]
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_a_long_prompt_prefilled_in_chunks_on_cuda_joins_as_if_whole(model_dirs, backend):
+    # chunked_prefill on CUDA: the long prompt goes in 9 tokens a round while a row decodes,
+    # its cache is copied into the batch's (adopt_rows); both greedy texts equal each alone
+    decoder = verispec.load(*model_dirs, device="cuda", backend=backend)
+    long_prompt = [5, 6, 7, 8, 9] * 20
+    batch = decoder.open_batch(True)
+    short = batch.add("def add(a, b):", max_new_tokens=60, ignore_eos=True)
+    pending = batch.prepare(long_prompt, max_new_tokens=8, ignore_eos=True)
+    chunked = batch.start_prefill(pending)
+    while not chunked.done:
+        chunked.advance(9)
+        if len(batch):  # the short row may finish first
+            batch.step()
+    (joined,) = batch.add_rows([pending], prefilled=[chunked])
+    while short.completion is None or joined.completion is None:
+        batch.step()
+    assert joined.completion.text == decoder.generate(long_prompt, max_new_tokens=8,
+                                                      ignore_eos=True).text
+    assert short.completion.text == decoder.generate("def add(a, b):", max_new_tokens=60,
+                                                     ignore_eos=True).text

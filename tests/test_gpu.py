@@ -268,3 +268,16 @@ def test_a_long_prompt_prefilled_in_chunks_on_cuda_joins_as_if_whole(model_dirs,
                                                       ignore_eos=True).text
     assert short.completion.text == decoder.generate("def add(a, b):", max_new_tokens=60,
                                                      ignore_eos=True).text
+
+
+def test_cuda_graph_steps_replays_each_step_with_the_same_logits(tmp_path):
+    # benchmarks/cuda_graph_steps.py, shortened: every case is captured, replayed and timed,
+    # and the replay's logits equal the eager step's
+    import runpy
+    from pathlib import Path
+    script = Path(__file__).parent.parent / "benchmarks" / "cuda_graph_steps.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main(["--repeats", "5", "--out-dir", str(tmp_path)]) == 0
+    cases = json.loads((tmp_path / "cuda_graph_steps.json").read_text())["cases"]
+    assert len(cases) == 8 and all(case["same_logits"] for case in cases)
+    assert all(case["graph_ms"] > 0 and case["eager_ms"] > 0 for case in cases)

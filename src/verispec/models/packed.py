@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from .attention import attention_kernels
 
 if TYPE_CHECKING:
-    from .fast_llama import FastLlamaLM, KVCache
+    from .fast_llama import FastLlamaLM
+    from .kv_cache import KVCache
 
 
 class PackedRows(NamedTuple):

@@ -157,6 +157,22 @@ def test_a_new_session_replaces_the_old_one(tiny):
         old.extend(torch.tensor([[5]]))
 
 
+def test_a_long_prompt_joins_a_llama_cpp_batch_whole_and_the_batch_goes_on(tiny):
+    # no chunked prefill on llama.cpp (one live session a model): start_prefill says so without
+    # opening a second session, which would have replaced the batch's own
+    decoder = verispec.load(tiny["target"], tiny["draft"])
+    batch = decoder.open_batch()
+    short = batch.add([1, 2, 3], max_new_tokens=6, ignore_eos=True)
+    batch.step()
+    pending = batch.prepare([5, 6, 7, 8] * 10, max_new_tokens=4, ignore_eos=True)
+    assert batch.start_prefill(pending) is None
+    (joined,) = batch.add_rows([pending])
+    while short.completion is None or joined.completion is None:
+        batch.step()
+    assert joined.completion.token_ids == decoder.generate(
+        [5, 6, 7, 8] * 10, max_new_tokens=4, ignore_eos=True).token_ids
+
+
 # --- greedy exactness ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

@@ -142,8 +142,8 @@ class Batch:
         """A long prompt's target prefill to run apart, a chunk between rounds, before it joins
         with :meth:`add`'s ``prefilled``; None where the target's backend cannot take a row
         prefilled apart."""
-        return start_chunked_prefill(self._target_model, check_prompts([prompt],
-                                                                       self.vocab_size)[0])
+        return start_chunked_prefill(self._target_model, self.target.session,
+                                     check_prompts([prompt], self.vocab_size)[0])
 
     def remove(self, rows: Sequence[Row]) -> None:
         """Rows leaving between rounds (a cancelled request): they end as "cancelled"."""

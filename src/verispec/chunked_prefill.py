@@ -16,15 +16,16 @@ attention. Feeding a prompt in pieces leaves exactly the cache one pass would ha
 backends' ``feed`` contract, up to the summation order of the matmuls: the tests check greedy
 text against the prompt joining whole).
 
-Backends that cannot adopt a row (llama.cpp, the test fixtures) get None from
-:func:`start_chunked_prefill`: their long prompts are prefilled whole, as before.
+Backends that cannot adopt a row (llama.cpp, whose model holds one live session, and the test
+fixtures) get None from :func:`start_chunked_prefill`: their long prompts are prefilled whole,
+as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .models.base import LanguageModel
+from .models.base import LanguageModel, LMSession
 
 
 class ChunkedPrefill:
@@ -56,10 +57,12 @@ class ChunkedPrefill:
         return len(chunk)
 
 
-def start_chunked_prefill(target: LanguageModel, prompt_ids: Sequence[int]
-                          ) -> ChunkedPrefill | None:
-    """A chunked prefill of ``prompt_ids`` on ``target``, or None where its sessions cannot
-    adopt a row prefilled apart (the prompt is then prefilled whole when it joins)."""
-    if not callable(getattr(target.new_session(), "adopt_rows", None)):
+def start_chunked_prefill(target: LanguageModel, batch_session: LMSession,
+                          prompt_ids: Sequence[int]) -> ChunkedPrefill | None:
+    """A chunked prefill of ``prompt_ids`` on ``target`` for the batch whose target session is
+    ``batch_session``, or None where that session cannot adopt a row prefilled apart (the
+    prompt is then prefilled whole when it joins). The check asks the batch's own session: a
+    backend that allows one live session (llama.cpp) must not be asked for another."""
+    if not callable(getattr(batch_session, "adopt_rows", None)):
         return None
     return ChunkedPrefill(target, prompt_ids)

@@ -203,7 +203,7 @@ class GenerationWorker:
         join together, in one prefill pass. A prompt longer than the budget left, while rows
         are running, is prefilled apart a budget's worth a gap (chunked_prefill.py), ahead of
         later jobs, and joins once all of it is in."""
-        prefilled, ready = self._advance_prefills(batch)
+        prefilled, ready = self._advance_prefills()
         joining: list[tuple[Job, PendingRow]] = []
         while (len(self._running) + len(self._prefilling) + len(ready) + len(joining)
                < self.max_batch_size and prefilled < self.prefill_budget):
@@ -233,11 +233,11 @@ class GenerationWorker:
             with self._lock:
                 self._prefilling.append((job, pending, chunked))
             prefilled += chunked.advance(left)
-        self._join(batch, ready, prefilled=True)
-        self._join(batch, [(job, pending) for job, pending in joining])
+        self._join(batch, [job for job, _, _ in ready], [pending for _, pending, _ in ready],
+                   [chunked for _, _, chunked in ready])
+        self._join(batch, [job for job, _ in joining], [pending for _, pending in joining])
 
-    def _advance_prefills(self, batch: TextBatch
-                          ) -> tuple[int, list[tuple[Job, PendingRow, ChunkedPrefill]]]:
+    def _advance_prefills(self) -> tuple[int, list[tuple[Job, PendingRow, ChunkedPrefill]]]:
         """Feed the prompts being prefilled apart, oldest first, up to the prefill budget (all of
         it when no row is running: nobody waits); a cancelled one is dropped. Returns the
         tokens fed and the prefills that join now (taken off the list): while rows run, a
@@ -260,22 +260,21 @@ class GenerationWorker:
                     ready.append(entry)
         return fed, ready
 
-    def _join(self, batch: TextBatch, joining: list, prefilled: bool = False) -> None:
-        """``joining`` [(job, pending)] or, ``prefilled``, [(job, pending, chunked prefill)]
-        join the batch together."""
-        if not joining:
+    def _join(self, batch: TextBatch, jobs: list[Job], pending: list[PendingRow],
+              prefills: list[ChunkedPrefill] | None = None) -> None:
+        """These jobs' rows join the batch together, prefilled in one pass, or with
+        ``prefills`` (one finished chunked prefill each) copied in."""
+        if not jobs:
             return
         try:
-            rows = batch.add_rows([entry[1] for entry in joining],
-                                  [entry[2] for entry in joining] if prefilled else None)
+            rows = batch.add_rows(pending, prefills)
         except Exception as exc:  # a fault (checks passed): the batch restarts, see _serve
-            post_all([(entry[0], Event.ERROR, exc) for entry in joining])
+            post_all([(job, Event.ERROR, exc) for job in jobs])
             raise
         with self._lock:
-            for entry, row in zip(joining, rows):
-                self._running[row.row.id] = (entry[0], row)
-        post_all([(entry[0], Event.STARTED, row.num_prompt_tokens)
-                  for entry, row in zip(joining, rows)])
+            for job, row in zip(jobs, rows):
+                self._running[row.row.id] = (job, row)
+        post_all([(job, Event.STARTED, row.num_prompt_tokens) for job, row in zip(jobs, rows)])
 
     def _drop_cancelled(self, batch: TextBatch) -> None:
         """Rows whose client went away leave the batch before the next round."""

@@ -22,7 +22,7 @@ from verispec.server import worker as worker_module
 from verispec.server.worker import Event, GenerationWorker, Job
 from verispec.text_stream import Completion
 
-from test_server import ServerThread, model_dirs  # noqa: F401 (a fixture)
+from test_server import ServerThread, _wait_for, model_dirs  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -151,10 +151,7 @@ class _RecordedWorker:
 
     @staticmethod
     def wait_for(condition) -> None:
-        deadline = time.monotonic() + 60
-        while not condition():
-            assert time.monotonic() < deadline, "the worker did not get there in 60 s"
-            time.sleep(0.002)
+        _wait_for(condition, timeout=60)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_row_streams(model_dirs,

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from .adaptive import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
-from .chunked_prefill import ChunkedPrefill, start_chunked_prefill
+from .chunked_prefill import ChunkedPrefill
 from .config import GenerationConfig
 from .constraints import ConstraintSet
 from .errors import EmptyPromptError, InputError, TokenOutOfRangeError
@@ -141,9 +141,11 @@ class Batch:
     def start_prefill(self, prompt: Sequence[int]) -> ChunkedPrefill | None:
         """A long prompt's target prefill to run apart, a chunk between rounds, before it joins
         with :meth:`add`'s ``prefilled``; None where the target's backend cannot take a row
-        prefilled apart."""
-        return start_chunked_prefill(self._target_model, self.target.session,
-                                     check_prompts([prompt], self.vocab_size)[0])
+        prefilled apart. The batch's own session is asked: a backend that holds one live
+        session a model (llama.cpp) must not be asked for another."""
+        if not callable(getattr(self.target.session, "adopt_rows", None)):
+            return None
+        return ChunkedPrefill(self._target_model, check_prompts([prompt], self.vocab_size)[0])
 
     def remove(self, rows: Sequence[Row]) -> None:
         """Rows leaving between rounds (a cancelled request): they end as "cancelled"."""

@@ -17,15 +17,15 @@ backends' ``feed`` contract, up to the summation order of the matmuls: the tests
 text against the prompt joining whole).
 
 Backends that cannot adopt a row (llama.cpp, whose model holds one live session, and the test
-fixtures) get None from :func:`start_chunked_prefill`: their long prompts are prefilled whole,
-as before.
+fixtures) get None from ``Batch.start_prefill``: their long prompts are prefilled whole, as
+before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .models.base import LanguageModel, LMSession
+from .models.base import LanguageModel
 
 
 class ChunkedPrefill:
@@ -56,13 +56,3 @@ class ChunkedPrefill:
             self._fed += len(chunk)
         return len(chunk)
 
-
-def start_chunked_prefill(target: LanguageModel, batch_session: LMSession,
-                          prompt_ids: Sequence[int]) -> ChunkedPrefill | None:
-    """A chunked prefill of ``prompt_ids`` on ``target`` for the batch whose target session is
-    ``batch_session``, or None where that session cannot adopt a row prefilled apart (the
-    prompt is then prefilled whole when it joins). The check asks the batch's own session: a
-    backend that allows one live session (llama.cpp) must not be asked for another."""
-    if not callable(getattr(batch_session, "adopt_rows", None)):
-        return None
-    return ChunkedPrefill(target, prompt_ids)

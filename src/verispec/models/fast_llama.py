@@ -154,9 +154,10 @@ class FastLlamaLM:
         after the B n rows' tokens in every projection, their keys written before any
         attention, and no logits for them: a joining row's own tokens in ``tokens`` see its
         prompt. Nothing reads their last layer's output, so there they only write keys and
-        values (its attention, output projection and MLP run over the B n tokens alone). Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the
-        projections see [x y a b c] ([1, 5, E]); attention runs for [a b c] against that
-        row's keys (a causal band), then for [x], [y] and the joining row's token as usual.
+        values (its attention, output projection and MLP run over the B n tokens alone).
+        Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the projections
+        see [x y a b c] ([1, 5, E]); attention runs for [a b c] against that row's keys (a
+        causal band), then for [x], [y] and the joining row's token as usual.
         """
         batch, num_new = tokens.shape
         hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
@@ -389,20 +390,14 @@ class FastLlamaSession:
         leaves before then is never prefilled. Returns whether the prompts ride."""
         if not prompts:
             return False
-        longest = max(len(p) for p in prompts)
-        self.cache.ensure(self._room(longest))
-        self.cache.ensure_rows(self.num_rows + len(prompts))
+        first = self._open_slots(max(len(p) for p in prompts), len(prompts))
         if ride:
-            self._joining.update((self.num_rows + i, list(p)) for i, p in enumerate(prompts)
-                                 if p)
-            self.lengths += [len(p) for p in prompts]
+            self._joining.update((first + i, list(p)) for i, p in enumerate(prompts) if p)
         else:
-            joining = FastLlamaSession(self.lm, self.cache.slots(self.num_rows, len(prompts)))
+            joining = FastLlamaSession(self.lm, self.cache.slots(first, len(prompts)))
             joining.lengths = [0] * len(prompts)
             joining.feed(prompts)
-            self.lengths += joining.lengths
-        self.cache.add_rows(len(prompts))
-        self.num_rows += len(prompts)
+        self._fill_slots([len(p) for p in prompts])
         return ride and any(prompts)
 
     def adopt_rows(self, sessions: Sequence[FastLlamaSession]) -> None:
@@ -417,13 +412,23 @@ class FastLlamaSession:
         if not sessions:
             return
         lengths = [s.lengths[0] for s in sessions]
-        self.cache.ensure(self._room(max(lengths)))
-        self.cache.ensure_rows(self.num_rows + len(sessions))
+        first = self._open_slots(max(lengths), len(sessions))
         for i, (session, length) in enumerate(zip(sessions, lengths)):
-            self.cache.copy_row(self.num_rows + i, session.cache, length)
+            self.cache.copy_row(first + i, session.cache, length)
+        self._fill_slots(lengths)
+
+    def _open_slots(self, longest: int, count: int) -> int:
+        """Room in the cache for ``count`` more rows, the longest holding ``longest`` tokens;
+        returns the first of their slots (free until :meth:`_fill_slots`)."""
+        self.cache.ensure(self._room(longest))
+        self.cache.ensure_rows(self.num_rows + count)
+        return self.num_rows
+
+    def _fill_slots(self, lengths: list[int]) -> None:
+        """The next len(lengths) slots become live rows holding these many tokens."""
         self.lengths += lengths
-        self.cache.add_rows(len(sessions))
-        self.num_rows += len(sessions)
+        self.cache.add_rows(len(lengths))
+        self.num_rows += len(lengths)
 
     def _room(self, longest: int) -> int:
         """Positions to hold for rows whose longest holds ``longest`` tokens: room to generate

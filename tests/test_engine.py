@@ -538,9 +538,12 @@ def test_goodput_policy_probes_ever_more_rarely_while_plain_rounds_stay_best():
     gaps = [later - earlier for earlier, later in zip(probes[1:], probes[2:])]
     assert gaps[:5] == [8, 16, 32, 64, 64]  # doubling from 4 rounds, capped at 16 * 4
     assert PLAIN_PROBE_BACKOFF * 4 == 64 and set(gaps[3:]) == {64}
+    # drafting turns cheap: the probes' costly timings (kept through the plain stretch at one
+    # round's weight) are outweighed after two cheap rounds, and probes come every 4 rounds
     cheap = [policy.next_num_draft_tokens(_timed_stats(k, 0.95, 0.01, lambda k: 1.0))
-             for k in [1] * 12]
-    assert cheap[:3] == [4, 4, 4] and cheap[3] == 3  # drafting again, probing at 4
+             for k in [1] * 14]
+    assert cheap[:2] == [0, 0] and all(k > 0 for k in cheap[2:13])
+    assert cheap[7:10] == [4, 4, 3]  # drafting at 4, a probe at 3
     assert cheap[-1] == 0  # the third probe while drafting is a plain round (PLAIN_REPROBE)
 
 
@@ -687,6 +690,29 @@ def test_goodput_policy_prices_the_drafts_prefill_of_joining_rows():
     assert run(0.0) == (2, 0.0)
     k, join_cost = run(0.0025)
     assert join_cost == pytest.approx(0.0025 / 48) and k == 0
+
+
+def test_a_long_plain_stretch_keeps_the_drafting_timings_that_made_it_plain():
+    # a 16-row bucket on 2 cores, timings as logged: plain rounds 7.2 ms, a k-token
+    # verification pass 7.2 + 3.3 k ms, draft steps 2.3 ms, acceptance 0.9. Drafting promises
+    # ~1.07x plain rounds, inside PLAIN_MARGIN, so the policy runs plain rounds and probes k = 1
+    # at backed-off intervals (up to 256 rounds). Plain rounds measure no drafting depth: aged
+    # by them, the timings of the last probe fell below any weight ~200 rounds later, the model
+    # priced every depth at T(0) and drafted k = 4-5 rounds (30 ms each, and a catch-up)
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=8).build(1)
+    k, chosen = 1, []
+    for _ in range(1200):
+        if k == 0:
+            stats = RoundStats(0, (), (), 0.0, 0.0072, num_rows=16)
+        else:
+            stats = replace(_stats(k, 16, 0.9), draft_time=0.0023 * k,
+                            target_time=0.0072 + 0.0033 * k, num_rows=16)
+        k = policy.next_num_draft_tokens(stats)
+        chosen.append((k, policy.num_draft_tokens))
+    assert all(model_k == 0 for _, model_k in chosen[100:])  # the model's own choice
+    probes = [k for k, _ in chosen[100:] if k > 0]
+    assert probes and set(probes) == {1} and len(probes) <= 8  # k = 1, backed off
+    assert policy.round_costs()[0] == pytest.approx(0.0072 + 0.0033 + 0.0023, rel=0.05)
 
 
 def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():

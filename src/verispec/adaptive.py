@@ -15,7 +15,8 @@ Two policies:
     may emit (GoodputPolicy.join_cost; it weighs on every drafting round in proportion to the
     tokens it emits); T is the
     measured mean at each depth used recently, interpolated between them, flat below them and
-    rising by a fitted slope above them (GoodputPolicy.round_costs). To see more than one
+    rising by a fitted slope above them (GoodputPolicy.round_costs); a plain round ages only
+    T(0), the one timing it measures (_faded). To see more than one
     depth, every ``probe_every`` rounds one round runs at a neighbour of the best k.
 
 Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
@@ -441,13 +442,21 @@ class GoodputPolicy(AdaptivePolicy):
         # than no price), and the first timed round of its depth outweighs them
         weight = 1.0 if stats.timed else FIRST_USE_WEIGHT
         k = stats.num_draft_tokens
-        if stats.draft_timed:  # else the old estimate stands (both sums decay alike)
+        if k == 0:  # a plain round measures no drafting: their timings fade, never out
+            self._draft_step_time, self._draft_steps = _faded(
+                self._draft_step_time, self._draft_steps, decay)
+        elif stats.draft_timed:  # else the old estimate stands (both sums decay alike)
             draft_time = _capped(stats.draft_time, self._draft_step_time * k,
                                  self._draft_steps)
             self._draft_step_time = self._draft_step_time * decay + weight * draft_time
             self._draft_steps = self._draft_steps * decay + weight * k
-        self._target_time = [t * decay for t in self._target_time]
-        self._target_calls = [n * decay for n in self._target_calls]
+        for depth in range(len(self._target_time)):
+            if depth == 0 or k > 0:
+                self._target_time[depth] *= decay
+                self._target_calls[depth] *= decay
+            else:
+                self._target_time[depth], self._target_calls[depth] = _faded(
+                    self._target_time[depth], self._target_calls[depth], decay)
         self._other_time = self._other_time * decay + weight * stats.other_time
         self._other_rounds = self._other_rounds * decay + weight
         self._num_rows = stats.num_rows
@@ -507,6 +516,20 @@ class GoodputPolicy(AdaptivePolicy):
             if probe != best_k:
                 return probe
         return best_k
+
+
+def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
+    """Decayed sums (seconds, weight) of timings a plain round does not measure (drafting
+    depths, draft steps): they fade as any round's do, but their weight never falls below one
+    round's (or what it was), so the mean stands. Faded out, a 16-row bucket's drafting
+    timings fell below any weight ~200 plain rounds after its last probe (0.9^200), its model
+    went back to a flat T(k) = T(0), and it drafted k = 4-5 rounds for a promised 1.7x:
+    30 ms rounds, a catch-up, and rows out of step for the rest of the level. Held at one
+    round's weight, the next probe still counts as much as everything before it."""
+    if count <= 0:
+        return total, count
+    factor = max(decay, min(1.0, 1.0 / count))
+    return total * factor, count * factor
 
 
 def _capped(seconds: float, total: float, count: float) -> float:

@@ -715,6 +715,21 @@ def test_a_long_plain_stretch_keeps_the_drafting_timings_that_made_it_plain():
     assert policy.round_costs()[0] == pytest.approx(0.0072 + 0.0033 + 0.0023, rel=0.05)
 
 
+def test_a_first_use_alone_fades_out_of_a_plain_stretch():
+    # an 8-row bucket's first round, cold (63 ms of target and 13 of draft at k = 4 against 7
+    # ms plain rounds; RoundStats.timed False), is its only drafting timing: it prices drafting
+    # as dear, and the bucket runs plain rounds. Such a first use weighs FIRST_USE_WEIGHT and
+    # must fade out of a plain stretch (it would otherwise set the T(k) slope for good), after
+    # which the policy drafts again to measure; a measured round's timings stay (test above)
+    policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=8,
+                                 probe_every=0).build(4)
+    policy.next_num_draft_tokens(replace(_stats(4, 8, 0.9), draft_time=0.013,
+                                         target_time=0.063, timed=False, num_rows=8))
+    plain = RoundStats(0, (), (), 0.0, 0.007, num_rows=8)
+    assert [policy.next_num_draft_tokens(plain) for _ in range(20)] == [0] * 20
+    assert any(policy.next_num_draft_tokens(plain) > 0 for _ in range(300))
+
+
 def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
     # plain rounds (k = 0) test no position, so they must not forget what was measured: decayed
     # towards the prior (0.6 here), a 0.95 rate would drift down and could keep k at 0 for good

@@ -520,15 +520,18 @@ class GoodputPolicy(AdaptivePolicy):
 
 def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
     """Decayed sums (seconds, weight) of timings a plain round does not measure (drafting
-    depths, draft steps): they fade as any round's do, but their weight never falls below one
-    round's (or what it was), so the mean stands. Faded out, a 16-row bucket's drafting
-    timings fell below any weight ~200 plain rounds after its last probe (0.9^200), its model
-    went back to a flat T(k) = T(0), and it drafted k = 4-5 rounds for a promised 1.7x:
-    30 ms rounds, a catch-up, and rows out of step for the rest of the level. Held at one
-    round's weight, the next probe still counts as much as everything before it."""
-    if count <= 0:
-        return total, count
-    factor = max(decay, min(1.0, 1.0 / count))
+    depths, draft steps). They fade as any round's do, but once they rest on a measured
+    round's weight (1) they stay there, so the mean stands: faded out, a 16-row bucket's
+    drafting timings fell below any weight ~200 plain rounds after its last probe (0.9^200),
+    its model went back to a flat T(k) = T(0), and it drafted k = 4-5 rounds for a promised
+    1.7x: 30 ms rounds, a catch-up, and rows out of step for the rest of the level. Held at
+    one round's weight, the next probe still counts as much as everything before it. Weights
+    below one round's (first uses alone, FIRST_USE_WEIGHT) fade out as before: an 8-row
+    bucket's cold first round (63 ms at k = 4 against 7 plain) otherwise set its T(k) slope
+    alone for good and held it in plain rounds where drafting pays 1.1-1.2x."""
+    if count < 1.0:
+        return total * decay, count * decay
+    factor = max(decay, 1.0 / count)
     return total * factor, count * factor
 
 

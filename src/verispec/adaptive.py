@@ -198,7 +198,8 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
 
     cost_ratio: c = draft step time / target step time, with a target call costing the same
         at every depth; None measures draft steps and target calls per depth as rounds go.
-    decay: weight kept by old observations each round (exponential forgetting).
+    decay: weight kept by old observations each round (exponential forgetting; a plain round
+        ages only T(0), and drafting timings no lower than one round's weight, _faded).
     prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
     probe_every: with measured costs, one round in this many runs at a neighbouring k so that
         T(k) is measured at more than one depth; 0 never probes. While plain rounds stay the

@@ -451,13 +451,12 @@ class GoodputPolicy(AdaptivePolicy):
                                  self._draft_steps)
             self._draft_step_time = self._draft_step_time * decay + weight * draft_time
             self._draft_steps = self._draft_steps * decay + weight * k
-        for depth in range(len(self._target_time)):
-            if depth == 0 or k > 0:
-                self._target_time[depth] *= decay
-                self._target_calls[depth] *= decay
-            else:
-                self._target_time[depth], self._target_calls[depth] = _faded(
-                    self._target_time[depth], self._target_calls[depth], decay)
+        # T(0) ages with every round, the drafting depths with drafting rounds (plain ones only
+        # fade them, _faded)
+        for depth, (seconds, calls) in enumerate(zip(self._target_time, self._target_calls)):
+            self._target_time[depth], self._target_calls[depth] = (
+                (seconds * decay, calls * decay) if depth == 0 or k > 0
+                else _faded(seconds, calls, decay))
         self._other_time = self._other_time * decay + weight * stats.other_time
         self._other_rounds = self._other_rounds * decay + weight
         self._num_rows = stats.num_rows
@@ -521,15 +520,15 @@ class GoodputPolicy(AdaptivePolicy):
 
 def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
     """Decayed sums (seconds, weight) of timings a plain round does not measure (drafting
-    depths, draft steps). They fade as any round's do, but once they rest on a measured
-    round's weight (1) they stay there, so the mean stands: faded out, a 16-row bucket's
-    drafting timings fell below any weight ~200 plain rounds after its last probe (0.9^200),
-    its model went back to a flat T(k) = T(0), and it drafted k = 4-5 rounds for a promised
-    1.7x: 30 ms rounds, a catch-up, and rows out of step for the rest of the level. Held at
-    one round's weight, the next probe still counts as much as everything before it. Weights
-    below one round's (first uses alone, FIRST_USE_WEIGHT) fade out as before: an 8-row
-    bucket's cold first round (63 ms at k = 4 against 7 plain) otherwise set its T(k) slope
-    alone for good and held it in plain rounds where drafting pays 1.1-1.2x."""
+    depths, whose weight counts rounds, and draft steps, whose weight counts steps). They fade
+    as any round's do, but once they rest on a weight of one they stay there, so the mean
+    stands: faded out, a 16-row bucket's drafting timings fell below any weight ~200 plain
+    rounds after its last probe (0.9^200), its model went back to a flat T(k) = T(0), and it
+    drafted k = 4-5 rounds for a promised 1.7x: 30 ms rounds, a catch-up, and rows out of step
+    for the rest of the level. Held at one round's weight, the next probe still counts as much
+    as everything before it. Weights below one (first uses alone, FIRST_USE_WEIGHT) fade out
+    as before: an 8-row bucket's cold first round (63 ms at k = 4 against 7 plain) otherwise
+    set its T(k) slope alone for good and held it in plain rounds where drafting pays."""
     if count < 1.0:
         return total * decay, count * decay
     factor = max(decay, 1.0 / count)

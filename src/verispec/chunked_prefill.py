@@ -55,4 +55,3 @@ class ChunkedPrefill:
             self.session.feed([chunk])
             self._fed += len(chunk)
         return len(chunk)
-

@@ -373,7 +373,7 @@ def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
     decoder = SpeculativeDecoder.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),
                                                   wrap_model(draft, VOCAB_SIZE, backend))
     config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,
-                              adaptive=verispec.adaptive.GoodputPolicyConfig(
+                              adaptive=verispec.GoodputPolicyConfig(
                                   min_num_draft_tokens=0))
     batch = decoder.batch(policy=config.adaptive)
     scripted = _ScriptedPolicy((1,) * 12)
@@ -398,7 +398,7 @@ def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
     # plain rounds, a row joining during them (its draft prefill deferred), then drafting:
     # the draft catches up before the round's clock starts, so that round's draft time is
     # priced (draft_timed), and every row's greedy text is still the target's own
-    from verispec.adaptive import GoodputPolicyConfig
+    from verispec.goodput import GoodputPolicyConfig
 
     decoder = _fixture_decoder()
     config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,

@@ -29,8 +29,9 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec import adaptive as adaptive_module
-from verispec.adaptive import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE, RoundStats
+from verispec import goodput as goodput_module
+from verispec.adaptive import RoundStats
+from verispec.goodput import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE
 from verispec.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -604,14 +605,14 @@ def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
     assert policy.round_costs()[1] - policy.round_costs()[0] > costs[1] - costs[0]
 
 
-@pytest.mark.parametrize("cap", [adaptive_module.OUTLIER_CAP, math.inf])
+@pytest.mark.parametrize("cap", [goodput_module.OUTLIER_CAP, math.inf])
 def test_one_slow_plain_round_does_not_send_a_loaded_policy_drafting(cap, monkeypatch):
     # a 16-row bucket in a loaded server, timings as logged: plain rounds ~7.5 ms, k = 1
     # rounds 11 ms of target and 3 of draft, acceptance 0.88: plain rounds win by less than
     # PLAIN_MARGIN's 10%. One plain round preempted by the event loop (17 ms) moved T(0) by
     # ~13% at decay 0.9 and tipped the policy into drafting; capped at OUTLIER_CAP times the
     # running mean it moves T(0) by ~2.5%. Control: uncapped, the same round tips it
-    monkeypatch.setattr(adaptive_module, "OUTLIER_CAP", cap)
+    monkeypatch.setattr(goodput_module, "OUTLIER_CAP", cap)
     policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
                                  probe_every=0).build(1)
     for _ in range(10):

@@ -3,7 +3,8 @@
 The public surface is re-exported here; nothing runs at import time.
 """
 
-from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
+from .adaptive import ThresholdPolicyConfig
+from .goodput import GoodputPolicyConfig
 from .config import GenerationConfig, SamplingConfig
 from .engine import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .adaptive import GoodputPolicyConfig, ThresholdPolicyConfig
+from .adaptive import ThresholdPolicyConfig
+from .goodput import GoodputPolicyConfig
 from .api import Decoder
 from .config import GenerationConfig, SamplingConfig
 from .diagnostics import theoretical_speedup

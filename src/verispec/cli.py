@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .adaptive import POLICY_NAMES, named_policy
+from .config import POLICY_NAMES, named_policy
 from .errors import VerispecError
 
 EXIT_USAGE = 2

@@ -1,4 +1,4 @@
-"""Frozen, validated configuration for sampling and generation.
+"""Frozen, validated configuration for sampling and generation, and the depth policies by name.
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`ConfigError` naming the
 field, the value and the fix. Configs are passed explicitly and never mutated: use
@@ -11,8 +11,9 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from .adaptive import AdaptivePolicyConfig
+from .adaptive import AdaptivePolicyConfig, ThresholdPolicyConfig
 from .errors import ConfigError, InputError
+from .goodput import GoodputPolicyConfig
 
 MAX_NUM_DRAFT_TOKENS = 32
 # The depth a loaded decoder uses when none is given, by the device type its target runs on. On
@@ -156,3 +157,24 @@ class GenerationConfig:
         if self.cost_ratio is not None:
             _require(_is_real(self.cost_ratio) and 0 < self.cost_ratio < math.inf, "cost_ratio",
                      self.cost_ratio, "a finite number > 0 (draft step time / target step time)")
+
+
+# the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
+POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
+
+
+def named_policy(name: str | None, carry_over: bool = False) -> AdaptivePolicyConfig | None:
+    """A policy config with default settings by name (see POLICY_NAMES); None: fixed k."""
+    if name is None:
+        if carry_over:
+            raise ConfigError("carry_over=True needs an adaptive policy (one of "
+                              f"{', '.join(POLICY_NAMES)}); a fixed k has nothing to carry.")
+        return None
+    if name == "goodput":
+        return GoodputPolicyConfig(carry_over=carry_over)
+    if name == "goodput-plain":
+        return GoodputPolicyConfig(min_num_draft_tokens=0, carry_over=carry_over)
+    if name == "threshold":
+        return ThresholdPolicyConfig(carry_over=carry_over)
+    raise ConfigError(f"adaptive={name!r} is invalid: expected one of {', '.join(POLICY_NAMES)}, "
+                      "or none for a fixed k.")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import socket
 from dataclasses import replace
 
-from ..adaptive import AdaptivePolicyConfig, named_policy
+from ..adaptive import AdaptivePolicyConfig
+from ..config import named_policy
 from ..errors import ConfigError, UnsupportedFeatureError
 from .settings import ServerSettings
 

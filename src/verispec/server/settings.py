@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from os import PathLike
 
-from ..adaptive import POLICY_NAMES
+from ..config import POLICY_NAMES
 from ..config import MAX_NUM_DRAFT_TOKENS
 from ..errors import ConfigError
 

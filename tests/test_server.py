@@ -340,6 +340,8 @@ def test_metrics(client, server):
     assert 0 <= values["verispec_acceptance_rate"] <= 1
     assert 0 <= values['verispec_position_acceptance_rate{position="1"}'] <= 1
     assert "verispec_queue_depth" in values
+    assert values["verispec_running_requests"] == 0  # nothing in flight between requests
+    assert sum(v for name, v in values.items() if name.startswith("verispec_rounds_total")) > 0
 
 
 def _metric_values(text: str) -> dict[str, float]:

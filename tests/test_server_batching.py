@@ -2,7 +2,8 @@
 
 Concurrent greedy requests are decoded in one batch (the worker's rounds carry several rows)
 and each one's text equals the same request sent alone; a client that disconnects mid-stream
-frees its row within a round or so; requests beyond the batch size wait and still succeed.
+frees its row within a round or so; requests beyond the batch size wait and still succeed;
+/metrics counts the rounds by depth and the rows over them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from verispec.server import worker as worker_module
 from verispec.server.worker import Event, GenerationWorker, Job
 from verispec.text_stream import Completion
 
-from test_server import ServerThread, _wait_for, model_dirs  # noqa: F401 (a fixture)
+from test_server import (  # noqa: F401 (model_dirs: a fixture)
+    ServerThread,
+    _metric_values,
+    _wait_for,
+    model_dirs,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -61,6 +67,35 @@ def test_concurrent_greedy_requests_are_batched_and_equal_each_alone(server, cli
     rounds, rows = worker.num_rounds - rounds_before, worker.num_row_rounds - rows_before
     assert rows / rounds > 1.5, f"{rows} row-rounds over {rounds} rounds: not batched"
     assert worker.num_running == 0
+
+
+def _round_counts(server) -> tuple[dict[int, float], dict[int, float], float]:
+    """/metrics' rounds and rows by depth, and the running requests."""
+    values = _metric_values(httpx.get(server.url + "/metrics").text)
+    by_depth = {"verispec_rounds_total": {}, "verispec_round_rows_total": {}}
+    for name, value in values.items():
+        metric, _, label = name.partition('{draft_tokens="')
+        if metric in by_depth:
+            by_depth[metric][int(label.rstrip('"}'))] = value
+    return (by_depth["verispec_rounds_total"], by_depth["verispec_round_rows_total"],
+            values["verispec_running_requests"])
+
+
+def test_metrics_count_the_batch_rounds_by_depth_and_their_rows(server, client):
+    worker = server.server.config.app.state.worker
+    rounds_before, rows_before, _ = _round_counts(server)
+    worker_rounds_before = worker.num_rounds
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        list(pool.map(lambda p: _stream_text(client, p), PROMPTS))
+    rounds_after, rows_after, running = _round_counts(server)
+    rounds = {k: n - rounds_before.get(k, 0) for k, n in rounds_after.items()}
+    rows = {k: n - rows_before.get(k, 0) for k, n in rows_after.items()}
+    assert sum(rounds.values()) == worker.num_rounds - worker_rounds_before > 0
+    assert all(0 <= k <= 32 for k in rounds)
+    assert any(k > 0 and n > 0 for k, n in rounds.items())  # a draft: some rounds drafted
+    assert all(rounds[k] <= rows[k] <= SETTINGS.max_batch_size * rounds[k] for k in rounds)
+    assert sum(rows.values()) / sum(rounds.values()) > 1.5  # batched
+    assert running == 0
 
 
 def test_a_disconnect_frees_its_row(server, client):

@@ -76,6 +76,7 @@ class Batch:
         self._policy_k: dict[int, int] = {}  # bucket -> the k its policy returned for next round
         self._carried = carried
         self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
+        self.last_num_draft_tokens = 0  # the depth of the latest round (0: plain)
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
@@ -363,6 +364,7 @@ class Batch:
                                    sum(len(new) for _, new in emitted), reached, accepted_at,
                                    times, num_drafted=sum(num_draft))
         self.last_policy = policy
+        self.last_num_draft_tokens = width
         draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
         self._draft_lags = width == 0 and self.proposer is not None
         bucket = self._bucket()

@@ -53,8 +53,9 @@ def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
     worker = GenerationWorker(decoder, settings.max_queue, metrics.record_generation,
                               settings.max_batch_size, settings.prefill_budget,
-                              num_threads=settings.threads)
+                              num_threads=settings.threads, on_round=metrics.record_round)
     metrics.track_queue(lambda: worker.queue_depth)
+    metrics.track_running(lambda: worker.num_running + worker.num_prefilling)
     service = GenerationService(decoder, settings, worker, metrics)
 
     @asynccontextmanager

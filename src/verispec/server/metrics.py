@@ -11,6 +11,11 @@ the ASGI middleware that counts every HTTP request.
     verispec_position_acceptance_rate{position}         P(accept draft position i | reached i),
                                                         i = 1..k, since start
     verispec_queue_depth                                requests waiting for the worker
+    verispec_running_requests                           requests in the running batch, and long
+                                                        prompts being prefilled before they join
+    verispec_rounds_total{draft_tokens}                 the batch's rounds by depth (0: plain)
+    verispec_round_rows_total{draft_tokens}             rows over those rounds: / rounds_total is
+                                                        the mean batch size at each depth
 """
 
 from __future__ import annotations
@@ -52,11 +57,27 @@ class ServerMetrics:
             ["position"], registry=r)
         self.queue_depth = Gauge("verispec_queue_depth", "Requests waiting for the worker",
                                  registry=r)
+        self.running = Gauge("verispec_running_requests",
+                             "Requests in the running batch, and long prompts being prefilled "
+                             "before they join", registry=r)
+        self.rounds = Counter("verispec_rounds", "The batch's rounds by depth (0: plain)",
+                              ["draft_tokens"], registry=r)
+        self.round_rows = Counter("verispec_round_rows", "Rows over the batch's rounds, by depth",
+                                  ["draft_tokens"], registry=r)
         self._lock = threading.Lock()
         self._total = GenerationMetrics()
 
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
+
+    def track_running(self, running: Callable[[], int]) -> None:
+        self.running.set_function(running)
+
+    def record_round(self, num_rows: int, num_draft_tokens: int) -> None:
+        """The worker's round hook: one round of ``num_rows`` rows at this depth."""
+        label = str(num_draft_tokens)
+        self.rounds.labels(label).inc()
+        self.round_rows.labels(label).inc(num_rows)
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -50,6 +50,13 @@ class FinishHook(Protocol):
     def __call__(self, row: TextRow, outcome: str) -> None: ...
 
 
+class RoundHook(Protocol):
+    """Called on the worker thread after each round: the rows it ran and its depth (0: a plain
+    round)."""
+
+    def __call__(self, num_rows: int, num_draft_tokens: int) -> None: ...
+
+
 class Job:
     """One request's generation: built on the event loop, run on the worker thread. ``prepare``
     checks and encodes the request's row (raising the request's typed error if it is bad); the
@@ -100,12 +107,14 @@ class GenerationWorker:
 
     def __init__(self, decoder: Decoder, max_queue: int, on_finish: FinishHook,
                  max_batch_size: int = 16, prefill_budget: int = 512,
-                 speculative: bool = True, num_threads: int | None = None) -> None:
+                 speculative: bool = True, num_threads: int | None = None,
+                 on_round: RoundHook | None = None) -> None:
         self._decoder = decoder
         self._num_threads = num_threads  # torch's intra-op threads, set on the worker thread
         self._speculative = speculative and decoder.engine.proposer is not None
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finish = on_finish
+        self._on_round = on_round
         self.max_batch_size = max_batch_size
         self.prefill_budget = prefill_budget
         self._thread: threading.Thread | None = None
@@ -284,8 +293,9 @@ class GenerationWorker:
                 self._finish(row_id, "cancelled")
 
     def _round(self, batch: TextBatch) -> None:
+        num_rows = len(batch)
         self.num_rounds += 1
-        self.num_row_rounds += len(batch)
+        self.num_row_rounds += num_rows
         posts: list[tuple[Job, Event, object]] = []
         finished = []
         for row, delta in batch.step():
@@ -296,6 +306,11 @@ class GenerationWorker:
                 posts.append((job, Event.DONE, row.completion))
                 finished.append(row.row.id)
         post_all(posts)
+        if self._on_round is not None:
+            try:
+                self._on_round(num_rows, batch.batch.last_num_draft_tokens)
+            except Exception:  # a bug in a hook must not kill the only worker thread
+                logger.exception("the generation worker's round hook failed")
         for row_id in finished:
             self._finish(row_id, "completed")
 

@@ -4,7 +4,6 @@ The public surface is re-exported here; nothing runs at import time.
 """
 
 from .adaptive import ThresholdPolicyConfig
-from .goodput import GoodputPolicyConfig
 from .config import GenerationConfig, SamplingConfig
 from .engine import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (
@@ -24,6 +23,7 @@ from .errors import (
     VerispecError,
 )
 from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
+from .goodput import GoodputPolicyConfig
 from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
 from .models.llama_cpp import LlamaCppConfig  # llama_cpp itself is imported when a model loads

@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 
 from .adaptive import ThresholdPolicyConfig
-from .goodput import GoodputPolicyConfig
 from .api import Decoder
 from .config import GenerationConfig, SamplingConfig
 from .diagnostics import theoretical_speedup
 from .engine import SpeculativeDecoder
+from .goodput import GoodputPolicyConfig
 from .metrics import GenerationMetrics
 from .models.matmul import cpuinfo
 from .proposers.draft_model import DraftModelProposer

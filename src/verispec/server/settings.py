@@ -15,8 +15,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from os import PathLike
 
-from ..config import POLICY_NAMES
-from ..config import MAX_NUM_DRAFT_TOKENS
+from ..config import MAX_NUM_DRAFT_TOKENS, POLICY_NAMES
 from ..errors import ConfigError
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a

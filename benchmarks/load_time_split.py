@@ -46,11 +46,12 @@ from load_test import prompts_for, start_server, wait_until_healthy  # noqa: E40
 HOOK = '''
 import json, os, threading, time
 import verispec.models.fast_llama as fast_llama
+import verispec.models.fast_llama_session as fast_llama_session
 
 _totals = {}
 _forward = fast_llama.FastLlamaLM.forward
 
-_feed_packed = fast_llama.feed_packed
+_feed_packed = fast_llama_session.feed_packed
 
 def _add(lm, kind, seconds, num_tokens):
     model = getattr(lm.model.config, "_name_or_path", "") or "model"
@@ -84,7 +85,7 @@ def _dump():
         os.replace(path + ".tmp", path)
 
 fast_llama.FastLlamaLM.forward = _timed
-fast_llama.feed_packed = _timed_feed
+fast_llama_session.feed_packed = _timed_feed
 threading.Thread(target=_dump, daemon=True).start()
 '''
 

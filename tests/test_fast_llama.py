@@ -16,6 +16,7 @@ from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import attention as attention_module
 from verispec.models import matmul as matmul_module
 from verispec.models import fast_llama as fast_llama_module
+from verispec.models import fast_llama_session
 from verispec.models.fast_llama import FastLlamaLM, supports
 from verispec.models.fixtures import MarkovLM
 from verispec.models.matmul import onednn_available, resolve_matmul
@@ -257,7 +258,7 @@ def count_passes(monkeypatch) -> list[str]:
     """Record each fast pass from now on: "padded" (FastLlamaLM.forward) or "packed"
     (models.packed.feed_packed, as the session calls it)."""
     passes: list[str] = []
-    forward, packed = FastLlamaLM.forward, fast_llama_module.feed_packed
+    forward, packed = FastLlamaLM.forward, fast_llama_session.feed_packed
 
     def counted_forward(self, *args, **kwargs):
         passes.append("padded")
@@ -267,7 +268,7 @@ def count_passes(monkeypatch) -> list[str]:
         passes.append("packed")
         return packed(*args, **kwargs)
     monkeypatch.setattr(FastLlamaLM, "forward", counted_forward)
-    monkeypatch.setattr(fast_llama_module, "feed_packed", counted_packed)
+    monkeypatch.setattr(fast_llama_session, "feed_packed", counted_packed)
     return passes
 
 

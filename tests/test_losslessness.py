@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-import verispec.batch
+import verispec.batch_verify
 import verispec.engine
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 from verispec import (
@@ -345,8 +345,8 @@ def inject_verify(monkeypatch, verify_fn) -> None:
                 num_accepted[b], output_tokens[b] = n, tokens
         return num_accepted, output_tokens
 
-    assert hasattr(verispec.batch, "verify_rows")  # the name the engine really calls
-    monkeypatch.setattr(verispec.batch, "verify_rows", injected_verify_rows)
+    assert hasattr(verispec.batch_verify, "verify_rows")  # the name the engine really calls
+    monkeypatch.setattr(verispec.batch_verify, "verify_rows", injected_verify_rows)
 
 
 CONTROL_PAIR = "reversed"

@@ -10,7 +10,8 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
               own settings (at temperature 0 only their argmax, sampling.greedy_tokens);
   3. verify:  greedy rows by verify_greedy.verify_greedy_rows (no random numbers), sampled rows
               by verify.verify_rows, each reading only its first k_b draft tokens and k_b + 1
-              distributions, with uniforms from its own generator;
+              distributions, with uniforms from its own generator (steps 2-3 row by row:
+              batch_verify.py);
   4. commit:  both sides rewind each row to its accepted prefix and append the new token (a
               round that only measures drafting for the depth policy keeps the first token
               of every row: Batch._measuring);
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from .adaptive import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .batch_verify import ban_early_stops, target_outputs, verify_batch
 from .chunked_prefill import ChunkedPrefill
 from .config import GenerationConfig
 from .constraints import ConstraintSet
@@ -47,9 +49,6 @@ from .metrics import MetricsRecorder
 from .models.base import LanguageModel, TargetScorer
 from .proposers.base import DraftPlan, Proposer
 from .rows import Row
-from .sampling import greedy_tokens, to_probs
-from .verify import verify_rows
-from .verify_greedy import verify_greedy_rows
 
 
 class Batch:
@@ -184,13 +183,13 @@ class Batch:
         draft_time = _synced_elapsed(started, draft_tokens)
         # 2. score: one target pass over each row's pending token and the K draft tokens
         target_started = time.perf_counter()
-        target_logits = self._ban_early_stops(self.target.score(draft_tokens))  # [B, K+1, V]
-        target_out = self._target_outputs(target_logits, allowed)
+        target_logits = ban_early_stops(self.rows, self.target.score(draft_tokens))  # [B, K+1, V]
+        target_out = target_outputs(self.rows, target_logits, allowed)
         target_time = _synced_elapsed(target_started, target_logits)
         # 3. verify each row on its first k_b tokens
         verify_started = time.perf_counter()
-        num_accepted, output_tokens = self._verify(draft_tokens, draft_probs, num_draft,
-                                                   target_out)
+        num_accepted, output_tokens = verify_batch(self.rows, draft_tokens, draft_probs,
+                                                   num_draft, target_out, self.vocab_size)
         measured = num_accepted  # what verification found: the policy's evidence
         measuring = self._measuring(policy, policy_k)
         if measuring:  # each row keeps its first token only: rows in step stay in step
@@ -275,73 +274,6 @@ class Batch:
         # the draft's probs are on the draft's device, which load() makes the target's)
         return proposal.draft_tokens.to(self.device), proposal.draft_probs, num_draft
 
-    def _ban_early_stops(self, target_logits: torch.Tensor) -> torch.Tensor:
-        """min_new_tokens: a row's stop tokens get -inf logits at its positions before it, so the
-        target's distribution there is renormalised without them. Only the target is masked: a
-        stop token the draft proposes there has target probability 0 and is always rejected (a
-        point-mass draft included), so the output still has exactly the masked target's law.
-        target_logits [B, K+1, V]; position j of row b is its new token num_generated + j."""
-        banned = [row.num_banned_positions() for row in self.rows]
-        if not any(banned):
-            return target_logits
-        masked = target_logits.clone()
-        for b, (row, num_positions) in enumerate(zip(self.rows, banned)):
-            if num_positions:
-                stop_ids = torch.tensor(sorted(row.stop_ids), device=masked.device)
-                masked[b, :num_positions, stop_ids] = -torch.inf
-        return masked
-
-    def _target_outputs(self, target_logits: torch.Tensor, allowed: torch.Tensor | None
-                        ) -> dict[str, object]:
-        """The target's side of verification: greedy rows' argmax tokens (host lists, [K+1]
-        each) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own settings
-        (rows with equal settings in one call; all rows in one call needs no indexing)."""
-        greedy = [b for b, row in enumerate(self.rows) if row.is_greedy]
-        sampled = [b for b, row in enumerate(self.rows) if not row.is_greedy]
-        out: dict[str, object] = {"greedy": greedy, "sampled": sampled}
-        if greedy:
-            out["greedy_tokens"] = greedy_tokens(_take(target_logits, greedy),
-                                                 _take(allowed, greedy)).tolist()
-        if sampled:
-            groups: dict[object, list[int]] = {}
-            for position, b in enumerate(sampled):
-                groups.setdefault(self.rows[b].config.sampling, []).append(position)
-            logits, masks = _take(target_logits, sampled), _take(allowed, sampled)
-            if len(groups) == 1:
-                out["target_probs"] = to_probs(logits, next(iter(groups)), masks)
-            else:
-                probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-                for sampling, positions in groups.items():
-                    probs[positions] = to_probs(logits[positions], sampling,
-                                                None if masks is None else masks[positions])
-                out["target_probs"] = probs
-        return out
-
-    def _verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                num_draft: list[int], target_out: dict[str, object]
-                ) -> tuple[list[int], list[list[int]]]:
-        """Each row's accepted count and output tokens (K+1 ints, PAD after its new token)."""
-        num_rows, width = draft_tokens.shape
-        num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
-        greedy, sampled = target_out["greedy"], target_out["sampled"]
-        if greedy:
-            draft_rows = _take(draft_tokens, greedy).tolist()
-            accepted, outputs = verify_greedy_rows(
-                [draft_rows[i][: num_draft[b]] for i, b in enumerate(greedy)],
-                [tokens[: num_draft[b] + 1] for tokens, b in zip(target_out["greedy_tokens"],
-                                                                  greedy)], self.vocab_size)
-            for b, n, tokens in zip(greedy, accepted, outputs):
-                num_accepted[b], output_tokens[b] = n, tokens
-        if sampled:
-            accepted, outputs = verify_rows(
-                _take(draft_tokens, sampled), _take(draft_probs, sampled),
-                target_out["target_probs"], [self.rows[b].generator for b in sampled],
-                [num_draft[b] for b in sampled])
-            for b, n, tokens in zip(sampled, accepted, outputs):
-                num_accepted[b], output_tokens[b] = n, tokens
-        assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
-        return num_accepted, output_tokens
-
     def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
                 emitted: list[tuple[Row, list[int]]], times: dict[str, float],
                 policy: AdaptivePolicy | None, other_time: float, measuring: bool) -> None:
@@ -410,13 +342,6 @@ def fill_from_the_end(kept: list[int]) -> list[int]:
     staying = {row for row in kept if row < num_kept}
     movers = iter([row for row in kept if row >= num_kept])
     return [place if place in staying else next(movers) for place in range(num_kept)]
-
-
-def _take(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
-    """tensor[rows] along dim 0; the tensor itself when rows are all of them, in order."""
-    if tensor is None or len(rows) == tensor.shape[0]:
-        return tensor
-    return tensor[torch.tensor(rows, device=tensor.device)]
 
 
 def _synced_elapsed(started: float, tensor: torch.Tensor) -> float:

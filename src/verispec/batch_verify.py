@@ -1,0 +1,106 @@
+"""Steps 2-3 of a batch's round, row by row: the target's logits processed by each row's own
+settings, then each row verified by its own rule.
+
+Legend: B rows, K draft tokens this round (the largest row's k), V vocabulary, S sampled rows.
+
+What it is: the part of :class:`verispec.batch.Batch`'s round between the target's pass and the
+commit, as functions of the rows (rows.Row: settings, stop tokens, generator) and tensors. A
+greedy row takes the target's argmax (no random numbers, verify_greedy.verify_greedy_rows); a
+sampled row takes its own temperature/top-k/top-p distributions and its own generator's
+uniforms (verify.verify_rows); a row with min_new_tokens has its stop tokens masked out of the
+target's distribution where they are not yet allowed.
+What it is not: the acceptance math (verify.py, verify_greedy.py), the loop, its policy and
+its caches (batch.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .rows import Row
+from .sampling import greedy_tokens, to_probs
+from .verify import verify_rows
+from .verify_greedy import verify_greedy_rows
+
+
+def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.Tensor:
+    """min_new_tokens: a row's stop tokens get -inf logits at its positions before it, so the
+    target's distribution there is renormalised without them. Only the target is masked: a
+    stop token the draft proposes there has target probability 0 and is always rejected (a
+    point-mass draft included), so the output still has exactly the masked target's law.
+    target_logits [B, K+1, V]; position j of row b is its new token num_generated + j."""
+    banned = [row.num_banned_positions() for row in rows]
+    if not any(banned):
+        return target_logits
+    masked = target_logits.clone()
+    for b, (row, num_positions) in enumerate(zip(rows, banned)):
+        if num_positions:
+            stop_ids = torch.tensor(sorted(row.stop_ids), device=masked.device)
+            masked[b, :num_positions, stop_ids] = -torch.inf
+    return masked
+
+
+def target_outputs(rows: Sequence[Row], target_logits: torch.Tensor,
+                   allowed: torch.Tensor | None) -> dict[str, object]:
+    """The target's side of verification: greedy rows' argmax tokens (host lists, [K+1]
+    each) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own settings
+    (rows with equal settings in one call; all rows in one call needs no indexing).
+    target_logits [B, K+1, V]; allowed: a grammar's masks [B, K+1, V] or None."""
+    greedy = [b for b, row in enumerate(rows) if row.is_greedy]
+    sampled = [b for b, row in enumerate(rows) if not row.is_greedy]
+    out: dict[str, object] = {"greedy": greedy, "sampled": sampled}
+    if greedy:
+        out["greedy_tokens"] = greedy_tokens(_take(target_logits, greedy),
+                                             _take(allowed, greedy)).tolist()
+    if sampled:
+        groups: dict[object, list[int]] = {}
+        for position, b in enumerate(sampled):
+            groups.setdefault(rows[b].config.sampling, []).append(position)
+        logits, masks = _take(target_logits, sampled), _take(allowed, sampled)
+        if len(groups) == 1:
+            out["target_probs"] = to_probs(logits, next(iter(groups)), masks)
+        else:
+            probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            for sampling, positions in groups.items():
+                probs[positions] = to_probs(logits[positions], sampling,
+                                            None if masks is None else masks[positions])
+            out["target_probs"] = probs
+    return out
+
+
+def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor | None, num_draft: list[int],
+                 target_out: dict[str, object], vocab_size: int
+                 ) -> tuple[list[int], list[list[int]]]:
+    """Each row's accepted count and output tokens (K+1 ints, PAD after its new token), row b
+    verified on its first num_draft[b] draft tokens. draft_tokens [B, K]; draft_probs
+    [B, K, V] fp32, or None for a deterministic proposal; target_out from target_outputs."""
+    num_rows, width = draft_tokens.shape
+    num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
+    greedy, sampled = target_out["greedy"], target_out["sampled"]
+    if greedy:
+        draft_rows = _take(draft_tokens, greedy).tolist()
+        accepted, outputs = verify_greedy_rows(
+            [draft_rows[i][: num_draft[b]] for i, b in enumerate(greedy)],
+            [tokens[: num_draft[b] + 1] for tokens, b in zip(target_out["greedy_tokens"],
+                                                              greedy)], vocab_size)
+        for b, n, tokens in zip(greedy, accepted, outputs):
+            num_accepted[b], output_tokens[b] = n, tokens
+    if sampled:
+        accepted, outputs = verify_rows(
+            _take(draft_tokens, sampled), _take(draft_probs, sampled),
+            target_out["target_probs"], [rows[b].generator for b in sampled],
+            [num_draft[b] for b in sampled])
+        for b, n, tokens in zip(sampled, accepted, outputs):
+            num_accepted[b], output_tokens[b] = n, tokens
+    assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
+    return num_accepted, output_tokens
+
+
+def _take(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """tensor[rows] along dim 0; the tensor itself when rows are all of them, in order."""
+    if tensor is None or len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[torch.tensor(rows, device=tensor.device)]

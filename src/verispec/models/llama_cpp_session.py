@@ -1,0 +1,159 @@
+"""A batch's rows on llama.cpp: each row one llama.cpp sequence of a shared context.
+
+Legend: B batch (llama.cpp sequences), n tokens fed per row in one call, V vocabulary.
+
+What it is: the LMSession protocol (models/base.py) over a llama_context
+(models/llama_cpp.py): ``extend`` decodes every row's new tokens as one llama_batch with logits
+at every fed position, ``feed`` and prefills decode packed (sequence, token, position) triples
+without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
+free sequence ids. What it is not: loading, the context's lifetime or the llama.cpp bindings
+(models/llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ContextLengthExceeded, ShapeError
+from .base import as_ints, feed_rows, logits_columns
+
+if TYPE_CHECKING:
+    from .llama_cpp import LlamaCppLM, _Context
+
+MAX_ROWS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context holds
+
+
+class LlamaCppSession:
+    """Rows of one batch as llama.cpp sequences; see the module docstring.
+
+    Row b is sequence ``seq_ids[b]`` of the context; rows joining take free sequence ids, rows
+    leaving have their sequence cleared and its id freed, so joins and leaves touch only those
+    rows. The context has room for a fixed number of sequences: a join beyond it allocates one
+    twice as large and prefills the rows already there again from their token histories (kept
+    on the host for that; it happens log2(batch size) times at most).
+    """
+
+    def __init__(self, lm: LlamaCppLM) -> None:
+        self.lm = lm
+        self.lengths: list[int] = []  # tokens fed per row (positions 0 .. length - 1)
+        self.seq_ids: list[int] = []  # each row's sequence id in the context
+        self._histories: list[list[int]] = []  # each row's fed tokens, to re-prefill on growth
+        self._context: _Context | None = None
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.lm.check_live(self)
+        self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
+        self.add_rows(prompts)
+
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
+        """Rows joining at the end, each prefilled with its prompt under a free sequence id.
+        Never rides (FastLlamaSession.add_rows): returns False."""
+        self.lm.check_live(self)
+        self._check_room(max((len(p) for p in prompts), default=0))
+        needed = len(self.seq_ids) + len(prompts)
+        if needed and (self._context is None or self._context.num_rows < needed):
+            size = min(MAX_ROWS, max(needed, 2 * len(self.seq_ids)))
+            self._context = self.lm.context(self, size)  # emptied: the rows here re-prefill
+            self.seq_ids = list(range(len(self.seq_ids)))
+            self._prefill(self.seq_ids, self._histories)
+        free = sorted(set(range(self._context.num_rows if self._context else 0))
+                      - set(self.seq_ids))
+        joining = free[: len(prompts)]
+        self._prefill(joining, [list(p) for p in prompts])
+        self.seq_ids += joining
+        self._histories += [list(p) for p in prompts]
+        self.lengths += [len(p) for p in prompts]
+        return False
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order; the others' sequences are cleared."""
+        self.lm.check_live(self)
+        rows = [int(row) for row in rows]
+        if len(set(rows)) != len(rows) or not all(0 <= r < len(self.seq_ids) for r in rows):
+            raise ShapeError(f"keep_rows expects distinct rows in [0, {len(self.seq_ids)}); "
+                             f"got {rows}.")
+        for row in sorted(set(range(len(self.seq_ids))) - set(rows)):
+            self._context.remove(self.seq_ids[row], 0)
+        self.seq_ids = [self.seq_ids[r] for r in rows]
+        self.lengths = [self.lengths[r] for r in rows]
+        self._histories = [self._histories[r] for r in rows]
+
+    def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
+        """Feed each sequence its tokens from position 0, without logits, in chunks."""
+        self._decode_without_logits(seq_ids, token_lists, [0] * len(seq_ids))
+
+    def _decode_without_logits(self, seq_ids: list[int], token_lists: list[list[int]],
+                               starts: list[int]) -> None:
+        """Feed sequence seq_ids[i] token_lists[i] from position starts[i], without logits:
+        packed (sequence id, token, position) triples, in chunks of a batch."""
+        if not any(token_lists):
+            return
+        flat_rows = np.array([s for s, p in zip(seq_ids, token_lists) for _ in p],
+                             dtype=np.int64)
+        flat_tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
+        flat_positions = np.array([start + i for start, p in zip(starts, token_lists)
+                                   for i in range(len(p))], dtype=np.int32)
+        for begin in range(0, len(flat_tokens), self._context.capacity):
+            end = begin + self._context.capacity
+            self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
+                                 flat_positions[begin:end], logits=False)
+
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
+        """tokens [B, n] int64 -> logits [B, n, V] fp32 (every fed position; [B, V] at
+        logits_at's columns: LMSession.extend)."""
+        self.lm.check_live(self)
+        num_rows, width = tokens.shape
+        assert num_rows == len(self.lengths)
+        if width == 0 or num_rows == 0:
+            return logits_columns(torch.empty((num_rows, width, self.lm.vocab_size)), logits_at)
+        self._check_room(max(self.lengths) + width)
+        lengths = np.array(self.lengths, dtype=np.int32)
+        rows = np.repeat(np.array(self.seq_ids, dtype=np.int64), width)  # [B*n] sequence ids
+        positions = (lengths[:, None] + np.arange(width, dtype=np.int32)[None, :]).reshape(-1)
+        flat_tokens = tokens.to(torch.int32).reshape(-1).numpy()
+        capacity = self._context.capacity
+        pieces = [self._context.decode(rows[b:b + capacity], flat_tokens[b:b + capacity],
+                                       positions[b:b + capacity], logits=True)
+                  for b in range(0, len(flat_tokens), capacity)]
+        logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [B*n, num_logits]
+        self.lengths = [length + width for length in self.lengths]
+        for history, row in zip(self._histories, tokens.tolist()):
+            history.extend(row)
+        return logits_columns(logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size],
+                              logits_at)
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
+        ragged sequences, so the tokens go packed, no padding."""
+        self.lm.check_live(self)
+        rows = feed_rows(rows, len(self.lengths))
+        if not any(rows):
+            return
+        self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
+        self._decode_without_logits(self.seq_ids, rows, self.lengths)
+        for history, row in zip(self._histories, rows):
+            history.extend(row)
+        self.lengths = [length + len(row) for length, row in zip(self.lengths, rows)]
+
+    def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
+        self.lm.check_live(self)
+        for row, count in enumerate(as_ints(num_tokens)):
+            if count < 0 or count > self.lengths[row]:
+                raise ConfigError(f"rewind of {count} tokens on row {row} is invalid: it holds "
+                                  f"{self.lengths[row]}.")
+            if count:
+                self.lengths[row] -= count
+                del self._histories[row][self.lengths[row]:]
+                self._context.remove(self.seq_ids[row], self.lengths[row])
+
+    def _check_room(self, length: int) -> None:
+        if length > self.lm.max_positions:
+            raise ContextLengthExceeded(
+                f"a row would hold {length} tokens, more than the llama.cpp context of "
+                f"{self.lm.max_positions} tokens per sequence; raise context_size "
+                "(LlamaCppConfig, --context-size) or shorten the request.")

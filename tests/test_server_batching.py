@@ -3,14 +3,19 @@
 Concurrent greedy requests are decoded in one batch (the worker's rounds carry several rows)
 and each one's text equals the same request sent alone; a client that disconnects mid-stream
 frees its row within a round or so; requests beyond the batch size wait and still succeed;
-/metrics counts the rounds by depth and the rows over them.
+/metrics counts the rounds by depth and the rows over them. Several choices in one request (a
+list of prompts, ``n``) are rows of their own: a greedy choice equals its prompt alone, a
+seeded choice i its prompt alone with seed + i; a stream carries each under its index, usage
+counts each prompt once, a disconnect frees them all, and one bad prompt fails the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -139,6 +144,115 @@ def test_a_bad_request_joining_with_others_gets_its_error_and_they_go_on(server,
         results = list(pool.map(send, prompts))
     assert results == [alone[0], 413, alone[1], alone[2]]
     assert server.server.config.app.state.worker.num_running == 0
+
+
+# --- several choices in one request (a list of prompts, n): each choice a row of the batch --
+
+TWO_PROMPTS = [PROMPTS[0], PROMPTS[2]]
+
+
+def _alone(client, prompt, **settings):
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **settings)
+    return out.choices[0].text, out.usage
+
+
+def test_several_prompts_with_n_choices_each_equal_their_prompts_alone(server, client):
+    alone = [_alone(client, prompt, temperature=0) for prompt in TWO_PROMPTS]
+    out = client.completions.create(model=MODEL, prompt=TWO_PROMPTS, n=2, max_tokens=12,
+                                    temperature=0)
+    assert [choice.index for choice in out.choices] == [0, 1, 2, 3]
+    # choice i answers prompt i // n
+    assert [choice.text for choice in out.choices] == [alone[i // 2][0] for i in range(4)]
+    assert all(choice.finish_reason == "length" for choice in out.choices)
+    assert out.usage.prompt_tokens == sum(usage.prompt_tokens for _, usage in alone)
+    assert out.usage.completion_tokens == 2 * sum(usage.completion_tokens for _, usage in alone)
+    speculation = out.model_extra["speculation"]  # over all four choices
+    assert speculation["num_rounds"] >= 4 and 0 <= speculation["accepted"] <= speculation[
+        "drafted"]
+    assert server.server.config.app.state.worker.num_running == 0
+
+
+def test_seeded_choices_stream_under_their_index_as_seed_plus_index_alone(server, client):
+    settings = {"temperature": 1.0, "top_p": 0.9}
+    alone, usages = zip(*[_alone(client, TWO_PROMPTS[0], seed=5 + i, **settings) for i in range(3)])
+    texts, finished = defaultdict(str), {}
+    stream = client.completions.create(model=MODEL, prompt=TWO_PROMPTS[0], n=3, max_tokens=12,
+                                       seed=5, stream=True,
+                                       stream_options={"include_usage": True}, **settings)
+    chunks = list(stream)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices  # one choice a chunk
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finished[choice.index] = chunk.model_extra["speculation"]
+    assert tuple(texts[i] for i in range(3)) == alone
+    assert len(set(alone)) > 1  # three seeds: the choices are not copies of one another
+    assert sorted(finished) == [0, 1, 2]  # each choice ends once, with its own summary
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(
+        usage.completion_tokens for usage in usages)
+    assert chunks[-1].usage.prompt_tokens == usages[0].prompt_tokens  # one prompt, counted once
+
+
+def test_chat_with_n_returns_n_messages(server, client):
+    messages = [{"role": "user", "content": "Say hi."}]
+    alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           temperature=0).choices[0].message.content
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                         temperature=0, n=2)
+    assert [(c.index, c.message.role, c.message.content) for c in out.choices] == [
+        (0, "assistant", alone), (1, "assistant", alone)]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                 temperature=0, n=2, stream=True))
+    roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]]
+    assert roles == [(0, "assistant"), (1, "assistant")]  # each choice opens with its role
+    texts = defaultdict(str)
+    for chunk in chunks:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == {0: alone, 1: alone}
+
+
+def test_a_disconnect_frees_every_choice(server, client):
+    worker = server.server.config.app.state.worker
+    body = {"model": MODEL, "prompt": TWO_PROMPTS, "n": 2, "max_tokens": 1500, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert json.loads(next(lines)[6:])["choices"]
+            assert worker.num_running == 4  # the response starts once every choice has joined
+        deadline = time.monotonic() + 10
+        while worker.num_running:
+            assert time.monotonic() < deadline, "the disconnected choices were not freed"
+            time.sleep(0.02)
+    assert _alone(client, TWO_PROMPTS[1], temperature=0)[0]  # still serving
+
+
+def test_one_bad_prompt_fails_the_request_and_frees_the_others(server, client):
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model=MODEL, prompt=[TWO_PROMPTS[0], "x " * 3000], n=2,
+                                  max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    assert raised.value.status_code == 413  # the second prompt is over --max-prompt-tokens
+    assert "--max-prompt-tokens" in raised.value.message
+    worker = server.server.config.app.state.worker
+    deadline = time.monotonic() + 10
+    while worker.num_running or worker.queue_depth:
+        assert time.monotonic() < deadline, "the bad request's other choices kept running"
+        time.sleep(0.02)
+    assert _alone(client, TWO_PROMPTS[1], temperature=0)[0]
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"prompt": TWO_PROMPTS, "n": 3}, "invalid_value"),  # 6 choices; 4 fit in the batch
+    ({"prompt": "x", "n": 0}, "invalid_value"),
+    ({"prompt": "x", "n": 2, "seed": 2**63 - 1}, "invalid_value"),  # choice 1: seed 2**63
+    ({"prompt": "x", "n": 2, "best_of": 2}, "unsupported_parameter"),
+])
+def test_choices_beyond_what_the_server_takes_get_a_400(server, client, body, code):
+    response = httpx.post(server.url + "/v1/completions",
+                          json={"model": MODEL, "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == code
+    assert _alone(client, TWO_PROMPTS[0], temperature=0)[0]
 
 
 class _RecordedWorker:

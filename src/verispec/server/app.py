@@ -176,14 +176,14 @@ def _openai_routes(service: GenerationService, settings: ServerSettings) -> APIR
     async def completions(request: Request) -> Response:
         body = CompletionRequest.model_validate(await _read_json(request, settings))
         _check_model(body.model, settings.model_name)
-        params = completion_params(body, settings.max_tokens_limit)
+        params = completion_params(body, settings.max_tokens_limit, settings.max_choices)
         return await service.respond(request, params, CompletionFormat)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = ChatCompletionRequest.model_validate(await _read_json(request, settings))
         _check_model(body.model, settings.model_name)
-        params = chat_params(body, settings.max_tokens_limit)
+        params = chat_params(body, settings.max_tokens_limit, settings.max_choices)
         return await service.respond(request, params, ChatFormat)
 
     return router

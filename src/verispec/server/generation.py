@@ -1,5 +1,6 @@
-"""From checked request parameters to an HTTP response: queue a job on the worker, wait for its
-events, answer with one JSON body or a stream of server-sent events.
+"""From checked request parameters to an HTTP response: queue a job on the worker for each of
+the request's choices (prompts x n; usually one), wait for their events, answer with one JSON
+body or a stream of server-sent events.
 
 The event loop only waits and formats; encoding, checks that need the tokenizer (prompt size,
 context window) and generation all run on the worker thread. Errors raised there come back as
@@ -23,12 +24,14 @@ from ..batch_text import PendingRow, TextBatch
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
+from .prompts import ChatPrompt, TextPrompt, TokenPrompt
 from .schemas import GenerationParams
 from .settings import ServerSettings
 from .worker import Event, GenerationWorker, Job
 
 logger = logging.getLogger("verispec.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Prompt = TextPrompt | TokenPrompt | ChatPrompt
 
 
 class FirstTokenClock:
@@ -90,35 +93,38 @@ class GenerationService:
         if self.draining:
             raise ServerShuttingDown("the server is shutting down; retry later.")
         fmt = response_format(self.settings.model_name, self.num_draft_tokens(params),
-                              self.depth_policy(params), params.tool_names)
+                              self.depth_policy(params), params.tool_names, params.n)
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
-        job = Job(partial(self._prepare_row, params), asyncio.get_running_loop())
-        self.worker.submit(job)  # ServerOverloaded -> 503
+        loop = asyncio.get_running_loop()
+        choices = Choices([Job(partial(self._prepare_row, params, *params.choice(index)), loop)
+                           for index in range(params.num_choices)])
+        self.worker.submit_all(choices.jobs)  # ServerOverloaded -> 503
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await _next_event(job, watcher)  # STARTED, or the error that stopped it
+            await choices.started(watcher)  # every choice's row joined, or the first error
             if params.stream:
-                return StreamingResponse(_sse(job, fmt, clock, params.include_usage),
+                return StreamingResponse(_sse(choices, fmt, clock, params.include_usage),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
-            return JSONResponse(fmt.body(await _collect(job, watcher, clock)))
+            return JSONResponse(fmt.body(await _collect(choices, watcher, clock)))
         except BaseException:
-            job.cancel()
+            choices.cancel()
             raise
         finally:
             watcher.cancel()
 
-    def _prepare_row(self, params: GenerationParams, batch: TextBatch) -> PendingRow:
+    def _prepare_row(self, params: GenerationParams, prompt: Prompt, seed: int | None,
+                     batch: TextBatch) -> PendingRow:
         """Runs on the worker thread: encode and check sizes (the worker then joins the batch's
         pending rows together)."""
-        prompt_ids = params.prompt.encode(self.decoder.tokenizer)
+        prompt_ids = prompt.encode(self.decoder.tokenizer)
         if len(prompt_ids) > self.settings.max_prompt_tokens:
             raise PromptTooLarge(f"the prompt has {len(prompt_ids)} tokens, more than this "
                                  f"server's --max-prompt-tokens={self.settings.max_prompt_tokens};"
-                                 " shorten it.", params.prompt.param)
+                                 " shorten it.", prompt.param)
         max_tokens = params.max_tokens or self._room(len(prompt_ids), params)
         return batch.prepare(
             prompt_ids, max_new_tokens=max_tokens, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop,
+            top_k=params.top_k, top_p=params.top_p, seed=seed, stop=params.stop,
             num_draft_tokens=params.num_draft_tokens,
             adaptive=None if self.depth_policy(params) else False, ignore_eos=params.ignore_eos,
             response_format=params.grammar,
@@ -143,59 +149,109 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _next_event(job: Job, watcher: asyncio.Future) -> tuple[Event, object]:
-    """The job's next event; raises the job's error, or ClientDisconnected."""
-    getter = asyncio.ensure_future(job.events.get())
-    try:
-        done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not getter.done():
+class Choices:
+    """A request's jobs, one per choice (GenerationParams.choice), and their events merged in
+    the order they come: each job's own events stay in order. The request fails as a whole:
+    the first error of any choice is raised, and :meth:`cancel` stops every choice."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+        self._getters: dict[int, asyncio.Future] = {}  # choice -> its pending events.get()
+        self._finished: set[int] = set()  # choices whose DONE came
+        self._early: list[tuple[int, Event, object]] = []  # taken before every choice started
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+        for getter in self._getters.values():
             getter.cancel()
-    if getter not in done:
+
+    async def started(self, watcher: asyncio.Future) -> None:
+        """Return once every choice's row has joined the batch; raise the first error (or
+        ClientDisconnected). Events of rows that joined earlier are kept for :meth:`next`."""
+        waiting = set(range(len(self.jobs)))
+        while waiting:
+            index, event, value = await self._take(watcher)
+            if event is Event.STARTED:
+                waiting.discard(index)
+            else:
+                self._early.append((index, event, value))
+
+    async def next(self, watcher: asyncio.Future | None = None
+                   ) -> tuple[int, Event, object] | None:
+        """The next (choice, event, value) after STARTED; None once every choice is DONE.
+        Raises a choice's error, or ClientDisconnected when ``watcher`` ends first."""
+        if self._early:
+            return self._early.pop(0)
+        if len(self._finished) == len(self.jobs):
+            return None
+        return await self._take(watcher)
+
+    async def _take(self, watcher: asyncio.Future | None) -> tuple[int, Event, object]:
+        if len(self.jobs) == 1 and watcher is None and not self._getters:
+            # one choice, streaming (most requests): its queue alone, no futures to wait on
+            return self._taken(0, await self.jobs[0].events.get())
+        for index, job in enumerate(self.jobs):
+            if index not in self._getters and index not in self._finished:
+                self._getters[index] = asyncio.ensure_future(job.events.get())
+        waited = set(self._getters.values()) | ({watcher} if watcher is not None else set())
+        done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        for index, getter in sorted(self._getters.items()):  # lowest choice first
+            if getter in done:
+                del self._getters[index]
+                return self._taken(index, getter.result())
         raise ClientDisconnected("the client closed the connection before the response was ready")
-    event, value = getter.result()
-    if event is Event.ERROR:
-        raise value  # type: ignore[misc]
-    return event, value
+
+    def _taken(self, index: int, item: tuple[Event, object]) -> tuple[int, Event, object]:
+        event, value = item
+        if event is Event.ERROR:
+            raise value  # type: ignore[misc]
+        if event is Event.DONE:
+            self._finished.add(index)
+        return index, event, value
 
 
-async def _collect(job: Job, watcher: asyncio.Future, clock: FirstTokenClock) -> Completion:
-    while True:
-        event, value = await _next_event(job, watcher)
+async def _collect(choices: Choices, watcher: asyncio.Future, clock: FirstTokenClock
+                   ) -> list[Completion]:
+    """Every choice's Completion, in choice order."""
+    completions: dict[int, Completion] = {}
+    while (item := await choices.next(watcher)) is not None:
+        index, event, value = item
         if event is Event.DELTA:
             clock.tick()
         elif event is Event.DONE:
             assert isinstance(value, Completion)
-            return value
+            completions[index] = value
+    return [completions[index] for index in range(len(choices.jobs))]
 
 
-async def _sse(job: Job, fmt: CompletionFormat | ChatFormat, clock: FirstTokenClock,
+async def _sse(choices: Choices, fmt: CompletionFormat | ChatFormat, clock: FirstTokenClock,
                include_usage: bool):
-    """The event stream: opening chunks, one chunk per verified delta, a finishing chunk with
-    finish_reason and speculation, the usage chunk if asked for, then [DONE]. An error after the
-    headers went out (a fault, or the server shutting down) is sent as one {"error": ...} event
-    (the openai client raises it), then [DONE]."""
+    """The event stream: opening chunks, one chunk per verified delta of each choice, a
+    finishing chunk per choice with its finish_reason and speculation, the usage chunk if asked
+    for, then [DONE]. An error after the headers went out (a fault, or the server shutting down)
+    is sent as one {"error": ...} event (the openai client raises it), then [DONE]."""
+    completions: dict[int, Completion] = {}
     try:
-        for chunk in fmt.opening_chunks():
+        for chunk in fmt.opening_chunks(len(choices.jobs)):
             yield sse(chunk)
-        while True:
-            event, value = await job.events.get()
+        while (item := await choices.next()) is not None:
+            index, event, value = item
             if event is Event.DELTA:
                 clock.tick()
-                chunk = fmt.delta_chunk(value)
+                chunk = fmt.delta_chunk(value, index)
                 if chunk is not None:  # None: a tool call, sent whole at the end
                     yield sse(chunk)
             elif event is Event.DONE:
-                for chunk in fmt.final_chunks(value):
+                completions[index] = value
+                for chunk in fmt.final_chunks(value, index):
                     yield sse(chunk)
-                if include_usage:
-                    yield sse(fmt.usage_chunk(value))
-                yield DONE_LINE
-                return
-            elif event is Event.ERROR:
-                log_error("a streamed generation", value)
-                yield sse(error_body(value)[1])
-                yield DONE_LINE
-                return
+        if include_usage:
+            yield sse(fmt.usage_chunk([completions[i] for i in range(len(choices.jobs))]))
+        yield DONE_LINE
+    except Exception as exc:  # a choice's error: the response is already streaming
+        log_error("a streamed generation", exc)
+        yield sse(error_body(exc)[1])
+        yield DONE_LINE
     finally:
-        job.cancel()  # a no-op when the job finished; stops it when the client went away
+        choices.cancel()  # a no-op when every choice finished; stops them when the client left

@@ -10,6 +10,11 @@ extra top-level ``speculation`` summary (clients built on the openai package kee
                     "accepted": 41, "acceptance_rate": 0.683, "mean_accepted_length": 3.73,
                     "per_position_acceptance": [0.8, 0.7, 0.6, 0.6]}
 
+A request with several choices (prompts x n) has one choice object per choice, ``index`` i;
+its body's ``usage`` and ``speculation`` cover all of them (prompt tokens counted once a
+prompt, as OpenAI counts them), and in a stream each choice's finishing chunk carries that
+choice's ``speculation``.
+
 num_draft_tokens is the k the request ran with (0 for plain decoding), or where its policy
 started; depth_policy is "fixed", or the --adaptive policy that moved k between rounds ("fixed"
 for a seeded sampled request when that policy picks depths from timings or earlier requests,
@@ -33,15 +38,20 @@ def sse(payload: dict[str, object]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage(completion: Completion) -> dict[str, int]:
-    num_completion = len(completion.token_ids)
-    return {"prompt_tokens": completion.num_prompt_tokens, "completion_tokens": num_completion,
-            "total_tokens": completion.num_prompt_tokens + num_completion}
+def usage(completions: list[Completion], n: int = 1) -> dict[str, int]:
+    """Tokens of a request's choices, in choice order (choice i of prompt i // n): each
+    prompt's tokens once, every choice's completion tokens."""
+    num_prompt = sum(completion.num_prompt_tokens for completion in completions[::n])
+    num_completion = sum(len(completion.token_ids) for completion in completions)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
 
 
-def speculation(completion: Completion, num_draft_tokens: int,
+def speculation(completions: list[Completion], num_draft_tokens: int,
                 depth_policy: str | None = None) -> dict[str, object]:
-    metrics = completion.metrics
+    """The summary over these choices (their metrics add up exactly: metrics.py)."""
+    metrics = sum((completion.metrics for completion in completions[1:]),
+                  completions[0].metrics)
     return {"num_draft_tokens": num_draft_tokens, "depth_policy": depth_policy or "fixed",
             "drafted": metrics.num_drafted,
             "accepted": metrics.num_accepted, "acceptance_rate": metrics.acceptance_rate,
@@ -57,33 +67,33 @@ class _Format:
     id_prefix = ""
 
     def __init__(self, model: str, num_draft_tokens: int, depth_policy: str | None = None,
-                 tool_names: tuple[str, ...] = ()) -> None:
+                 tool_names: tuple[str, ...] = (), n: int = 1) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.depth_policy = depth_policy
         self.tool_names = tool_names  # chat with tools: the output is a call, not content
+        self.n = n  # choices per prompt (usage counts each prompt once)
 
     object_name = ""  # of a stream's chunks
 
-    def _envelope(self, object_name: str, choice: dict[str, object] | None,
-                  completion: Completion | None = None, with_usage: bool = True
+    def _envelope(self, object_name: str, choices: list[dict[str, object]],
+                  completions: list[Completion] | None = None, with_usage: bool = True
                   ) -> dict[str, object]:
         body: dict[str, object] = {"id": self.id, "object": object_name, "created": self.created,
-                                   "model": self.model,
-                                   "choices": [] if choice is None else [choice]}
-        if completion is not None:
+                                   "model": self.model, "choices": choices}
+        if completions:
             if with_usage:
-                body["usage"] = usage(completion)
-            body["speculation"] = speculation(completion, self.num_draft_tokens,
+                body["usage"] = usage(completions, self.n)
+            body["speculation"] = speculation(completions, self.num_draft_tokens,
                                               self.depth_policy)
         return body
 
-    def usage_chunk(self, completion: Completion) -> dict[str, object]:
+    def usage_chunk(self, completions: list[Completion]) -> dict[str, object]:
         """The last chunk of a stream that asked for include_usage: no choices, the usage."""
-        body = self._envelope(self.object_name, None)
-        body["usage"] = usage(completion)
+        body = self._envelope(self.object_name, [])
+        body["usage"] = usage(completions, self.n)
         return body
 
 
@@ -93,24 +103,25 @@ class CompletionFormat(_Format):
     id_prefix = "cmpl-"
     object_name = "text_completion"
 
-    def body(self, completion: Completion) -> dict[str, object]:
-        return self._envelope("text_completion", self._choice(completion.text,
-                                                              completion.finish_reason),
-                              completion)
+    def body(self, completions: list[Completion]) -> dict[str, object]:
+        return self._envelope("text_completion", [
+            self._choice(index, completion.text, completion.finish_reason)
+            for index, completion in enumerate(completions)], completions)
 
-    def opening_chunks(self) -> list[dict[str, object]]:
+    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, object]]:
         return []
 
-    def delta_chunk(self, text: str) -> dict[str, object]:
-        return self._envelope("text_completion", self._choice(text, None))
+    def delta_chunk(self, text: str, index: int = 0) -> dict[str, object]:
+        return self._envelope("text_completion", [self._choice(index, text, None)])
 
-    def final_chunks(self, completion: Completion) -> list[dict[str, object]]:
-        return [self._envelope("text_completion", self._choice("", completion.finish_reason),
-                               completion, with_usage=False)]
+    def final_chunks(self, completion: Completion, index: int = 0) -> list[dict[str, object]]:
+        return [self._envelope("text_completion",
+                               [self._choice(index, "", completion.finish_reason)],
+                               [completion], with_usage=False)]
 
     @staticmethod
-    def _choice(text: str, finish_reason: str | None) -> dict[str, object]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, object]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
 class ChatFormat(_Format):
@@ -120,32 +131,37 @@ class ChatFormat(_Format):
     id_prefix = "chatcmpl-"
     object_name = "chat.completion.chunk"
 
-    def body(self, completion: Completion) -> dict[str, object]:
+    def body(self, completions: list[Completion]) -> dict[str, object]:
+        return self._envelope("chat.completion", [self._message_choice(index, completion)
+                                                  for index, completion in enumerate(completions)],
+                              completions)
+
+    def _message_choice(self, index: int, completion: Completion) -> dict[str, object]:
         message: dict[str, object] = {"role": "assistant", "content": completion.text}
         call = self._tool_call(completion)
         if call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
-        choice = {"index": 0, "message": message, "logprobs": None,
-                  "finish_reason": "tool_calls" if call is not None else completion.finish_reason}
-        return self._envelope("chat.completion", choice, completion)
+        return {"index": index, "message": message, "logprobs": None,
+                "finish_reason": "tool_calls" if call is not None else completion.finish_reason}
 
-    def opening_chunks(self) -> list[dict[str, object]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, object]]:
+        return [self._chunk(index, {"role": "assistant", "content": ""}, None)
+                for index in range(num_choices)]
 
-    def delta_chunk(self, text: str) -> dict[str, object] | None:
+    def delta_chunk(self, text: str, index: int = 0) -> dict[str, object] | None:
         if self.tool_names:  # a call is sent whole at the end, once its JSON is complete
             return None
-        return self._chunk({"content": text}, None)
+        return self._chunk(index, {"content": text}, None)
 
-    def final_chunks(self, completion: Completion) -> list[dict[str, object]]:
+    def final_chunks(self, completion: Completion, index: int = 0) -> list[dict[str, object]]:
         call = self._tool_call(completion)
         if call is None:
             if self.tool_names:  # cut by max_tokens before the call was complete: as text
-                return [self._chunk({"content": completion.text}, None),
-                        self._chunk({}, completion.finish_reason, completion)]
-            return [self._chunk({}, completion.finish_reason, completion)]
-        return [self._chunk({"tool_calls": [{"index": 0, **call}]}, None),
-                self._chunk({}, "tool_calls", completion)]
+                return [self._chunk(index, {"content": completion.text}, None),
+                        self._chunk(index, {}, completion.finish_reason, completion)]
+            return [self._chunk(index, {}, completion.finish_reason, completion)]
+        return [self._chunk(index, {"tool_calls": [{"index": 0, **call}]}, None),
+                self._chunk(index, {}, "tool_calls", completion)]
 
     def _tool_call(self, completion: Completion) -> dict[str, object] | None:
         """OpenAI's tool_calls entry for an output constrained to {"name", "arguments"}; None
@@ -156,10 +172,11 @@ class ChatFormat(_Format):
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None,
+    def _chunk(self, index: int, delta: dict[str, str], finish_reason: str | None,
                completion: Completion | None = None) -> dict[str, object]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope(self.object_name, choice, completion, with_usage=False)
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(self.object_name, [choice],
+                              None if completion is None else [completion], with_usage=False)
 
 
 ResponseFormat = CompletionFormat | ChatFormat

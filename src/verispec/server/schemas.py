@@ -5,9 +5,14 @@ Two layers of checks, two status codes:
   422  the body does not fit the schema (a string where a number goes, a missing prompt):
        pydantic.ValidationError;
   400  the types are right but a value is not accepted: max_tokens outside 1..--max-tokens-limit,
-       n != 1, logprobs, penalties, several prompts (ParameterError here), and the library's own
-       range checks (temperature >= 0, top_p in (0, 1], top_k >= 1, seed, num_draft_tokens),
-       run here by building the library's configs, before the request is queued.
+       n < 1, more choices (prompts x n) than one request may run, logprobs, penalties
+       (ParameterError here), and the library's own range checks (temperature >= 0, top_p in
+       (0, 1], top_k >= 1, seed, num_draft_tokens), run here by building the library's
+       configs, before the request is queued.
+Choices: a request may carry several prompts (/v1/completions: a list of texts or of token-id
+lists) and ask for ``n`` choices of each, as OpenAI's API does; choice i (prompt i // n) is a
+row of its own in the batch, seeded with seed + i when a seed is given (so a seeded request
+gives the same choices wherever it runs, and its choices differ from each other).
 Types are strict, as OpenAI's schema is: an integer field takes a JSON integer (not true, not
 "5"), a number field a JSON number, a boolean field true or false. Unknown fields are ignored, as
 OpenAI-compatible servers do, except those that would change the output (functions,
@@ -146,7 +151,7 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerationParams:
     """One request's generation settings, checked; free of pydantic and HTTP."""
 
-    prompt: TextPrompt | TokenPrompt | ChatPrompt
+    prompts: tuple[TextPrompt | TokenPrompt | ChatPrompt, ...]  # one per prompt, in order
     max_tokens: int | None  # None: as many as fit in the context, at most --max-tokens-limit
     temperature: float
     top_k: int | None
@@ -160,6 +165,15 @@ class GenerationParams:
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
     grammar: Grammar | None = None  # response_format or tools, compiled (constraints.py)
     tool_names: tuple[str, ...] = ()  # tools: the output is a call of one of these functions
+    n: int = 1  # choices per prompt
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choice(self, index: int) -> tuple[TextPrompt | TokenPrompt | ChatPrompt, int | None]:
+        """Choice ``index``'s prompt (prompt index // n) and seed (seed + index, or None)."""
+        return self.prompts[index // self.n], None if self.seed is None else self.seed + index
 
 
 # fields other servers take that would change the output, which verispec does not implement:
@@ -169,17 +183,19 @@ OUTPUT_CHANGING_FIELDS = ("functions", "function_call", "guided_json", "guided_r
                           "json_schema", "prediction")
 
 
-def completion_params(body: CompletionRequest, max_tokens_limit: int) -> GenerationParams:
+def completion_params(body: CompletionRequest, max_tokens_limit: int,
+                      max_choices: int) -> GenerationParams:
     _refuse(body.logprobs is not None, "logprobs",
             "logprobs are not returned by verispec; omit logprobs")
     _refuse(bool(body.echo), "echo", "echo is not supported; omit it")
     _refuse(body.best_of not in (None, 1), "best_of", "best_of must be 1 (or omitted)")
     _refuse(bool(body.suffix), "suffix", "suffix (insertion) is not supported; omit it")
-    return _params(body, _completion_prompt(body.prompt), body.max_tokens, max_tokens_limit,
-                   _response_grammar(body))
+    return _params(body, _completion_prompts(body.prompt), body.max_tokens, max_tokens_limit,
+                   max_choices, _response_grammar(body))
 
 
-def chat_params(body: ChatCompletionRequest, max_tokens_limit: int) -> GenerationParams:
+def chat_params(body: ChatCompletionRequest, max_tokens_limit: int,
+                max_choices: int) -> GenerationParams:
     _refuse(bool(body.logprobs) or body.top_logprobs is not None, "logprobs",
             "logprobs are not returned by verispec; omit logprobs")
     messages = tuple(ChatMessage(m.role, _content_text(m, i)) for i, m in enumerate(body.messages))
@@ -189,7 +205,8 @@ def chat_params(body: ChatCompletionRequest, max_tokens_limit: int) -> Generatio
         _refuse(grammar is not None, "tools", "tools and response_format cannot be combined: "
                 "send one of them")
         grammar, tool_names = _tool_grammar(body.tools, body.tool_choice)
-    return _params(body, ChatPrompt(messages), max_tokens, max_tokens_limit, grammar, tool_names)
+    return _params(body, (ChatPrompt(messages),), max_tokens, max_tokens_limit, max_choices,
+                   grammar, tool_names)
 
 
 def _response_grammar(body: _SamplingFields) -> Grammar | None:
@@ -234,11 +251,20 @@ def _compiled(response_format: dict, param: str) -> Grammar | None:
         raise ParameterError(str(exc), param) from None
 
 
-def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt,
-            max_tokens: int | None, max_tokens_limit: int, grammar: Grammar | None = None,
-            tool_names: tuple[str, ...] = ()) -> GenerationParams:
-    _refuse(body.n not in (None, 1), "n", f"n={body.n} is not supported: verispec returns one "
-            "choice per request; omit n (or send n=1) and make several requests")
+def _params(body: _SamplingFields, prompts: tuple[TextPrompt | TokenPrompt | ChatPrompt, ...],
+            max_tokens: int | None, max_tokens_limit: int, max_choices: int,
+            grammar: Grammar | None = None, tool_names: tuple[str, ...] = ()
+            ) -> GenerationParams:
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise ParameterError(f"n={n} is invalid: expected an integer >= 1 (choices per "
+                             "prompt).", "n")
+    if len(prompts) * n > max_choices:
+        raise ParameterError(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices is "
+                             f"more than this server runs for one request ({max_choices}: "
+                             "--max-batch-size, and --max-queue); send fewer prompts or a "
+                             "smaller n, or split the request.",
+                             "n" if len(prompts) == 1 else "prompt")
     for name in ("presence_penalty", "frequency_penalty"):
         _refuse(getattr(body, name) not in (None, 0), name, f"{name} is not supported (it would "
                 "change the target distribution that speculative decoding preserves)")
@@ -254,6 +280,11 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
     # the library's own range checks, before the request is queued (ConfigError -> 400)
     GenerationConfig(max_new_tokens=max_tokens or 1, num_draft_tokens=body.num_draft_tokens or 1,
                      sampling=sampling, seed=body.seed)
+    last_seed = None if body.seed is None else body.seed + len(prompts) * n - 1
+    if last_seed is not None and last_seed >= 2**63:  # choice i runs with seed + i
+        raise ParameterError(f"seed={body.seed} is invalid for {len(prompts) * n} choices: "
+                             "choice i is seeded with seed + i, which must stay below 2**63.",
+                             "seed")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if not all(stop):
         raise ParameterError(f"stop={body.stop!r} is invalid: expected a non-empty string or a "
@@ -262,23 +293,24 @@ def _params(body: _SamplingFields, prompt: TextPrompt | TokenPrompt | ChatPrompt
         raise ParameterError("stream_options is only allowed with stream: true.",
                              "stream_options")
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return GenerationParams(prompt, max_tokens, temperature, body.top_k, body.top_p, body.seed,
+    return GenerationParams(prompts, max_tokens, temperature, body.top_k, body.top_p, body.seed,
                             stop, body.num_draft_tokens, body.stream, body.ignore_eos,
-                            body.min_tokens, include_usage, grammar, tool_names)
+                            body.min_tokens, include_usage, grammar, tool_names, n)
 
 
-def _completion_prompt(prompt: str | list) -> TextPrompt | TokenPrompt:
-    """A string, one list of token ids, or a list holding exactly one of those."""
+def _completion_prompts(prompt: str | list) -> tuple[TextPrompt | TokenPrompt, ...]:
+    """A string or one list of token ids (one prompt), or a list of strings or of token-id
+    lists (one prompt each, as OpenAI's API takes them)."""
     if isinstance(prompt, str):
-        return TextPrompt(prompt)
+        return (TextPrompt(prompt),)
     if not prompt:
         raise EmptyPromptError("prompt is an empty list; pass some text or token ids.")
     if all(isinstance(t, int) for t in prompt):
-        return TokenPrompt(tuple(prompt))
-    if len(prompt) == 1:
-        return _completion_prompt(prompt[0])
-    raise UnsupportedParameter(f"prompt holds {len(prompt)} prompts; verispec serves one prompt "
-                               "per request: send them as separate requests.", "prompt")
+        return (TokenPrompt(tuple(prompt)),)
+    if any(isinstance(p, list) and not p for p in prompt):
+        raise EmptyPromptError("prompt holds an empty list of token ids; every prompt needs at "
+                               "least one token.")
+    return tuple(TextPrompt(p) if isinstance(p, str) else TokenPrompt(tuple(p)) for p in prompt)
 
 
 def _content_text(message: ChatMessageBody, index: int) -> str:

@@ -145,6 +145,12 @@ class ServerSettings:
                                     metavar="SECONDS")
 
     @property
+    def max_choices(self) -> int:
+        """The most choices (prompts x n) one request may ask for: all of them fit in the
+        batch at once, and in the queue together (a request is queued all or none)."""
+        return min(self.max_batch_size, self.max_queue)
+
+    @property
     def depth_policy(self) -> str | None:
         """The depth policy requests follow: --adaptive's, goodput-plain when it is not given
         and there is a draft, None for a fixed k (--adaptive fixed, or --no-draft)."""

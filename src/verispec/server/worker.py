@@ -179,11 +179,19 @@ class GenerationWorker:
         return len(self._prefilling)
 
     def submit(self, job: Job) -> None:
-        try:
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs (one per choice) all or none: ServerOverloaded when the queue
+        has no room for all of them. Called from the event loop only, so the room counted here
+        can only grow (the worker takes jobs off) before they are put."""
+        room = self._queue.maxsize - self._queue.qsize()
+        if self._queue.maxsize > 0 and room < len(jobs):
+            raise ServerOverloaded(f"the server is busy: {self._queue.qsize()} requests are "
+                                   f"already waiting (--max-queue {self._queue.maxsize}); retry "
+                                   "later.")
+        for job in jobs:
             self._queue.put_nowait(job)
-        except queue.Full:
-            raise ServerOverloaded(f"the server is busy: {self._queue.maxsize} requests are "
-                                   "already waiting (--max-queue); retry later.") from None
 
     def _serve(self) -> None:
         if self._num_threads is not None:

@@ -255,16 +255,7 @@ def _params(body: _SamplingFields, prompts: tuple[TextPrompt | TokenPrompt | Cha
             max_tokens: int | None, max_tokens_limit: int, max_choices: int,
             grammar: Grammar | None = None, tool_names: tuple[str, ...] = ()
             ) -> GenerationParams:
-    n = 1 if body.n is None else body.n
-    if n < 1:
-        raise ParameterError(f"n={n} is invalid: expected an integer >= 1 (choices per "
-                             "prompt).", "n")
-    if len(prompts) * n > max_choices:
-        raise ParameterError(f"{len(prompts)} prompt(s) x n={n} = {len(prompts) * n} choices is "
-                             f"more than this server runs for one request ({max_choices}: "
-                             "--max-batch-size, and --max-queue); send fewer prompts or a "
-                             "smaller n, or split the request.",
-                             "n" if len(prompts) == 1 else "prompt")
+    n = _checked_n(body, len(prompts), max_choices)
     for name in ("presence_penalty", "frequency_penalty"):
         _refuse(getattr(body, name) not in (None, 0), name, f"{name} is not supported (it would "
                 "change the target distribution that speculative decoding preserves)")
@@ -280,11 +271,6 @@ def _params(body: _SamplingFields, prompts: tuple[TextPrompt | TokenPrompt | Cha
     # the library's own range checks, before the request is queued (ConfigError -> 400)
     GenerationConfig(max_new_tokens=max_tokens or 1, num_draft_tokens=body.num_draft_tokens or 1,
                      sampling=sampling, seed=body.seed)
-    last_seed = None if body.seed is None else body.seed + len(prompts) * n - 1
-    if last_seed is not None and last_seed >= 2**63:  # choice i runs with seed + i
-        raise ParameterError(f"seed={body.seed} is invalid for {len(prompts) * n} choices: "
-                             "choice i is seeded with seed + i, which must stay below 2**63.",
-                             "seed")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if not all(stop):
         raise ParameterError(f"stop={body.stop!r} is invalid: expected a non-empty string or a "
@@ -296,6 +282,26 @@ def _params(body: _SamplingFields, prompts: tuple[TextPrompt | TokenPrompt | Cha
     return GenerationParams(prompts, max_tokens, temperature, body.top_k, body.top_p, body.seed,
                             stop, body.num_draft_tokens, body.stream, body.ignore_eos,
                             body.min_tokens, include_usage, grammar, tool_names, n)
+
+
+def _checked_n(body: _SamplingFields, num_prompts: int, max_choices: int) -> int:
+    """n (choices per prompt), checked: at least 1, prompts x n within what the server runs for
+    one request, and seed + i (choice i's seed) below 2**63."""
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise ParameterError(f"n={n} is invalid: expected an integer >= 1 (choices per "
+                             "prompt).", "n")
+    num_choices = num_prompts * n
+    if num_choices > max_choices:
+        raise ParameterError(f"{num_prompts} prompt(s) x n={n} = {num_choices} choices is more "
+                             f"than the {max_choices} this server runs for one request (the "
+                             "smaller of --max-batch-size and --max-queue); send fewer prompts "
+                             "or a smaller n, or split the request.",
+                             "n" if num_prompts == 1 else "prompt")
+    if body.seed is not None and body.seed < 2**63 <= body.seed + num_choices - 1:
+        raise ParameterError(f"seed={body.seed} is invalid for {num_choices} choices: choice i "
+                             "is seeded with seed + i, which must stay below 2**63.", "seed")
+    return n
 
 
 def _completion_prompts(prompt: str | list) -> tuple[TextPrompt | TokenPrompt, ...]:

@@ -117,6 +117,27 @@ def test_streamed_tool_call_accumulates_to_one_call(client):
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
+def test_each_of_n_streamed_choices_is_one_valid_call(client):
+    # each choice is a row with its own grammar state: three sampled calls, one per index
+    chunks = list(client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=96,
+                                                 temperature=0.9, seed=1, n=3, stream=True,
+                                                 tools=[WEATHER, TIME], tool_choice="required"))
+    calls, finished = {}, {}
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        for call in choice.delta.tool_calls or []:
+            assert choice.index not in calls  # one call a choice, sent whole
+            calls[choice.index] = call
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert sorted(calls) == [0, 1, 2] and finished == {0: "tool_calls", 1: "tool_calls",
+                                                       2: "tool_calls"}
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    for call in calls.values():
+        jsonschema.validate(json.loads(call.function.arguments),
+                            tools[call.function.name]["function"]["parameters"])
+
+
 def test_tool_choice_none_ignores_the_tools(client):
     out = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=8,
                                          temperature=0, tools=[WEATHER], tool_choice="none")

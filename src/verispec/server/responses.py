@@ -50,8 +50,7 @@ def usage(completions: list[Completion], n: int = 1) -> dict[str, int]:
 def speculation(completions: list[Completion], num_draft_tokens: int,
                 depth_policy: str | None = None) -> dict[str, object]:
     """The summary over these choices (their metrics add up exactly: metrics.py)."""
-    metrics = sum((completion.metrics for completion in completions[1:]),
-                  completions[0].metrics)
+    metrics = sum(completion.metrics for completion in completions)
     return {"num_draft_tokens": num_draft_tokens, "depth_policy": depth_policy or "fixed",
             "drafted": metrics.num_drafted,
             "accepted": metrics.num_accepted, "acceptance_rate": metrics.acceptance_rate,

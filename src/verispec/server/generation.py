@@ -23,15 +23,14 @@ from ..api import Completion, Decoder
 from ..batch_text import PendingRow, TextBatch
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
+from .prompts import Prompt
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
-from .prompts import ChatPrompt, TextPrompt, TokenPrompt
 from .schemas import GenerationParams
 from .settings import ServerSettings
 from .worker import Event, GenerationWorker, Job
 
 logger = logging.getLogger("verispec.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-Prompt = TextPrompt | TokenPrompt | ChatPrompt
 
 
 class FirstTokenClock:

@@ -74,6 +74,10 @@ class ChatPrompt:
         return list(tokenizer.encode(render_plain_chat(self.messages)))
 
 
+# what a request conditions on, of any kind
+Prompt = TextPrompt | TokenPrompt | ChatPrompt
+
+
 def render_chat(tokenizer, messages: tuple[ChatMessage, ...]) -> str:
     """The prompt text a chat request conditions on (the tokenizer's template, else the plain
     one), ending where the assistant's reply starts."""

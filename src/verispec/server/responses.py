@@ -38,7 +38,7 @@ def sse(payload: dict[str, object]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage(completions: list[Completion], n: int = 1) -> dict[str, int]:
+def usage(completions: list[Completion], n: int) -> dict[str, int]:
     """Tokens of a request's choices, in choice order (choice i of prompt i // n): each
     prompt's tokens once, every choice's completion tokens."""
     num_prompt = sum(completion.num_prompt_tokens for completion in completions[::n])
@@ -107,13 +107,13 @@ class CompletionFormat(_Format):
             self._choice(index, completion.text, completion.finish_reason)
             for index, completion in enumerate(completions)], completions)
 
-    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, object]]:
+    def opening_chunks(self, num_choices: int) -> list[dict[str, object]]:
         return []
 
-    def delta_chunk(self, text: str, index: int = 0) -> dict[str, object]:
+    def delta_chunk(self, text: str, index: int) -> dict[str, object]:
         return self._envelope("text_completion", [self._choice(index, text, None)])
 
-    def final_chunks(self, completion: Completion, index: int = 0) -> list[dict[str, object]]:
+    def final_chunks(self, completion: Completion, index: int) -> list[dict[str, object]]:
         return [self._envelope("text_completion",
                                [self._choice(index, "", completion.finish_reason)],
                                [completion], with_usage=False)]
@@ -143,16 +143,16 @@ class ChatFormat(_Format):
         return {"index": index, "message": message, "logprobs": None,
                 "finish_reason": "tool_calls" if call is not None else completion.finish_reason}
 
-    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, object]]:
+    def opening_chunks(self, num_choices: int) -> list[dict[str, object]]:
         return [self._chunk(index, {"role": "assistant", "content": ""}, None)
                 for index in range(num_choices)]
 
-    def delta_chunk(self, text: str, index: int = 0) -> dict[str, object] | None:
+    def delta_chunk(self, text: str, index: int) -> dict[str, object] | None:
         if self.tool_names:  # a call is sent whole at the end, once its JSON is complete
             return None
         return self._chunk(index, {"content": text}, None)
 
-    def final_chunks(self, completion: Completion, index: int = 0) -> list[dict[str, object]]:
+    def final_chunks(self, completion: Completion, index: int) -> list[dict[str, object]]:
         call = self._tool_call(completion)
         if call is None:
             if self.tool_names:  # cut by max_tokens before the call was complete: as text

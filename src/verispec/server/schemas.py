@@ -36,7 +36,7 @@ from ..config import GenerationConfig, SamplingConfig
 from ..constraints import Grammar, InvalidConstraintError, compile_response_format
 from ..errors import EmptyPromptError
 from .errors import ParameterError, UnsupportedParameter
-from .prompts import ChatMessage, ChatPrompt, TextPrompt, TokenPrompt
+from .prompts import ChatMessage, ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
 DEFAULT_TEMPERATURE = 1.0
 Number = Annotated[float, Strict()]  # a JSON number (an integer too), never a bool or a string
@@ -151,7 +151,7 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerationParams:
     """One request's generation settings, checked; free of pydantic and HTTP."""
 
-    prompts: tuple[TextPrompt | TokenPrompt | ChatPrompt, ...]  # one per prompt, in order
+    prompts: tuple[Prompt, ...]  # one per prompt, in order
     max_tokens: int | None  # None: as many as fit in the context, at most --max-tokens-limit
     temperature: float
     top_k: int | None
@@ -171,7 +171,7 @@ class GenerationParams:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
-    def choice(self, index: int) -> tuple[TextPrompt | TokenPrompt | ChatPrompt, int | None]:
+    def choice(self, index: int) -> tuple[Prompt, int | None]:
         """Choice ``index``'s prompt (prompt index // n) and seed (seed + index, or None)."""
         return self.prompts[index // self.n], None if self.seed is None else self.seed + index
 
@@ -251,7 +251,7 @@ def _compiled(response_format: dict, param: str) -> Grammar | None:
         raise ParameterError(str(exc), param) from None
 
 
-def _params(body: _SamplingFields, prompts: tuple[TextPrompt | TokenPrompt | ChatPrompt, ...],
+def _params(body: _SamplingFields, prompts: tuple[Prompt, ...],
             max_tokens: int | None, max_tokens_limit: int, max_choices: int,
             grammar: Grammar | None = None, tool_names: tuple[str, ...] = ()
             ) -> GenerationParams:
@@ -304,7 +304,7 @@ def _checked_n(body: _SamplingFields, num_prompts: int, max_choices: int) -> int
     return n
 
 
-def _completion_prompts(prompt: str | list) -> tuple[TextPrompt | TokenPrompt, ...]:
+def _completion_prompts(prompt: str | list) -> tuple[Prompt, ...]:
     """A string or one list of token ids (one prompt), or a list of strings or of token-id
     lists (one prompt each, as OpenAI's API takes them)."""
     if isinstance(prompt, str):

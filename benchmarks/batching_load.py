@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -341,11 +340,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def machine() -> dict[str, object]:
     import torch
 
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in lines
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+    from verispec.bench import cpu_label
+
+    return {"cpu": cpu_label(), "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:

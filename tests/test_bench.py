@@ -235,3 +235,30 @@ def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
             1e3 * clients * 6 / (bound["prefill_ms"]
                                  + bound["decode_ms"] / max(1.0, bound["best_round_gain"])))
     assert "speculative 3 vs 1" in capsys.readouterr().out
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu avx fma avx2 bmi2
+"""
+
+
+def test_cpuinfo_reads_whole_keys_and_the_label_names_the_generation(tmp_path, monkeypatch):
+    # "model" is its own key, not the start of "model name"; the label tells two VMs that both
+    # call themselves "AMD EPYC" apart by family, model and vector width
+    from verispec import bench
+    from verispec.models.matmul import cpuinfo
+
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    assert cpuinfo("model", path) == "1"
+    assert cpuinfo("model name", path) == "AMD EPYC"
+    assert cpuinfo("stepping", path) == ""
+    monkeypatch.setattr(bench, "cpuinfo", lambda field: cpuinfo(field, path))
+    assert bench.cpu_label() == "AMD EPYC (family 25 model 1, AVX2)"
+    zen4 = CPUINFO.replace("model\t\t: 1", "model\t\t: 17").replace("avx2", "avx2 avx512f")
+    path.write_text(zen4)
+    assert bench.cpu_label() == "AMD EPYC (family 25 model 17, AVX-512)"

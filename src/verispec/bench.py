@@ -324,15 +324,23 @@ def environment(device: torch.device | None = None) -> dict[str, object]:
     """Where a run happened; ``accelerator`` names the GPU of a CUDA run."""
     env: dict[str, object] = {
         "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "processor": _cpu_name(),
+        "machine": platform.machine(), "processor": cpu_label(),
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     if device is not None and device.type == "cuda":
         env["accelerator"] = torch.cuda.get_device_name(device)
     return env
 
 
-def _cpu_name() -> str:
-    return cpuinfo("model name") or platform.processor() or "unknown"
+def cpu_label() -> str:
+    """The CPU as a benchmark records it: its name and, where /proc/cpuinfo has them, its family,
+    model and widest vector instructions, e.g. "AMD EPYC (family 25 model 1, AVX2)". A VM often
+    names every AMD generation "AMD EPYC", and two of them (Zen 3 and Zen 4) gave the demo
+    pair's load benchmark different verdicts (docs/server.md)."""
+    name = cpuinfo("model name") or platform.processor() or "unknown"
+    family, model, flags = cpuinfo("cpu family"), cpuinfo("model"), cpuinfo("flags").split()
+    details = [f"family {family} model {model}"] if family and model else []
+    details += ["AVX-512"] if "avx512f" in flags else ["AVX2"] if "avx2" in flags else []
+    return f"{name} ({', '.join(details)})" if details else name
 
 
 def to_json(results: dict[float, list[MethodResult]], settings: BenchSettings,

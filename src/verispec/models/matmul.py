@@ -97,13 +97,14 @@ class LinearKernel(NamedTuple):
     linear: Linear
 
 
-def cpuinfo(field: str) -> str:
+def cpuinfo(field: str, path: Path = Path("/proc/cpuinfo")) -> str:
     """A field of the first CPU in /proc/cpuinfo (e.g. "vendor_id", "model name"), or "" where
     there is none (not Linux, or no such field)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == field:  # the whole key: "model" is not "model name"
+                return value.strip()
     except OSError:
         pass
     return ""

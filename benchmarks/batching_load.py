@@ -260,6 +260,8 @@ def run_modes(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     finally:
         for server, _, _ in servers.values():
             server.terminate()
+        for server, _, _ in servers.values():
+            server.wait(30)
 
 
 def ratios(rows: list[dict]) -> dict[str, dict]:

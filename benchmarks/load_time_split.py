@@ -148,8 +148,9 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[str], hook_dir: 
                            "tokens_per_s": pass_rate(results, wall),
                            "passes": split(before, totals(dump), wall)})
             print_level(levels[-1])
-    finally:
+    finally:  # gone before the hook's directory is removed (it writes there as it exits)
         server.terminate()
+        server.wait(30)
     return levels
 
 

@@ -26,8 +26,9 @@ def _one_torch_thread_for_the_suite():
     """The whole suite runs torch on one intra-op thread.
 
     Every model in the suite is tiny (or the small demo pair at batch 1), where a thread pool
-    costs more in hand-offs than it gains, and on a 2-core CI machine pytest itself competes for
-    the second core. Results never depend on it: every draw comes from a seeded Generator.
+    costs more in hand-offs than it gains, and `make test` runs two pytest workers on a 2-core
+    CI machine, one core each. Results never depend on it: every draw comes from a seeded
+    Generator.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

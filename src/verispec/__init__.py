@@ -35,7 +35,7 @@ from .verify_greedy import verify_greedy, verify_greedy_rows, verify_greedy_toke
 __version__ = "0.1.0"
 
 _LAZY = {  # these pull in transformers; imported on first use so `import verispec` stays light
-    "load": ("api", "load"), "Decoder": ("api", "Decoder"), "Completion": ("api", "Completion"),
+    "load": ("loader", "load"), "Decoder": ("api", "Decoder"), "Completion": ("api", "Completion"),
     "demo_pair": ("demo", "demo_pair"),
 }
 

@@ -1,4 +1,5 @@
-"""The Python entry point: ``verispec.load()`` and the text-level :class:`Decoder`.
+"""The text-level :class:`Decoder` that ``verispec.load()`` (loader.py) returns, and the
+adapter each loaded model gets (:func:`wrap_model`).
 
     dec = verispec.load()                       # the shipped demo pair, on the CPU
     out = dec.generate("def fibonacci(n):", max_new_tokens=64)
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -30,16 +30,8 @@ from .config import (GenerationConfig, SamplingConfig, as_index, check_text,
                      default_num_draft_tokens)
 from .engine import SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
-from .models.loading import (
-    check_same_tokenizer,
-    common_vocab_size,
-    is_gguf,
-    load_model,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-)
-from .models import fast_llama, llama_cpp
+from .models.loading import common_vocab_size
+from .models import fast_llama
 from .models.llama_cpp import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from .models.llama_cpp_tokenizer import LlamaCppTokenizer
 from .models.transformers import TransformersLM, output_width
@@ -48,8 +40,6 @@ from .proposers.hybrid import HYBRID_LOOKUP, HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
 from .batch_text import BatchStream, TextBatch, is_batch, row_settings
 from .text_stream import Completion, TextStream, check_stop
-
-ModelSource = str | Path | PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -84,96 +74,7 @@ def _num_logits(model: LoadedModel) -> int:
     return model.num_logits if isinstance(model, LlamaCppModel) else output_width(model)
 
 
-def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | None = None, *,
-         device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-         num_draft_tokens: int | None = None, tokenizer: str | Path | None = None,
-         backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
-         hybrid: bool | NgramDraft = False,
-         llama_cpp_config: LlamaCppConfig | None = None) -> Decoder:
-    """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
-
-    A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
-    file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra).
-    ``draft=NgramDraft()`` drafts by prompt lookup instead of a model (no draft model at all;
-    with no target, the demo target). ``hybrid=True`` with a draft model drafts by lookup (of
-    the last 2-3 tokens; ``hybrid=NgramDraft(...)`` sets other lengths) in rounds where every
-    row's history has a match, and by the draft model otherwise (no target, no draft: the demo
-    pair).
-
-    ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
-    otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
-    ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
-    (models/fast_llama.py, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
-    llama.cpp's own forward (models/llama_cpp.py, the ``llamacpp`` extra; quantized files run
-    natively, and the tokenizer is llama.cpp's); "auto" picks "llama.cpp" when the target and
-    any draft model are ``.gguf`` files and llama-cpp-python is installed, else "fast" where
-    supported. ``llama_cpp_config``: llama.cpp's threads, context and batch size
-    (LlamaCppConfig; defaults: all cores, the model's context up to 4096, 512).
-    ``num_draft_tokens``: the default depth k of every generation; None picks one for the
-    device: 4 on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and
-    other non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs
-    (with MKL on Intel verifying 4 or more tokens costs 1.6 plain steps and up). ``adaptive``: the
-    default depth policy of every generation (GoodputPolicyConfig() measures which k is fastest
-    on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
-    None: a fixed k.
-    """
-    _hybrid_lookup(hybrid, draft, target)  # checked before anything loads
-    if target is None and (draft is None or isinstance(draft, NgramDraft)):
-        from .demo import demo_pair  # the shipped assets; imported only when used
-
-        pair = demo_pair()
-        target, draft = pair.target, pair.draft if draft is None else draft
-    elif target is None:
-        raise ConfigError("draft was given without target; pass target=... as well (or neither "
-                          "to use the shipped demo pair).")
-    GenerationConfig(num_draft_tokens=1 if num_draft_tokens is None else num_draft_tokens,
-                     adaptive=adaptive)  # validated before anything loads
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
-    resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
-    if _runs_on_llama_cpp(backend, target, draft, resolved_device):
-        if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
-            raise ConfigError(f"device={device!r}, dtype={dtype!r} do not apply to the llama.cpp "
-                              "backend, which runs on the CPU in the GGUF file's own tensor "
-                              "types; leave them at their defaults (or pick another backend).")
-        target_model = LlamaCppModel(target, "target")
-        draft_model = draft if isinstance(draft, NgramDraft) else (
-            None if draft is None else LlamaCppModel(draft, "draft"))
-        target_tokenizer = LlamaCppTokenizer(target_model)
-        if isinstance(draft_model, LlamaCppModel):
-            check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
-        return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                       adaptive, hybrid, llama_cpp_config)
-    target_tokenizer = _tokenizer_for(target, tokenizer, "target")
-    target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
-    draft_model = draft if isinstance(draft, NgramDraft) else None
-    if draft is not None and draft_model is None:
-        draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
-        check_same_tokenizer(target_tokenizer, draft_tokenizer)
-        draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
-    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                   adaptive, hybrid)
-
-
-def _runs_on_llama_cpp(backend: str, target: object, draft: object,
-                       device: torch.device) -> bool:
-    """Whether load() puts the models on llama.cpp: asked for, or "auto" with GGUF files only
-    (a GGUF target with a transformers draft stays on transformers, as both must share one
-    backend's tokenizer) on the CPU with llama-cpp-python installed."""
-    gguf_only = is_gguf(target) and (draft is None or isinstance(draft, NgramDraft)
-                                     or is_gguf(draft))
-    if backend == "llama.cpp":
-        if not gguf_only:
-            raise ConfigError(f"backend='llama.cpp' needs .gguf files: target={str(target)!r}, "
-                              f"draft={str(draft)!r}; pass GGUF files (verispec export-gguf "
-                              "writes them from a Llama checkpoint) or another backend.")
-        llama_cpp.bindings()  # raises UnsupportedFeatureError naming the extra when missing
-        return True
-    return (backend == "auto" and gguf_only and device.type == "cpu"
-            and llama_cpp.is_available())
-
-
-def _hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft | None:
+def hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft | None:
     """The lookup settings of a hybrid proposer (None: not hybrid), checked against the draft."""
     if hybrid is False or hybrid is None:
         return None
@@ -188,15 +89,6 @@ def _hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft 
     return HYBRID_LOOKUP if hybrid is True else hybrid
 
 
-def _tokenizer_for(source: ModelSource, tokenizer: str | Path | None, role: str):
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer, role)
-    if isinstance(source, PreTrainedModel):
-        raise ConfigError(f"{role} is a model object, so its tokenizer cannot be found; pass "
-                          "tokenizer='/path/to/tokenizer'.")
-    return load_tokenizer(source, role, model_dir=True)
-
-
 class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
@@ -207,7 +99,7 @@ class Decoder:
                  hybrid: bool | NgramDraft = False,
                  llama_cpp_config: LlamaCppConfig | None = None) -> None:
         ngram = draft_model if isinstance(draft_model, NgramDraft) else None
-        hybrid = _hybrid_lookup(hybrid, draft_model, target_model)
+        hybrid = hybrid_lookup(hybrid, draft_model, target_model)
         draft_model = None if ngram is not None else draft_model
         widths = [_num_logits(target_model)]
         if draft_model is not None:

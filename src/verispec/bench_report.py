@@ -154,7 +154,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from .api import load
+    from .loader import load
     from .bench import BenchSettings, environment, run_bench, to_json
     from .cli import llama_cpp_config
 

@@ -197,7 +197,7 @@ def _read_prompt(prompt: str | None) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .api import load
+    from .loader import load
     from .proposers.ngram import NgramDraft
 
     prompt = _read_prompt(args.prompt)

@@ -3,7 +3,8 @@
 A :class:`TextStream` turns the token chunks of one row of a :class:`verispec.engine.DecodingRun`
 into text deltas: never a split multi-byte character, never text that may turn out to be the
 start of a stop string; at the end, a :class:`Completion` whose text and token ids stop where the
-client's text stops. What this is not: the decoding (engine.py) or the tokenizer's loading (api.py).
+client's text stops. What this is not: the decoding (engine.py) or the tokenizer's loading
+(loader.py).
 """
 
 from __future__ import annotations

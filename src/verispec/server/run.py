@@ -24,7 +24,7 @@ def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
 
 def load_decoder(settings: ServerSettings):
     """The decoder the settings describe: the demo pair when no --target is given."""
-    from ..api import load
+    from ..loader import load
     from ..demo import demo_pair
     from ..models.llama_cpp import LlamaCppConfig
     from ..proposers.ngram import NgramDraft

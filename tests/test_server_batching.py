@@ -288,7 +288,7 @@ class _RecordedWorker:
     def submit(self, prompt: str, max_tokens: int) -> Job:
         job = Job(lambda batch: batch.prepare(prompt, max_new_tokens=max_tokens,
                                               **self.SETTINGS), self.loop)
-        self.worker.submit(job)
+        self.worker.submit_all([job])
         return job
 
     def posted(self, job: Job, event: Event) -> bool:

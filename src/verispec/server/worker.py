@@ -178,9 +178,6 @@ class GenerationWorker:
         """Requests whose long prompts are being prefilled apart before they join."""
         return len(self._prefilling)
 
-    def submit(self, job: Job) -> None:
-        self.submit_all([job])
-
     def submit_all(self, jobs: list[Job]) -> None:
         """Queue a request's jobs (one per choice) all or none: ServerOverloaded when the queue
         has no room for all of them. Called from the event loop only, so the room counted here

@@ -37,7 +37,7 @@ demo: $(STAMP) $(DEMO_GGUF)/target.gguf $(DEMO_GGUF)/draft.gguf
 		--target $(DEMO_GGUF)/target.gguf --draft $(DEMO_GGUF)/draft.gguf --backend llama.cpp
 
 # two pytest workers (pytest-xdist), each test on one torch thread (tests/conftest.py): on the
-# 2-core machines CI runs on, 10.5 instead of 17.5 minutes on a Zen 3 EPYC. A test file stays
+# 2-core machines CI runs on, 11.5 instead of 17.5 minutes on a Zen 3 EPYC. A test file stays
 # on one worker (--dist loadfile), so its module fixtures load once. TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
 

@@ -310,14 +310,16 @@ class GenerationWorker:
             if row.completion is not None:
                 posts.append((job, Event.DONE, row.completion))
                 finished.append(row.row.id)
-        post_all(posts)
+        # The books close before the events go out: a client that has read its row's end
+        # finds the worker and /metrics already without that row.
+        for row_id in finished:
+            self._finish(row_id, "completed")
         if self._on_round is not None:
             try:
                 self._on_round(num_rows, batch.batch.last_num_draft_tokens)
             except Exception:  # a bug in a hook must not kill the only worker thread
                 logger.exception("the generation worker's round hook failed")
-        for row_id in finished:
-            self._finish(row_id, "completed")
+        post_all(posts)
 
     def _finish(self, row_id: int, outcome: str) -> None:
         with self._lock:
@@ -332,8 +334,8 @@ class GenerationWorker:
         does every one being prefilled apart (its cache belonged to the failed batch's model
         state as much as the rows')."""
         for row_id, (job, _) in list(self._running.items()):
-            job.post(Event.ERROR, error)
             self._finish(row_id, "failed")
+            job.post(Event.ERROR, error)
         with self._lock:
             prefilling, self._prefilling = self._prefilling, []
         for job, _, _ in prefilling:

@@ -145,6 +145,24 @@ def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     ``.output_tokens.tolist()`` for the same generator state. Batches of up to
     HOST_ROWS_MAX_BATCH rows never build the result tensors only to read them back.
     """
+    uniforms, next_uniforms, num_draft = draw_rows_randomness(
+        draft_tokens, draft_probs, target_probs, generator, num_draft_tokens)
+    if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
+        return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                            num_draft)
+    result = _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
+                             num_draft)
+    return result.num_accepted.tolist(), result.output_tokens.tolist()
+
+
+def draw_rows_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                         target_probs: torch.Tensor,
+                         generator: torch.Generator | Sequence[torch.Generator],
+                         num_draft_tokens: Sequence[int] | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The random numbers of a rows-form rule (verify_rows, verify_block.verify_block_rows),
+    drawn per generator group (:func:`_draw_grouped_uniforms`), and the inputs checked:
+    -> (uniforms [B, K] fp32, next_uniforms [B] fp64, each row's k as host ints)."""
     batch_size, max_k = check_draft_tokens(draft_tokens)
     counts = [max_k] * batch_size if num_draft_tokens is None else list(num_draft_tokens)
     generators = (list(generator) if isinstance(generator, (list, tuple))
@@ -157,12 +175,7 @@ def verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     num_draft = check_verify_inputs(
         draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
         None if num_draft_tokens is None else torch.tensor(counts, device=draft_tokens.device))
-    if batch_size <= HOST_ROWS_MAX_BATCH:
-        return _verify_rows(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
-                            num_draft)
-    result = _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
-                             num_draft)
-    return result.num_accepted.tolist(), result.output_tokens.tolist()
+    return uniforms, next_uniforms, num_draft
 
 
 def _draw_uniforms(draft_tokens: torch.Tensor, generator: torch.Generator,
@@ -221,7 +234,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     if draft_tokens.shape[0] <= HOST_ROWS_MAX_BATCH:
         num_accepted, output_tokens = _verify_rows(draft_tokens, draft_probs, target_probs,
                                                    uniforms, next_uniforms, num_draft)
-        return _result(num_accepted, output_tokens, num_draft, draft_tokens.device)
+        return result_from_rows(num_accepted, output_tokens, num_draft, draft_tokens.device)
     return _verify_batched(draft_tokens, draft_probs, target_probs, uniforms, next_uniforms,
                            num_draft)
 
@@ -239,15 +252,10 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                  num_draft: list[int]) -> tuple[list[int], list[list[int]]]:
     """verify_with_randomness for small batches, on host ints: -> (num_accepted, B ints;
     output_tokens, B rows of K+1 ints, padded with PAD_TOKEN)."""
-    batch_size, max_k = draft_tokens.shape
-    vocab_size = target_probs.shape[-1]
-    draft_rows = draft_tokens.tolist()
-    for row, n in zip(draft_rows, num_draft):  # every proposed token is an id in [0, V)
-        if not all(0 <= token < vocab_size for token in row[:n]):
-            raise_out_of_range(row[:n], vocab_size)
+    max_k = draft_tokens.shape[1]
+    draft_rows = checked_draft_rows(draft_tokens, num_draft, target_probs.shape[-1])
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
-        next_tokens = sample_with_host_uniforms(target_probs[:, 0], next_uniforms.tolist())
-        return [0] * batch_size, [[token] for token in next_tokens.tolist()]
+        return plain_rows(target_probs, next_uniforms)
     # 1. acceptance test, 2. the recovered or bonus token
     num_accepted = _accept_rows(draft_tokens, draft_probs, target_probs, uniforms, num_draft)
     next_tokens = _next_tokens_rows(draft_rows, draft_probs, target_probs, next_uniforms,
@@ -256,6 +264,25 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
                      for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
     return num_accepted, output_tokens
+
+
+def checked_draft_rows(draft_tokens: torch.Tensor, num_draft: list[int],
+                       vocab_size: int) -> list[list[int]]:
+    """draft_tokens [B, K] as host rows, every proposed token (row b's first num_draft[b])
+    checked to be an id in [0, V) (TokenOutOfRangeError)."""
+    draft_rows = draft_tokens.tolist()
+    for row, n in zip(draft_rows, num_draft):
+        if not all(0 <= token < vocab_size for token in row[:n]):
+            raise_out_of_range(row[:n], vocab_size)
+    return draft_rows
+
+
+def plain_rows(target_probs: torch.Tensor, next_uniforms: torch.Tensor
+               ) -> tuple[list[int], list[list[int]]]:
+    """A round with nothing drafted (K = 0): each row's next token is an ordinary sample of
+    target_probs [B, 1, V] with its next_uniforms [B]. -> (num_accepted, output_tokens)."""
+    next_tokens = sample_with_host_uniforms(target_probs[:, 0], next_uniforms.tolist())
+    return [0] * len(next_tokens), [[token] for token in next_tokens.tolist()]
 
 
 def _accept_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -300,7 +327,7 @@ def _next_tokens_rows(draft_rows: list[list[int]], draft_probs: torch.Tensor | N
     all zero, p == q, is drawn from the target, see the module docstring).
     """
     max_k = len(draft_rows[0])
-    next_target = _rows_at(target_probs, num_accepted)  # [B, V]
+    next_target = rows_at(target_probs, num_accepted)  # [B, V]
     rejected = [n < k for n, k in zip(num_accepted, num_draft)]
     if any(rejected):
         if draft_probs is None:  # max(0, p - one_hot(x)) is p with x zeroed
@@ -309,7 +336,7 @@ def _next_tokens_rows(draft_rows: list[list[int]], draft_probs: torch.Tensor | N
                 if rejected[b]:
                     residual[b, row[n]] = 0.0
         else:
-            next_draft = _rows_at(draft_probs, [min(n, max_k - 1) for n in num_accepted])
+            next_draft = rows_at(draft_probs, [min(n, max_k - 1) for n in num_accepted])
             residual = (next_target - next_draft).clamp_min_(0.0)  # [B, V]
         next_probs = residual if all(rejected) else torch.where(
             torch.tensor(rejected, device=target_probs.device)[:, None], residual, next_target)
@@ -369,7 +396,7 @@ def _row_at(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return probs.gather(1, index).squeeze(1)
 
 
-def _rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
+def rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """probs[b, positions[b]] for each row: [B, K, V] and B host ints -> [B, V]. Views and one
     stack (a single view at batch 1): no index tensors."""
     if len(positions) == 1:
@@ -377,7 +404,7 @@ def _rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
     return torch.stack([probs[b, n] for b, n in enumerate(positions)])
 
 
-def _result(num_accepted: list[int], output_tokens: list[list[int]], num_draft: list[int],
+def result_from_rows(num_accepted: list[int], output_tokens: list[list[int]], num_draft: list[int],
             device: torch.device) -> VerifyResult:
     """A :class:`VerifyResult` built from host ints (rows as in :func:`_assemble`)."""
     accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)

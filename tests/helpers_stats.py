@@ -122,3 +122,22 @@ def pair_counts(tokens: np.ndarray, first: int, vocab_size: int) -> np.ndarray:
     """Counts [V, V] of (tokens[:, first], tokens[:, first + 1]) over the rows of tokens [N, T]."""
     codes = tokens[:, first] * vocab_size + tokens[:, first + 1]
     return np.bincount(codes, minlength=vocab_size * vocab_size).reshape(vocab_size, vocab_size)
+
+
+def first_two_in_runs(engine, prompt: list[int], config, seed: int, num_samples: int,
+                      rows_per_run: int) -> tuple[np.ndarray, float]:
+    """(x1, x2) of num_samples unseeded rows of ``prompt`` under ``config``, rows_per_run a
+    generation, run i's generator seeded with seed + i -> ([N, 2], accepted / drafted)."""
+    from verispec import make_generator
+
+    samples, drafted, accepted = [], 0, 0
+    for run_index in range(num_samples // rows_per_run):
+        run = engine.stream([prompt] * rows_per_run, config,
+                            generator=make_generator(seed + run_index))
+        for _ in run:
+            if min(map(len, run.token_ids)) >= 2:
+                break
+        samples += [row[:2] for row in run.token_ids]
+        drafted += run.metrics.num_drafted
+        accepted += run.metrics.num_accepted
+    return np.array(samples), accepted / drafted

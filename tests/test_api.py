@@ -227,6 +227,7 @@ STOP_CASES = [  # stop -> expected text; continuation of "a" is ü✓λaü✓λa
     ("λa", "ü✓"),
     (["zz", "aü"], "ü✓λ"),  # the earliest match of several
     ("ü", ""),  # stop right at the start: nothing is emitted
+    (["✓λaü", "λ"], "ü✓"),  # "λ" lies inside the other and completes first: cut there
 ]
 
 
@@ -243,6 +244,16 @@ def test_stop_strings_cut_text_and_stream_never_emits_a_cut_prefix(scripted_deco
     # what was streamed can never be taken back: it must be exactly the final text
     assert "".join(deltas) == stream.completion.text == expected, deltas
     assert stream.completion.finish_reason == "stop"
+
+
+def test_nested_stop_strings_give_plain_and_speculative_the_same_tokens(scripted_decoder,
+                                                                        tokenizer):
+    """Plain rounds deliver one byte token, speculative ones three: "λ" completes two tokens
+    before "✓λaü" does, so both cut where token-by-token decoding cuts, with the same tokens."""
+    plain, speculative = (scripted_decoder.generate("a", max_new_tokens=30, stop=["✓λaü", "λ"],
+                                                    speculative=s) for s in (False, True))
+    assert plain.text == speculative.text == "ü✓"
+    assert plain.token_ids == speculative.token_ids == tokenizer.encode("ü✓")
 
 
 def test_stop_string_never_seen_runs_to_length(scripted_decoder):

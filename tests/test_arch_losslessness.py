@@ -66,9 +66,10 @@ def exact_first_two_law(model) -> np.ndarray:
     return law.numpy()
 
 
-def first_two_tokens(engine: SpeculativeDecoder, seed: int) -> tuple[np.ndarray, float]:
+def first_two_tokens(engine: SpeculativeDecoder, seed: int, verification: str = "block"
+                     ) -> tuple[np.ndarray, float]:
     """NUM_SAMPLES batched copies of PROMPT -> tokens [N, 2], acceptance."""
-    return real_first_two_tokens(engine, SAMPLING, K, seed, PROMPT)
+    return real_first_two_tokens(engine, SAMPLING, K, seed, PROMPT, verification)
 
 
 def engine_for(target, draft) -> SpeculativeDecoder:
@@ -95,8 +96,8 @@ def test_negative_control_is_rejected(pair, monkeypatch):
             assert lm.mask_plan.layer_types == ("sliding_attention",)
             lm.mask_plan = MaskPlan(("full_attention",), per_layer_type=False)
     else:
-        inject_verify(monkeypatch, accept_every_draft_token)
-    tokens, acceptance_rate = first_two_tokens(engine, seed=99)
+        inject_verify(monkeypatch, accept_every_draft_token)  # the token-wise rule's entry
+    tokens, acceptance_rate = first_two_tokens(engine, seed=99, verification="token")
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
     print(f"{name} control: {result}, acceptance rate {acceptance_rate:.3f}")
     assert result.p_value < CONTROL_P_THRESHOLD, result

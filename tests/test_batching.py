@@ -21,6 +21,7 @@ from verispec.batch import fill_from_the_end
 from verispec.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
+from verispec.models.transformers import TransformersLM
 from verispec.sampling import make_generator
 
 from test_losslessness import (
@@ -35,7 +36,7 @@ from test_losslessness import (
     _rule_verify,
     inject_verify,
 )
-from tiny_models import build_tokenizer, save_model, tiny_llama
+from tiny_models import build_tokenizer, save_model, tiny_gpt2, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -130,7 +131,7 @@ def test_rows_with_different_max_new_tokens_and_stops_end_on_their_own():
 NUM_ROWS = 12_000  # per temperature
 
 
-def _mixed_temperature_tokens(k: int, seed: int):
+def _mixed_temperature_tokens(k: int, seed: int, verification: str = "block"):
     """Tokens [N, k+1] per temperature of one batch of 2 N interleaved rows; samplings; pair."""
     pair = _pair("reversed")
     decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
@@ -140,7 +141,8 @@ def _mixed_temperature_tokens(k: int, seed: int):
     batch = decoder.batch()
     rows = batch.add([PROMPT] * len(names),
                      [GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
-                                       sampling=samplings[name]) for name in names],
+                                       sampling=samplings[name], verification=verification)
+                      for name in names],
                      [generators[name] for name in names])
     _run(batch, rows)
     return {name: np.array([row.token_ids for row, n in zip(rows, names) if n == name])
@@ -156,8 +158,8 @@ def test_a_batch_mixing_temperatures_has_each_rows_target_law(k):
 
 
 def test_the_mixed_temperature_g_test_rejects_a_broken_rule(monkeypatch):
-    inject_verify(monkeypatch, _rule_verify(_accept_all, _residual))
-    tokens, samplings, pair = _mixed_temperature_tokens(2, seed=2025)
+    inject_verify(monkeypatch, _rule_verify(_accept_all, _residual))  # the token-wise rule's
+    tokens, samplings, pair = _mixed_temperature_tokens(2, seed=2025, verification="token")
     _assert_control_rejected("mixed-temperatures accept-all hot",
                              _check_law(pair.target, tokens["hot"], samplings["hot"]))
 
@@ -419,3 +421,25 @@ def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
         alone = decoder.generate([prompt], GenerationConfig(max_new_tokens=12, sampling=GREEDY),
                                  speculative=False)
         assert row.token_ids == alone.token_ids[0]
+
+
+# --- a row near the end of its context beside a deeper row -----------------------------------
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama])
+def test_a_row_at_the_end_of_its_context_is_not_fed_a_deeper_rows_draft(build):
+    # Row "end" fits its window exactly at its own k = 1 (prompt + max_new_tokens + k = the
+    # window, as Decoder's context check allows); row "deep" drafts k = 8. A round feeds every
+    # row the batch's largest k + 1 tokens, which ran "end" past its window (GPT-2's learned
+    # positions: IndexError; llama.cpp: ContextLengthExceeded) and failed the whole batch.
+    window = 32
+    target = TransformersLM(build(VOCAB_SIZE, seed=31, max_positions=window))
+    draft = TransformersLM(build(VOCAB_SIZE, seed=32, layers=1, max_positions=window))
+    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    end = GenerationConfig(max_new_tokens=window - 24 - 1, num_draft_tokens=1, sampling=GREEDY)
+    deep = GenerationConfig(max_new_tokens=20, num_draft_tokens=8, sampling=GREEDY)
+    batch = decoder.batch()
+    rows = batch.add([[1] * 24, [2, 3]], [end, deep], [make_generator(0)] * 2)
+    _run(batch, rows)
+    alone = _alone(decoder, [1] * 24, end, seed=0)
+    assert rows[0].token_ids == alone and len(alone) == end.max_new_tokens

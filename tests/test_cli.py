@@ -117,7 +117,10 @@ def test_compare_measures_against_plain_decoding(model_dirs, expected_completion
     assert comparison["speculative_tok_s"] > 0 and comparison["plain_tok_s"] > 0
     status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
                                "--compare", "--json", "--temperature", "1", "--seed", "3"], capsys)
-    assert json.loads(out)["comparison"]["same_tokens"] is None  # sampled: not comparable
+    assert json.loads(out)["comparison"]["same_tokens"] is True  # a seed fixes the text
+    status, out, _ = run_main(["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
+                               "--compare", "--json", "--temperature", "1"], capsys)
+    assert json.loads(out)["comparison"]["same_tokens"] is None  # unseeded: not comparable
 
 
 @pytest.mark.parametrize("policy", ["goodput", "goodput-plain", "threshold"])

@@ -26,7 +26,14 @@ import torch
 from helpers_stats import g_test, pair_counts
 from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
-from verispec import GenerationConfig, NgramDraft, SamplingConfig, SpeculativeDecoder, to_probs
+from verispec import (
+    GenerationConfig,
+    NgramDraft,
+    SamplingConfig,
+    SpeculativeDecoder,
+    make_generator,
+    to_probs,
+)
 from verispec.constraints import (
     ConstraintSet,
     InvalidConstraintError,
@@ -150,9 +157,11 @@ def exact_constrained_law(tokenizer, target, index, prompt, sampling) -> np.ndar
 
 def first_two_constrained(tokenizer, target, draft, index, prompt, sampling, seed):
     engine = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
-    config = GenerationConfig(max_new_tokens=4, num_draft_tokens=3, sampling=sampling, seed=seed)
+    # unseeded rows (rejection sampling, the default block rule) from a generator seeded here
+    config = GenerationConfig(max_new_tokens=4, num_draft_tokens=3, sampling=sampling)
     run = engine.stream([prompt] * NUM_SAMPLES, config,
-                        constraints=constraints_for(index, [LAW_REGEX] * NUM_SAMPLES))
+                        constraints=constraints_for(index, [LAW_REGEX] * NUM_SAMPLES),
+                        generator=make_generator(seed))
     for _ in run:
         if min(map(len, run.token_ids)) >= 2:
             break
@@ -259,6 +268,27 @@ def test_demo_pair_greedy_under_a_schema_equals_plain(demo_decoder, k):
                                   speculative=False)
     assert spec.text == plain.text and json.loads(spec.text).keys() == {"x", "y"}
     assert 0 < spec.metrics.acceptance_rate < 1 or spec.metrics.num_drafted > 0
+
+
+def test_ignore_eos_ends_where_the_grammar_is_complete(demo_decoder):
+    """A complete grammar allows only EOS: under ignore_eos (no stop tokens for the engine) the
+    output still ends there, as without it, never padded with EOS to max_new_tokens. An
+    unconstrained row beside it keeps ignore_eos's fixed length."""
+    prompt = "def point():\n    return "
+    expected = demo_decoder.generate(prompt, max_new_tokens=40, response_format=SMALL_SCHEMA)
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 40
+    for speculative in (False, True):
+        stream = demo_decoder.stream(prompt, max_new_tokens=40, response_format=SMALL_SCHEMA,
+                                     ignore_eos=True, speculative=speculative)
+        assert "".join(stream) == expected.text
+        out = stream.completion
+        assert (out.text, out.token_ids, out.finish_reason) == (
+            expected.text, expected.token_ids, "stop"), speculative
+    constrained, free = demo_decoder.generate([prompt, prompt], max_new_tokens=40,
+                                              ignore_eos=True, response_format=[SMALL_SCHEMA, None])
+    assert (constrained.text, constrained.token_ids, constrained.finish_reason) == (
+        expected.text, expected.token_ids, "stop")
+    assert free.finish_reason == "length" and len(free.token_ids) == 40
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 BPE (the demo pair's and the tiny models' kind) and for a SentencePiece-style tokenizer (word
 starts marked by a space that a decode drops at its start), with random step sizes; no text
 comes out while a character is incomplete. The negative control, decoding each step's tokens
-alone, must fail the same check on the SentencePiece-style tokenizer."""
+alone, must fail the same check on the SentencePiece-style tokenizer. Stop strings (RowText): one
+inside another cut the same text and token ids whatever the chunking."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from verispec.demo import demo_pair
 from verispec.detokenize import REPLACEMENT, IncrementalDetokenizer
+from verispec.metrics import MetricsRecorder
+from verispec.text_stream import RowText
 
 TEXT = "def add(a, b):\n    return a + b  # ü ✓ λ, naïve café 日本\n"
 
@@ -122,3 +125,40 @@ def test_special_tokens_add_no_text():
     assert detokenizer.add([eos]) == ""
     assert detokenizer.add(tokenizer.encode("c")) == "c"
     assert detokenizer.add([], final=True) == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# stop strings (text_stream.RowText): the cut is a function of the text, not of the chunking
+
+NESTED_STOPS = ("\n\nUser:", "User")  # "User" lies inside "\n\nUser:" and completes first
+
+
+def row_text(tokenizer, chunks: list[list[int]], stop: tuple[str, ...]):
+    """The chunks fed to a RowText as rounds deliver them -> (its Completion, the deltas)."""
+    text = RowText(tokenizer, stop, num_prompt_tokens=1)
+    deltas = []
+    for chunk in chunks:
+        delta, done = text.feed(chunk, final=False)
+        deltas.append(delta)
+        if done:
+            break
+    else:
+        deltas.append(text.feed([], final=True)[0])
+    return text.completion("length", MetricsRecorder().snapshot()), deltas
+
+
+def test_nested_stop_strings_cut_where_token_by_token_feeding_cuts():
+    """Plain decoding delivers one token a round, speculative decoding several: the cut must be
+    the stop string that completes first (the earliest end), whatever the chunking."""
+    tokenizer = demo_tokenizer()
+    token_ids = tokenizer.encode("hello\n\nUser: hi")
+    one_by_one, deltas = row_text(tokenizer, [[t] for t in token_ids], NESTED_STOPS)
+    assert one_by_one.text == "hello\n\n" == "".join(deltas)
+    assert one_by_one.finish_reason == "stop"
+    generator = torch.Generator().manual_seed(0)
+    for chunks in [[token_ids], *(random_steps(token_ids, generator) for _ in range(20))]:
+        completion, deltas = row_text(tokenizer, chunks, NESTED_STOPS)
+        assert (completion.text, completion.token_ids, completion.finish_reason) == (
+            one_by_one.text, one_by_one.token_ids, "stop"), chunks
+        assert "".join(deltas) == completion.text
+    assert tokenizer.decode(one_by_one.token_ids).startswith("hello\n\n")

@@ -32,7 +32,7 @@ from verispec import (
 from verispec import goodput as goodput_module
 from verispec.adaptive import RoundStats
 from verispec.goodput import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE
-from verispec.errors import ConfigError
+from verispec.errors import ConfigError, TokenOutOfRangeError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -169,6 +169,21 @@ def test_stop_token_as_the_first_generated_token():
     assert result.token_ids == [[first]] and result.finish_reasons == ["stop"]
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_stop_token_ids_outside_the_vocabulary_are_refused_when_rows_join(speculative):
+    """With min_new_tokens they would index the logits: refused as a typed error naming the
+    field, the id and the vocabulary, by generate and by a Batch's add alike."""
+    decoder, _ = _decoder()
+    config = GenerationConfig(max_new_tokens=4, stop_token_ids=(VOCAB_SIZE + 5,),
+                              min_new_tokens=2, seed=0)
+    match = f"stop_token_ids.*{VOCAB_SIZE + 5}.*\\[0, {VOCAB_SIZE}\\)"
+    with pytest.raises(TokenOutOfRangeError, match=match):
+        decoder.generate(PROMPTS, config, speculative=speculative)
+    batch = decoder.batch(speculative)
+    with pytest.raises(TokenOutOfRangeError, match=match):
+        batch.add([[3, 5]], [config], [make_generator(0)])
+
+
 # --- streaming and seeds ---------------------------------------------------------------------
 
 
@@ -295,9 +310,14 @@ def test_token_acceptance_estimates_the_per_token_acceptance_probability():
     a = float(torch.minimum(target_probs, draft_probs).sum())  # 0.8
     decoder = SpeculativeDecoder.from_draft_model(FixedDistributionLM.from_probs(target_probs),
                                                   FixedDistributionLM.from_probs(draft_probs))
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=8, seed=3,
+    # unseeded rows (rejection sampling, token-wise) drawing from a generator seeded here
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=8, verification="token",
                               sampling=SamplingConfig(temperature=1.0))
-    m = decoder.generate([[0]] * 400, config).metrics
+    batch = decoder.batch()
+    batch.add([[0]] * 400, [config] * 400, [torch.Generator().manual_seed(3)] * 400)
+    while batch.rows:
+        batch.step()
+    m = batch.recorder.snapshot()
     tested = sum(m.num_reached)
     assert m.token_acceptance == pytest.approx(a, abs=4 * (a * (1 - a) / tested) ** 0.5)
     assert m.acceptance_rate < a - 0.15

@@ -140,11 +140,13 @@ def test_greedy_output_under_an_adaptive_policy(adaptive):
 PROMPT = [3, 5, 3, 5, 2, 3]  # repeats: the first round is a lookup round (5, 2, 3, ...)
 
 
-def _law_results(kind: str, k: int, temperature: float, seed: int):
+def _law_results(kind: str, k: int, temperature: float, seed: int,
+                 verification: str = "block"):
     """(G-test results, metrics, proposer) of test_losslessness's harness for one proposer."""
     proposer = (NgramProposer(VOCAB_SIZE) if kind == "ngram" else
                 _CountingHybrid(DraftModelProposer(_markov(12, order=1)), NgramDraft()))
-    results, metrics = _proposer_law(_markov(11), proposer, k, temperature, seed, PROMPT)
+    results, metrics = _proposer_law(_markov(11), proposer, k, temperature, seed, PROMPT,
+                                     verification)
     return results, metrics, proposer
 
 
@@ -172,8 +174,9 @@ def test_sampled_output_has_the_target_law(kind, k, temperature, seed):
 def test_broken_rules_are_rejected(monkeypatch, kind, seed, control, accept, recover):
     # the losslessness module's injected verify with a broken rule, on lookup point masses
     # (and, for the hybrid, the draft model's rounds too)
-    inject_verify(monkeypatch, _rule_verify(accept, recover))
-    _assert_control_rejected(f"{kind} {control}", _law_results(kind, 2, 1.0, seed)[0])
+    inject_verify(monkeypatch, _rule_verify(accept, recover))  # the token-wise rule's entry
+    _assert_control_rejected(f"{kind} {control}",
+                             _law_results(kind, 2, 1.0, seed, verification="token")[0])
 
 
 # --- real models: library and CLI ------------------------------------------------------------

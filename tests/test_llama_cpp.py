@@ -22,13 +22,19 @@ import llama_cpp
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test, pair_counts
+from helpers_stats import first_two_in_runs, g_test, pair_counts
 from test_losslessness import inject_verify
 from test_real_losslessness import accept_every_draft_token, truncation_margin
 from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 import verispec
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, cli, to_probs
+from verispec import (
+    GenerationConfig,
+    SamplingConfig,
+    SpeculativeDecoder,
+    cli,
+    to_probs,
+)
 from verispec.demo import demo_pair, heldout_prompts
 from verispec.errors import (
     ConfigError,
@@ -277,20 +283,13 @@ def _exact_first_two_law(lm: LlamaCppLM, sampling: SamplingConfig) -> tuple[np.n
 
 
 def _first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
-                      seed: int) -> tuple[np.ndarray, float]:
-    """NUM_SAMPLES draws of (x1, x2), ROWS_PER_RUN rows a generation -> [N, 2], acceptance."""
-    samples, drafted, accepted = [], 0, 0
-    for run_index in range(NUM_SAMPLES // ROWS_PER_RUN):
-        config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                                  seed=seed + run_index)
-        run = engine.stream([PROMPT] * ROWS_PER_RUN, config)
-        for _ in run:
-            if min(map(len, run.token_ids)) >= 2:
-                break
-        samples += [row[:2] for row in run.token_ids]
-        drafted += run.metrics.num_drafted
-        accepted += run.metrics.num_accepted
-    return np.array(samples), accepted / drafted
+                      seed: int, verification: str = "block") -> tuple[np.ndarray, float]:
+    """NUM_SAMPLES draws of (x1, x2), ROWS_PER_RUN rows a generation -> [N, 2], acceptance.
+    Unseeded rows (rejection sampling under ``verification``), each run's generator seeded
+    here."""
+    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
+                              verification=verification)
+    return first_two_in_runs(engine, PROMPT, config, seed, NUM_SAMPLES, ROWS_PER_RUN)
 
 
 CASES = {
@@ -335,9 +334,9 @@ def test_negative_control_is_rejected_on_llama_cpp(tiny, tiny_engine, monkeypatc
     sampling, k = SamplingConfig(temperature=1.0), 2
     law_lm = LlamaCppLM(LlamaCppModel(tiny["target"]), config=LlamaCppConfig(context_size=8))
     law, _ = _exact_first_two_law(law_lm, sampling)
-    inject_verify(monkeypatch, accept_every_draft_token)
+    inject_verify(monkeypatch, accept_every_draft_token)  # the token-wise rule's entry
     _, engine = tiny_engine
-    tokens, acceptance = _first_two_tokens(engine, sampling, k, seed=99)
+    tokens, acceptance = _first_two_tokens(engine, sampling, k, seed=99, verification="token")
     result = g_test(pair_counts(tokens, 0, law_lm.vocab_size), law)
     print(f"control: {result}, acceptance rate {acceptance:.3f}")
     assert acceptance == 1.0

@@ -22,7 +22,7 @@ Legend: N samples (rows), V vocabulary, k draft tokens.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -39,6 +39,7 @@ from verispec import (
     SpeculativeDecoder,
     make_generator,
 )
+from verispec.config import VERIFICATION_RULES
 from verispec.sampling import sample_with_uniform
 from verispec.verify import PAD_TOKEN, VerifyResult, point_mass, residual_probs
 
@@ -140,17 +141,22 @@ def _cases() -> list:
     for index, name in enumerate(PAIR_NAMES):
         for k in (K_VALUES[index % 4], K_VALUES[(index + 2) % 4]):
             cases.append((name, k, 0.7))
-    return [pytest.param(name, k, t, 30_000 + index, id=f"{name}-k{k}-T{t}")
+    # each case under one of the two rejection rules, alternately
+    return [pytest.param(name, k, t, 30_000 + index, VERIFICATION_RULES[index % 2],
+                         id=f"{name}-k{k}-T{t}-{VERIFICATION_RULES[index % 2]}")
             for index, (name, k, t) in enumerate(cases)]
 
 
 def _generate(pair: Pair, k: int, temperature: float, seed: int,
-              num_samples: int = NUM_SAMPLES) -> tuple[np.ndarray, verispec.GenerationMetrics]:
-    """Emitted tokens [N, k+1] of N identical prompts in one batch, and the run's metrics."""
+              num_samples: int = NUM_SAMPLES, verification: str = "token"
+              ) -> tuple[np.ndarray, verispec.GenerationMetrics]:
+    """Emitted tokens [N, k+1] of N identical prompts in one batch, and the run's metrics.
+    Unseeded rows (rejection sampling under ``verification``) drawing from one generator
+    seeded by ``seed``; seeded rows race on keyed clocks instead (test_seed_invariance.py)."""
     decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
-                              sampling=pair.sampling(temperature), seed=seed)
-    result = decoder.generate([PROMPT] * num_samples, config)
+                              sampling=pair.sampling(temperature), verification=verification)
+    result = decoder.generate([PROMPT] * num_samples, config, generator=make_generator(seed))
     assert set(result.finish_reasons) == {"length"}
     return np.array(result.token_ids, dtype=np.int64), result.metrics
 
@@ -170,13 +176,15 @@ def _check_law(target, tokens: np.ndarray, sampling: SamplingConfig,
 
 
 def _proposer_law(target, proposer, k: int, temperature: float, seed: int,
-                  prompt: list[int]) -> tuple[list, verispec.GenerationMetrics]:
+                  prompt: list[int], verification: str = "block"
+                  ) -> tuple[list, verispec.GenerationMetrics]:
     """_check_law of NUM_SAMPLES rows of k + 1 tokens that ``proposer`` drafts for ``target``
     after ``prompt`` (one batch: the first round drafts k for every row), and the metrics."""
     sampling = SamplingConfig(temperature=temperature)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                              seed=seed)
-    result = SpeculativeDecoder(target, proposer).generate([prompt] * NUM_SAMPLES, config)
+                              verification=verification)
+    result = SpeculativeDecoder(target, proposer).generate([prompt] * NUM_SAMPLES, config,
+                                                           generator=make_generator(seed))
     tokens = np.array(result.token_ids, dtype=np.int64)
     return _check_law(target, tokens, sampling, prompt=prompt), result.metrics
 
@@ -223,10 +231,10 @@ def test_g_test_pools_rare_cells_and_fails_on_impossible_cells():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pair_name, k, temperature, seed", _cases())
-def test_engine_output_law_equals_target_law(pair_name, k, temperature, seed):
+@pytest.mark.parametrize("pair_name, k, temperature, seed, verification", _cases())
+def test_engine_output_law_equals_target_law(pair_name, k, temperature, seed, verification):
     pair = _pair(pair_name)
-    tokens, metrics = _generate(pair, k, temperature, seed)
+    tokens, metrics = _generate(pair, k, temperature, seed, verification=verification)
     assert tokens.shape == (NUM_SAMPLES, k + 1)
     assert metrics.num_drafted >= NUM_SAMPLES * k  # the first round drafted k for every row
     if pair_name == "equal":
@@ -245,15 +253,16 @@ BATCH_ONE_CASES = [("markov2_zeros", 1, 1.0), ("top_p", 1, 0.7)]
 @pytest.mark.slow
 @pytest.mark.parametrize("pair_name, k, temperature", BATCH_ONE_CASES)
 def test_batch_one_calls_have_the_target_law(pair_name, k, temperature):
-    # One generate call per sample, batch 1. Each call gets its own seed, so the calls draw from
-    # independent generator streams (a repeated seed would repeat the sample, not add one). The
+    # One generate call per sample, batch 1. Each call gets its own generator seed, so the calls
+    # draw from independent streams (a repeated seed would repeat the sample, not add one). The
     # decoder holds no per-request state, so one decoder serves every call.
     pair = _pair(pair_name)
     decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
                               sampling=pair.sampling(temperature))
     num_samples = 3_000
-    tokens = np.array([decoder.generate([PROMPT], replace(config, seed=50_000 + i)).token_ids[0]
+    tokens = np.array([decoder.generate([PROMPT], config,
+                                        generator=make_generator(50_000 + i)).token_ids[0]
                        for i in range(num_samples)], dtype=np.int64)
     _assert_target_law(f"batch1 {pair_name} k={k} T={temperature}",
                        _check_law(pair.target, tokens, pair.sampling(temperature)))

@@ -29,7 +29,14 @@ from helpers_stats import g_test, pair_counts
 from test_losslessness import inject_verify
 from tiny_models import layer_dropped_draft, untied_llama
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, to_probs
+import verispec.verify_block
+from verispec import (
+    GenerationConfig,
+    SamplingConfig,
+    SpeculativeDecoder,
+    make_generator,
+    to_probs,
+)
 from verispec.models.transformers import TransformersLM
 from verispec.verify import verify
 
@@ -99,11 +106,13 @@ def truncation_margin(logits: torch.Tensor, sampling: SamplingConfig) -> float:
 
 
 def first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
-                     seed: int, prompt: list[int] = PROMPT) -> tuple[np.ndarray, float]:
-    """One batched generation of NUM_SAMPLES copies of prompt -> tokens [N, 2], acceptance."""
+                     seed: int, prompt: list[int] = PROMPT, verification: str = "block"
+                     ) -> tuple[np.ndarray, float]:
+    """One batched generation of NUM_SAMPLES copies of prompt -> tokens [N, 2], acceptance.
+    Unseeded rows (rejection sampling under ``verification``) from a generator seeded here."""
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                              seed=seed)
-    run = engine.stream([prompt] * NUM_SAMPLES, config)
+                              verification=verification)
+    run = engine.stream([prompt] * NUM_SAMPLES, config, generator=make_generator(seed))
     for _ in run:
         if min(map(len, run.token_ids)) >= 2:
             break
@@ -111,23 +120,25 @@ def first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: in
     return tokens, run.metrics.acceptance_rate
 
 
-CASES = {
-    "t1-k2": (SamplingConfig(temperature=1.0), 2),
-    "t1-k4": (SamplingConfig(temperature=1.0), 4),
-    "topk5-k4": (SamplingConfig(temperature=1.0, top_k=5), 4),
-    "topp08-k2": (SamplingConfig(temperature=1.0, top_p=0.8), 2),
+CASES = {  # sampling, k, verification rule
+    "t1-k2": (SamplingConfig(temperature=1.0), 2, "block"),
+    "t1-k4": (SamplingConfig(temperature=1.0), 4, "token"),
+    "t1-k4-block": (SamplingConfig(temperature=1.0), 4, "block"),
+    "topk5-k4": (SamplingConfig(temperature=1.0, top_k=5), 4, "block"),
+    "topp08-k2": (SamplingConfig(temperature=1.0, top_p=0.8), 2, "token"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_first_two_tokens_follow_target_law(models, engine, case):
-    sampling, k = CASES[case]
+    sampling, k, verification = CASES[case]
     target, _ = models
     first_logits, second_logits = next_token_logits(target, PROMPT)
     margin = truncation_margin(torch.cat([first_logits[None], second_logits]), sampling)
     assert margin > 1e-4, f"fixture too close to a top-k/top-p tie: margin {margin}"
     law = exact_first_two_law(target, sampling)
-    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=sum(map(ord, case)))
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=sum(map(ord, case)),
+                                               verification=verification)
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
     print(f"{case}: {result}, acceptance rate {acceptance_rate:.3f}")
     # the pair is a meaningful test: drafts are often accepted and often rejected
@@ -150,9 +161,31 @@ def test_negative_control_wrong_verification_is_detected(models, engine, monkeyp
     sampling, k = SamplingConfig(temperature=1.0), 2
     target, _ = models
     law = exact_first_two_law(target, sampling)
-    inject_verify(monkeypatch, accept_every_draft_token)
-    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=99)
+    inject_verify(monkeypatch, accept_every_draft_token)  # the token-wise rule's entry
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=99,
+                                               verification="token")
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
     print(f"control: {result}, acceptance rate {acceptance_rate:.3f}")
     assert acceptance_rate == 1.0  # the injected bug is in effect
+    assert result.p_value < CONTROL_P_THRESHOLD, result
+
+
+def first_failure_stop(stop_probs, etas):
+    """Wrong on purpose: block verification's tau taken as the prefix before the first
+    position whose test fails (the token-wise habit), not the last position that passes."""
+    for i in range(1, len(stop_probs)):
+        if not etas[i - 1] < stop_probs[i]:
+            return i - 1
+    return len(stop_probs) - 1
+
+
+def test_negative_control_block_rule_stopping_at_the_first_failure_is_detected(
+        models, engine, monkeypatch):
+    sampling, k = SamplingConfig(temperature=1.0), 4
+    target, _ = models
+    law = exact_first_two_law(target, sampling)
+    monkeypatch.setattr(verispec.verify_block, "_last_pass", first_failure_stop)
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=98)
+    result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
+    print(f"block control: {result}, acceptance rate {acceptance_rate:.3f}")
     assert result.p_value < CONTROL_P_THRESHOLD, result

@@ -280,24 +280,28 @@ def test_loosely_typed_fields_are_refused(server, field, value):
 
 
 def test_a_seed_fixes_the_output_under_goodput(model_dirs, reference):
+    # the seeded request follows the policy like any other, and its text is plain decoding's
     settings = ServerSettings(model_name=MODEL, adaptive="goodput", max_tokens_limit=200)
     body = {**GOOD, "max_tokens": 48, "temperature": 1.0, "seed": 11}
-    with ServerThread(create_app(verispec.load(*model_dirs, adaptive=verispec.GoodputPolicyConfig()),
-                                 settings)) as running:
+    decoder = verispec.load(*model_dirs, adaptive=verispec.GoodputPolicyConfig())
+    with ServerThread(create_app(decoder, settings)) as running:
         first, second = post(running, body=body).json(), post(running, body=body).json()
         unseeded = post(running, body={**body, "seed": None}).json()
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert first["choices"][0]["text"] == reference.generate(
-        PROMPT, max_new_tokens=48, temperature=1.0, seed=11).text  # the fixed --k's output
-    assert first["speculation"]["depth_policy"] == "fixed"
+        PROMPT, max_new_tokens=48, temperature=1.0, seed=11, speculative=False).text
+    assert first["speculation"]["depth_policy"] == "goodput"
     assert unseeded["speculation"]["depth_policy"] == "goodput"
+    # the control: another seed gives another text
+    other = reference.generate(PROMPT, max_new_tokens=48, temperature=1.0, seed=12).text
+    assert other != first["choices"][0]["text"]
 
 
-def test_serve_help_says_a_seed_fixes_the_depth(capsys):
+def test_serve_help_says_a_seed_fixes_the_text_at_any_depth(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "with a seed runs at the fixed --k under goodput" in help_text
+    assert "a seeded request's text is the same at any depth" in help_text
 
 
 # --- 9. stream_options.include_usage ----------------------------------------------------------

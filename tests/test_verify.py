@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from verispec import (
     ConfigError,
     DraftContractError,
+    InputError,
     NonFiniteError,
     ShapeError,
     TokenOutOfRangeError,
@@ -44,6 +45,7 @@ from verispec.verify import (
     verify_rows,
     verify_with_randomness,
 )
+from verispec.verify_checks import check_stop_token_ids
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -553,6 +555,24 @@ def test_non_finite_probs_raise(bad, where):
     (target_probs if where == "target" else draft_probs)[0, 1, 2] = bad
     with pytest.raises(NonFiniteError, match=f"{where}_probs"):
         verify(draft_tokens, draft_probs, target_probs, make_generator(0))
+
+
+@pytest.mark.parametrize("where", ["target", "draft"])
+def test_negative_probs_raise(where):
+    """A negative entry is no distribution: refused, never sampled from."""
+    draft_tokens = torch.tensor([[0, 1]])
+    draft_probs = torch.full((1, 2, 3), 1 / 3)
+    target_probs = torch.full((1, 3, 3), 1 / 3)
+    probs = target_probs if where == "target" else draft_probs
+    probs[0, 1] = torch.tensor([0.6, 0.6, -0.2])  # sums to 1
+    with pytest.raises(InputError, match=f"{where}_probs.*negative.*-0.2.*to_probs"):
+        verify(draft_tokens, draft_probs, target_probs, make_generator(0))
+
+
+def test_stop_token_ids_must_lie_in_the_vocabulary():
+    check_stop_token_ids((0, 2), 3)
+    with pytest.raises(TokenOutOfRangeError, match="stop_token_ids.*\\b3\\b.*\\[0, 3\\)"):
+        check_stop_token_ids((0, 3), 3)
 
 
 @pytest.mark.parametrize("draft_tokens, draft_probs, target_probs, num_draft, match", [

@@ -15,10 +15,8 @@ engine hands ``build`` the policy of the previous generation on the same decoder
 config, sampling settings and batch size) and the new one starts from a copy of what that one had
 learned: a short request then runs at the learned depth from its first round instead of spending
 its rounds on the priors. Policies never change the output law: any k gives exact samples; they
-only change speed. They do change which random numbers a sampled request uses, so a seed fixes
-the tokens only where k is a function of the request alone: a fixed k, the threshold policy, or
-goodput with a given cost_ratio, each without carry-over. Goodput with measured costs picks k
-from wall-clock timings, and carry-over from earlier requests.
+only change speed, and never what a seed gives: a seeded row's tokens are its target's samples
+on clocks keyed by position (seeded.py), whatever k each round has.
 """
 
 from __future__ import annotations
@@ -109,12 +107,6 @@ class AdaptivePolicyConfig:
 
     def clamp(self, k: int) -> int:
         return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))
-
-    @property
-    def reproducible(self) -> bool:
-        """Whether k is a function of the request alone, so that a seed fixes a sampled
-        request's tokens (see the module docstring): never with carry-over."""
-        return not self.carry_over
 
     def build(self, initial_num_draft_tokens: int,
               previous: AdaptivePolicy | None = None) -> AdaptivePolicy:  # pragma: no cover

@@ -26,8 +26,8 @@ from .constraints import (
     TokenizerIndex,
     compile_response_format,
 )
-from .config import (GenerationConfig, SamplingConfig, as_index, check_text,
-                     default_num_draft_tokens)
+from .config import (VERIFICATION_RULES, GenerationConfig, SamplingConfig, as_index,
+                     check_text, check_verification, default_num_draft_tokens)
 from .engine import SpeculativeDecoder
 from .errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from .models.loading import common_vocab_size
@@ -97,7 +97,8 @@ class Decoder:
                  backend: str = "auto",
                  adaptive: AdaptivePolicyConfig | None = None,
                  hybrid: bool | NgramDraft = False,
-                 llama_cpp_config: LlamaCppConfig | None = None) -> None:
+                 llama_cpp_config: LlamaCppConfig | None = None,
+                 verification: str = VERIFICATION_RULES[0]) -> None:
         ngram = draft_model if isinstance(draft_model, NgramDraft) else None
         hybrid = hybrid_lookup(hybrid, draft_model, target_model)
         draft_model = None if ngram is not None else draft_model
@@ -125,6 +126,8 @@ class Decoder:
                                  if num_draft_tokens is None else num_draft_tokens)
         GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked
         self.adaptive = adaptive
+        check_verification(verification)
+        self.verification = verification  # the rule of calls that name none
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -138,21 +141,23 @@ class Decoder:
                  adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
                  ignore_eos: bool = False, min_new_tokens: int | Sequence[int] = 0,
                  response_format: Mapping[str, object] | Grammar | None | Sequence[
-                     Mapping[str, object] | Grammar | None] = None
-                 ) -> Completion | list[Completion]:
+                     Mapping[str, object] | Grammar | None] = None,
+                 verification: str | None = None) -> Completion | list[Completion]:
         """Generate a completion of ``prompt`` (text, or token ids); see :meth:`stream`.
 
         A list of prompts (texts, or token-id lists) is decoded as one batch and gives one
         Completion per prompt, each with its own metrics. Any of max_new_tokens, temperature,
         top_k, top_p, seed, stop, min_new_tokens and response_format may then be a list with
         one value per prompt (``stop``: one list of strings, or None, per prompt); an int
-        ``seed`` seeds prompt i with seed + i. Each row draws from its own generator, so a
-        prompt with a given seed gives the same text whatever else is in the batch.
+        ``seed`` seeds prompt i with seed + i. A seeded prompt's text is a function of the
+        prompt, its seed and its settings alone: the same whatever else is in the batch, k,
+        the draft or the depth policy, and the same as with ``speculative=False``.
         """
         settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, stop=stop, num_draft_tokens=num_draft_tokens,
                         adaptive=adaptive, ignore_eos=ignore_eos,
-                        min_new_tokens=min_new_tokens, response_format=response_format)
+                        min_new_tokens=min_new_tokens, response_format=response_format,
+                        verification=verification)
         if is_batch(prompt):
             stream = self.stream_batch(prompt, speculative=speculative, **settings)
             for _ in stream:
@@ -192,7 +197,8 @@ class Decoder:
                num_draft_tokens: int | None = None, speculative: bool = True,
                adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
                ignore_eos: bool = False, min_new_tokens: int = 0,
-               response_format: Mapping[str, object] | Grammar | None = None) -> TextStream:
+               response_format: Mapping[str, object] | Grammar | None = None,
+               verification: str | None = None) -> TextStream:
         """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
 
         Generation stops at the tokenizer's EOS token, at a stop string (excluded from the
@@ -207,12 +213,16 @@ class Decoder:
         ``response_format``: constrain the output (constraints.compile_response_format: a JSON
         schema, any JSON object, a regex, a Lark grammar, in OpenAI's dict shape); draft and
         target are masked alike, so the output has exactly the constrained target's law.
+        ``seed``: the text is then the same for any k, draft, depth policy and batch, and with
+        ``speculative=False`` (each token is the target's sample on clocks keyed by the seed
+        and its position, seeded.py). ``verification``: "block" or "token", the rule that
+        tests an unseeded sampled row's draft-model tokens (default: the decoder's).
         For several prompts at once see :meth:`stream_batch`.
         """
         self._check_speculative(speculative)
         prepared = self.prepare(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                 num_draft_tokens, speculative, adaptive, ignore_eos,
-                                min_new_tokens, response_format)
+                                min_new_tokens, response_format, verification)
         run = self.engine.stream([prepared.prompt_ids], prepared.config, speculative,
                                  prepared.constraints)
         return TextStream(run, self.tokenizer, prepared.stop, len(prepared.prompt_ids))
@@ -223,7 +233,8 @@ class Decoder:
                 num_draft_tokens: int | None = None, speculative: bool = True,
                 adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
                 ignore_eos: bool = False, min_new_tokens: int = 0,
-                response_format: Mapping[str, object] | Grammar | None = None) -> PreparedRow:
+                response_format: Mapping[str, object] | Grammar | None = None,
+                verification: str | None = None) -> PreparedRow:
         """One prompt's :meth:`stream` arguments checked and turned into what the engine takes:
         its token ids, GenerationConfig, stop strings and grammar. Raises the typed errors
         :meth:`stream` documents (ConfigError, InputError, ContextLengthExceeded, ...)."""
@@ -235,7 +246,8 @@ class Decoder:
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
             stop_token_ids=() if ignore_eos else _stop_token_ids(self.tokenizer),
             min_new_tokens=min_new_tokens, seed=seed,
-            adaptive=self.adaptive if adaptive is None else (adaptive or None))
+            adaptive=self.adaptive if adaptive is None else (adaptive or None),
+            verification=self.verification if verification is None else verification)
         stop_strings = check_stop(stop)
         prompt_ids = self._encode(prompt)
         self._check_context(len(prompt_ids), config, speculative)

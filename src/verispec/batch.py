@@ -49,6 +49,7 @@ from .metrics import MetricsRecorder
 from .models.base import LanguageModel, TargetScorer
 from .proposers.base import DraftPlan, Proposer
 from .rows import Row
+from .verify_checks import check_stop_token_ids
 
 
 class Batch:
@@ -76,6 +77,11 @@ class Batch:
         self._carried = carried
         self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
         self.last_num_draft_tokens = 0  # the depth of the latest round (0: plain)
+        # the longest sequence every model takes (None: no limit): a round feeds each row the
+        # batch's largest k + 1 tokens, so k is capped by the room of the row nearest its end
+        windows = [lm.max_positions for lm in (target, proposer) if lm is not None
+                   and lm.max_positions is not None]
+        self.max_positions = min(windows) if windows else None
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
@@ -101,17 +107,23 @@ class Batch:
     def add(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig],
             generators: Sequence[torch.Generator],
             constraints: ConstraintSet | None = None,
-            prefilled: Sequence[ChunkedPrefill] | None = None) -> list[Row]:
+            prefilled: Sequence[ChunkedPrefill] | None = None,
+            lanes: Sequence[int] | None = None) -> list[Row]:
         """Rows joining between rounds: one prompt (token ids), config and generator each;
         ``constraints``: their grammars (a ConstraintSet over these rows) or None. The joining
         rows are prefilled in one pass, or with ``prefilled`` (one finished chunked prefill of
         each prompt, :meth:`start_prefill`) their target caches are copied in; the rows already
-        here are not touched."""
+        here are not touched. ``lanes``: with a seed shared by several rows, what tells their
+        clocks apart (rows.Row; default 0 each: rows seeded one by one)."""
         prompts = check_prompts(prompts, self.vocab_size)
         assert len(configs) == len(prompts) == len(generators)
+        for config in configs:
+            check_stop_token_ids(config.stop_token_ids, self.vocab_size)
+        lanes = [0] * len(prompts) if lanes is None else list(lanes)
         rows = [Row(prompt, config, generator,
-                    follows_policy=self.policy_config is not None and config.adaptive is not None)
-                for prompt, config, generator in zip(prompts, configs, generators)]
+                    follows_policy=self.policy_config is not None and config.adaptive is not None,
+                    lane=lane)
+                for prompt, config, generator, lane in zip(prompts, configs, generators, lanes)]
         if prefilled is None:
             self._joins_ride |= self.target.add_rows(prompts)
         else:
@@ -162,6 +174,10 @@ class Batch:
         policy_k = None if policy is None else self._policy_k.get(self._bucket(),
                                                                   policy.num_draft_tokens)
         wanted = [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in self.rows]
+        if self.max_positions is not None and max(wanted) > 0:
+            room = min(self.max_positions - len(row.prompt) - row.num_generated
+                       for row in self.rows)
+            wanted = [min(k, max(room, 0)) for k in wanted]
         if self._draft_lags and max(wanted) > 0:
             # the work plain rounds left the proposer is done before the clock starts, so
             # that this round's draft time prices its steps. Timed with them, such rounds
@@ -264,8 +280,10 @@ class Batch:
         if self.proposer is None or max(num_draft) == 0:
             return (torch.empty((len(self.rows), 0), dtype=torch.int64, device=self.device),
                     None, [0] * len(self.rows))
+        keyed = [row if row.keyed else None for row in self.rows]
         plan = DraftPlan(num_draft, [row.config.sampling for row in self.rows],
-                         [row.generator for row in self.rows])
+                         [row.generator for row in self.rows],
+                         keyed if any(row is not None for row in keyed) else None)
         proposal = self.proposer.propose(plan, constraints)
         width = proposal.draft_tokens.shape[1]
         found = proposal.num_proposed or [width] * len(num_draft)

@@ -5,7 +5,8 @@ and the server's continuous batching run on: rows join with their own text-level
 (prompt, sampling, seed, stop strings, max_new_tokens, response_format; checked exactly as a
 one-prompt call checks them), every :meth:`TextBatch.step` is one verified round for all of
 them, and each row's tokens become text through its own text_stream.RowText. A row whose text
-is complete (a stop token, max_new_tokens, or a stop string) leaves the batch at once.
+is complete (a stop token, max_new_tokens, a stop string, or its grammar's end token under
+ignore_eos) leaves the batch at once.
 
 What this is not: the round (batch.py) or tokenisation and checks (api.Decoder).
 """
@@ -21,7 +22,7 @@ from .constraints import ConstraintSet
 from .errors import ConfigError
 from .rows import Row
 from .sampling import make_generator
-from .text_stream import Completion, RowText
+from .text_stream import Completion, RowText, row_end_token_ids
 
 if TYPE_CHECKING:  # api imports this module
     from .api import Decoder, PreparedRow
@@ -112,7 +113,8 @@ class TextBatch:
         text_rows = []
         for row, item in zip(rows, pending):
             text = RowText(self.decoder.tokenizer, item.prepared.stop,
-                           len(item.prepared.prompt_ids))
+                           len(item.prepared.prompt_ids),
+                           row_end_token_ids(item.prepared.constraints, 0))
             text_rows.append(TextRow(row, text, item.tag))
             self._rows[row.id] = text_rows[-1]
         return text_rows

@@ -21,7 +21,10 @@ import torch
 
 from .rows import Row
 from .sampling import greedy_tokens, to_probs
-from .verify import verify_rows
+from .seeded import race
+from .verify import PAD_TOKEN, verify_rows
+from .verify_block import verify_block_rows
+from .verify_checks import raise_out_of_range
 from .verify_greedy import verify_greedy_rows
 
 
@@ -76,27 +79,70 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
                  ) -> tuple[list[int], list[list[int]]]:
     """Each row's accepted count and output tokens (K+1 ints, PAD after its new token), row b
     verified on its first num_draft[b] draft tokens. draft_tokens [B, K]; draft_probs
-    [B, K, V] fp32, or None for a deterministic proposal; target_out from target_outputs."""
+    [B, K, V] fp32, or None for a deterministic proposal; target_out from target_outputs.
+
+    Three rules, one per kind of row: greedy rows keep draft tokens while they are the
+    target's argmax; keyed rows (seeded, sampled) while they are the target's race winner on
+    the row's clocks (seeded.py); the other sampled rows by rejection sampling, token-wise
+    (verify.py) or over the block (verify_block.py) as their config's ``verification`` asks,
+    with their own generators."""
     num_rows, width = draft_tokens.shape
     num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
     greedy, sampled = target_out["greedy"], target_out["sampled"]
+    draft_rows = draft_tokens.tolist()
     if greedy:
-        draft_rows = _take(draft_tokens, greedy).tolist()
         accepted, outputs = verify_greedy_rows(
-            [draft_rows[i][: num_draft[b]] for i, b in enumerate(greedy)],
+            [draft_rows[b][: num_draft[b]] for b in greedy],
             [tokens[: num_draft[b] + 1] for tokens, b in zip(target_out["greedy_tokens"],
                                                               greedy)], vocab_size)
         for b, n, tokens in zip(greedy, accepted, outputs):
             num_accepted[b], output_tokens[b] = n, tokens
-    if sampled:
-        accepted, outputs = verify_rows(
-            _take(draft_tokens, sampled), _take(draft_probs, sampled),
-            target_out["target_probs"], [rows[b].generator for b in sampled],
-            [num_draft[b] for b in sampled])
-        for b, n, tokens in zip(sampled, accepted, outputs):
+    target_probs = target_out.get("target_probs")  # [S, K+1, V], rows in `sampled` order
+    by_rule: dict[str, list[int]] = {}
+    for position, b in enumerate(sampled):
+        by_rule.setdefault(_rule(rows[b], draft_probs), []).append(position)
+    for position in by_rule.pop("keyed", []):
+        b = sampled[position]
+        n, tokens = _verify_keyed(rows[b], draft_rows[b][: num_draft[b]],
+                                  target_probs[position], vocab_size)
+        num_accepted[b], output_tokens[b] = n, tokens + [PAD_TOKEN] * (width - n)
+    for rule, positions in by_rule.items():
+        chosen = [sampled[position] for position in positions]
+        verify = verify_block_rows if rule == "block" else verify_rows
+        accepted, outputs = verify(
+            _take(draft_tokens, chosen), _take(draft_probs, chosen),
+            _take(target_probs, positions),
+            [rows[b].generator for b in chosen], [num_draft[b] for b in chosen])
+        for b, n, tokens in zip(chosen, accepted, outputs):
             num_accepted[b], output_tokens[b] = n, tokens
     assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
     return num_accepted, output_tokens
+
+
+def _rule(row: Row, draft_probs: torch.Tensor | None) -> str:
+    """A sampled row's verification rule: "keyed", "block" or "token". Block verification
+    needs the draft's distributions: a deterministic proposal stays on the token-wise rule,
+    where it is a point mass (block verification gains nothing there)."""
+    if row.keyed:
+        return "keyed"
+    return "block" if row.config.verification == "block" and draft_probs is not None else (
+        "token")
+
+
+def _verify_keyed(row: Row, drafted: list[int], target_probs: torch.Tensor,
+                  vocab_size: int) -> tuple[int, list[int]]:
+    """A keyed row: keep draft tokens while each is the target's race winner at its position
+    (seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
+    row's k_b draft tokens. Races run only up to the first mismatch. -> (num_accepted, the
+    accepted tokens and the next one)."""
+    for step, token in enumerate(drafted):
+        if not 0 <= token < vocab_size:
+            raise_out_of_range(drafted, vocab_size)
+        target_token = race(target_probs[step], row.clocks(step, vocab_size))
+        if target_token != token:
+            return step, drafted[:step] + [target_token]
+    step = len(drafted)
+    return step, drafted + [race(target_probs[step], row.clocks(step, vocab_size))]
 
 
 def _take(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ import torch
 
 from .adaptive import ThresholdPolicyConfig
 from .api import Decoder
-from .config import GenerationConfig, SamplingConfig
+from .config import BENCH_RULES, GenerationConfig, SamplingConfig
 from .diagnostics import theoretical_speedup
 from .engine import SpeculativeDecoder
 from .goodput import GoodputPolicyConfig
@@ -47,6 +47,7 @@ from .models.matmul import cpuinfo
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
+from .sampling import make_generator
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class BenchSettings:
     ngram_ks: tuple[int, ...] = (1, 2, 3)
     # n-gram lookup first, the draft model where there is no match (needs a draft model)
     hybrid_ks: tuple[int, ...] = (2, 3)
+    # how sampled rows of the fixed-k methods are verified (BENCH_RULES), the first unnamed:
+    # "verispec k=4" is the first rule, "verispec k=4 token" another, in the same run
+    rules: tuple[str, ...] = ("block",)
 
 
 @dataclass
@@ -136,14 +140,21 @@ def _llama_server_method(name: str, server, k: int | None, settings: BenchSettin
 
 def _verispec_method(decoder: Decoder, name: str, kind: str, k: int, speculative: bool,
                      settings: BenchSettings, temperature: float,
-                     adaptive=None, engine: SpeculativeDecoder | None = None) -> _Method:
+                     adaptive=None, engine: SpeculativeDecoder | None = None,
+                     rule: str = BENCH_RULES[0]) -> _Method:
+    """``rule``: one of BENCH_RULES; unseeded rows draw from a generator seeded per prompt, so
+    a run is reproducible under any rule."""
     engine = decoder.engine if engine is None else engine
 
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], GenerationMetrics]:
+        keyed = rule == "seeded"
         config = GenerationConfig(
             max_new_tokens=settings.max_new_tokens, num_draft_tokens=k,
-            sampling=SamplingConfig(temperature=temperature), seed=seed, adaptive=adaptive)
-        result = engine.generate([prompt_ids], config, speculative=speculative)
+            sampling=SamplingConfig(temperature=temperature), seed=seed if keyed else None,
+            adaptive=adaptive, verification="token" if rule == "token" else "block")
+        generator = None if keyed else make_generator(seed, decoder.target.device)
+        result = engine.generate([prompt_ids], config, speculative=speculative,
+                                 generator=generator)
         return result.token_ids[0], result.metrics
 
     return _Method(name, kind, k if speculative else None, run)
@@ -207,9 +218,12 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float,
         for k in settings.hf_ks:
             methods.append(_hf_method(decoder, f"hf assisted k={k}", k, True, True, settings,
                                       temperature))
+    rules = settings.rules if temperature > 0 else settings.rules[:1]  # greedy: one rule
     for k in settings.ks:
-        methods.append(_verispec_method(decoder, f"verispec k={k}", "verispec", k, True,
-                                        settings, temperature))
+        for rule in rules:
+            name = f"verispec k={k}" + ("" if rule == rules[0] else f" {rule}")
+            methods.append(_verispec_method(decoder, name, "verispec", k, True, settings,
+                                            temperature, rule=rule))
     if settings.ngram_ks:
         ngram = SpeculativeDecoder(decoder.target,
                                    NgramProposer(decoder.target.vocab_size, NgramDraft()))

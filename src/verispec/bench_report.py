@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import MAX_NUM_DRAFT_TOKENS, SamplingConfig, check_text
+from .config import BENCH_RULES, MAX_NUM_DRAFT_TOKENS, SamplingConfig, check_text
 from .errors import ConfigError, UnsupportedFeatureError
 
 if TYPE_CHECKING:  # the measuring side pulls in torch and transformers: imported when run
@@ -51,6 +51,11 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
     bench.add_argument("--hybrid-ks", type=int, nargs="*", default=[2, 3], metavar="K",
                        help="k values for hybrid drafting (n-gram lookup first, the draft model "
                        "where there is no match); none to skip")
+    bench.add_argument("--rules", nargs="+", choices=BENCH_RULES, default=[BENCH_RULES[0]],
+                       help="how sampled rows of the fixed-k methods are verified, each a method "
+                       "of its own in the same interleaved run: block or token verification "
+                       "(unseeded rows), seeded (rows with a seed: races on keyed clocks) "
+                       f"(default: {BENCH_RULES[0]})")
     bench.add_argument("--seed", type=int, default=0, metavar="S")
     bench.add_argument("--json", metavar="FILE", help="write all results as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="speedup versus k, with the theory")
@@ -176,7 +181,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              # transformers' generate() needs a transformers model
                              include_hf=not args.no_hf and not on_llama_cpp,
                              include_adaptive=not args.no_adaptive,
-                             ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks))
+                             ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks),
+                             rules=tuple(dict.fromkeys(args.rules)))
     console = Console(stderr=True)
     env = environment(decoder.target.device)
     # the projections' kernel of verispec's target (models/matmul.py); transformers' own

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .config import POLICY_NAMES, named_policy
+from .config import POLICY_NAMES, VERIFICATION_RULES, named_policy
 from .errors import VerispecError
 
 EXIT_USAGE = 2
@@ -94,9 +94,15 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           help="plain target decoding through the same code path")
     sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
                           help="adapt k between rounds, starting at --k: 'goodput' measures "
-                          "which depth is fastest here (so sampled tokens vary with timings even "
-                          "with --seed), 'goodput-plain' may also choose plain rounds (k = 0), "
-                          "'threshold' follows acceptance")
+                          "which depth is fastest here, 'goodput-plain' may also choose plain "
+                          "rounds (k = 0), 'threshold' follows acceptance")
+    sampling.add_argument("--verification", choices=VERIFICATION_RULES,
+                          default=VERIFICATION_RULES[0],
+                          help="how an unseeded sampled request tests a draft model's tokens: "
+                          "'block' (block verification: exact, keeps at least as many tokens a "
+                          "round) or 'token' (token-wise rejection sampling); a seeded request "
+                          "keeps draft tokens while they are the target's own samples (default: "
+                          f"{VERIFICATION_RULES[0]})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--compare", action="store_true",
                           help=f"then time speculative and plain decoding of the same prompt "
                           f"{COMPARE_REPEATS} times each, interleaved, and report the median "
-                          "speedup and its range (and, at temperature 0, whether the tokens "
-                          "are identical)")
+                          "speedup and its range (and, at temperature 0 or with --seed, "
+                          "whether the tokens are identical)")
     generate.set_defaults(handler=_generate)
     export = commands.add_parser(
         "export-gguf", help="write a Llama checkpoint as a .gguf file (for the llama.cpp backend)",
@@ -210,7 +216,7 @@ def _generate(args: argparse.Namespace) -> int:
                           "--no-draft.")
     decoder = load(args.target, NgramDraft() if args.ngram else args.draft, device=args.device,
                    dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
-                   adaptive=named_policy(args.adaptive),
+                   adaptive=named_policy(args.adaptive), verification=args.verification,
                    hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args))
     stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -252,8 +258,8 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
     order alternates pair by pair, so drift on a busy machine lands on both alike; the streamed
     run before warmed both up). Same settings and seed. The speedup is the median of the
     pairs' ratios, with their range: one pair alone moves by 10-20% on a shared CPU. Tokens are
-    compared at temperature 0 only, where they must be identical (sampled runs draw different,
-    equally distributed tokens)."""
+    compared at temperature 0 and with a seed, where they must be identical (unseeded sampled
+    runs draw different, equally distributed tokens)."""
     import statistics
     import time
 
@@ -280,7 +286,7 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
             "speedup_range": [min(ratios), max(ratios)] if ratios else None,
             "repeats": COMPARE_REPEATS,
             "same_tokens": (all(ids == tokens[False][0] for ids in tokens[True] + tokens[False])
-                            if args.temperature == 0 else None)}
+                            if args.temperature == 0 or args.seed is not None else None)}
 
 
 def _export_gguf(args: argparse.Namespace) -> int:

@@ -123,6 +123,11 @@ class GenerationConfig:
     adaptive: an adaptive-depth policy config (ThresholdPolicyConfig, GoodputPolicyConfig) or None.
     cost_ratio: c = time of one draft step / time of one target step, for the modelled speedup;
         None uses the ratio measured during the generation.
+    verification: how an unseeded sampled row tests a draft model's tokens: "block" (block
+        verification, Sun et al. 2025: exact, and accepts at least as many tokens a round) or
+        "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
+        (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a
+        draft token while it is the target's own sample at its position (seeded.py).
     """
 
     max_new_tokens: int = 64
@@ -133,6 +138,7 @@ class GenerationConfig:
     seed: int | None = None
     adaptive: AdaptivePolicyConfig | None = None
     cost_ratio: float | None = None
+    verification: str = "block"
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
@@ -157,6 +163,20 @@ class GenerationConfig:
         if self.cost_ratio is not None:
             _require(_is_real(self.cost_ratio) and 0 < self.cost_ratio < math.inf, "cost_ratio",
                      self.cost_ratio, "a finite number > 0 (draft step time / target step time)")
+        check_verification(self.verification)
+
+
+VERIFICATION_RULES = ("block", "token")  # the first is the default
+# the rules a sampled `verispec bench` row can run under: block and token verification of
+# unseeded rows (their generator seeded by the bench), and "seeded": a row with a seed, whose
+# tokens are races on keyed clocks (seeded.py), which couples the draft to the target instead
+BENCH_RULES = VERIFICATION_RULES + ("seeded",)
+
+
+def check_verification(verification: object) -> None:
+    """One of VERIFICATION_RULES, else ConfigError naming them."""
+    _require(verification in VERIFICATION_RULES, "verification", verification,
+             " or ".join(repr(rule) for rule in VERIFICATION_RULES))
 
 
 # the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)

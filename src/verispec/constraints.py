@@ -28,7 +28,8 @@ One round with this module (see engine.DecodingRun._round):
     constraints.commit(num_accepted, next_tokens)
 
 A row without a grammar allows every token. A row whose grammar has finished allows only its
-stop tokens (the engine stops it at the first one).
+stop tokens: the engine stops it at the first one, or under ignore_eos (no stop tokens for the
+engine) its text does (ConstraintSet.end_token_ids).
 """
 
 from __future__ import annotations
@@ -187,6 +188,15 @@ class ConstraintSet:
     @property
     def active(self) -> bool:
         return any(m is not None for m in self.matchers)
+
+    def end_token_ids(self, row: int) -> frozenset[int]:
+        """The tokens that end a row's output: its grammar's end-of-generation tokens (allowed
+        only where the grammar accepts; once it is complete, nothing else is), none for a free
+        row. Under ignore_eos the engine does not stop at them, so the text ends there
+        (text_stream.RowText) rather than run to max_new_tokens on end tokens."""
+        if self.matchers[row] is None:
+            return frozenset()
+        return frozenset(self.index.stop_token_ids)
 
     def add_rows(self, other: ConstraintSet | None, num_rows: int) -> None:
         """Rows joining the batch between rounds: ``other``'s rows (a set over the same

@@ -82,15 +82,17 @@ class SpeculativeDecoder:
         return cls(target, DraftModelProposer(draft))
 
     def stream(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-               speculative: bool = True, constraints: ConstraintSet | None = None
-               ) -> DecodingRun:
+               speculative: bool = True, constraints: ConstraintSet | None = None,
+               generator: torch.Generator | None = None) -> DecodingRun:
         """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow.
-        ``constraints``: a grammar per row (constraints.py), applied to draft and target alike."""
+        ``constraints``: a grammar per row (constraints.py), applied to draft and target alike.
+        ``generator``: what an unseeded run's rows draw from (rejection sampling; default: one
+        seeded by the OS); a run with ``config.seed`` races on keyed clocks instead."""
         if not isinstance(config, GenerationConfig):
             raise ConfigError(f"config={config!r:.60} is invalid: expected a verispec."
                               "GenerationConfig, e.g. GenerationConfig(max_new_tokens=32).")
         return DecodingRun(self, check_prompts(prompts, self.target.vocab_size), config,
-                           speculative and self.proposer is not None, constraints)
+                           speculative and self.proposer is not None, constraints, generator)
 
     def batch(self, speculative: bool = True, policy: AdaptivePolicyConfig | None = None,
               initial_num_draft_tokens: int = 1, cost_ratio: float | None = None) -> Batch:
@@ -101,9 +103,9 @@ class SpeculativeDecoder:
                      initial_num_draft_tokens, self.carried_policies, cost_ratio)
 
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                 speculative: bool = True, constraints: ConstraintSet | None = None
-                 ) -> GenerationResult:
-        run = self.stream(prompts, config, speculative, constraints)
+                 speculative: bool = True, constraints: ConstraintSet | None = None,
+                 generator: torch.Generator | None = None) -> GenerationResult:
+        run = self.stream(prompts, config, speculative, constraints, generator)
         for _ in run:
             pass
         return run.result()
@@ -111,19 +113,23 @@ class SpeculativeDecoder:
 
 class DecodingRun:
     """One generation of a fixed batch under one config. Iterate it for :class:`Chunk` s (one
-    per round); read ``result()`` at the end. Every row draws from one generator seeded by
-    ``config.seed``: the seed fixes the whole batch's tokens (rows joined one by one to a
-    :class:`verispec.batch.Batch`, each with a generator of its own, are fixed row by row)."""
+    per round); read ``result()`` at the end. ``config.seed`` fixes the whole batch's tokens:
+    sampled row i races on the clocks of (seed, lane i) (seeded.py), so its text does not
+    depend on k, the proposer or the other rows; a greedy batch draws nothing, and without a
+    seed every row draws from one generator seeded by the OS."""
 
     def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]],
                  config: GenerationConfig, speculative: bool,
-                 constraints: ConstraintSet | None = None) -> None:
+                 constraints: ConstraintSet | None = None,
+                 generator: torch.Generator | None = None) -> None:
         self.config = config
         self.batch = decoder.batch(speculative, config.adaptive, config.num_draft_tokens,
                                    config.cost_ratio)
-        generator = make_generator(config.seed, decoder.target.device)
+        if generator is None:
+            generator = make_generator(config.seed, decoder.target.device)
         self.rows = self.batch.add(prompts, [config] * len(prompts),
-                                   [generator] * len(prompts), constraints)
+                                   [generator] * len(prompts), constraints,
+                                   lanes=range(len(prompts)))
         self.token_ids = [row.token_ids for row in self.rows]  # grow as rounds emit
         self._position = {row.id: index for index, row in enumerate(self.rows)}
 

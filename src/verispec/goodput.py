@@ -76,11 +76,6 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
             raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
                               ">= 0 (0 never probes).")
 
-    @property
-    def reproducible(self) -> bool:
-        """Measured costs are wall-clock timings: k then depends on the machine's load."""
-        return super().reproducible and self.cost_ratio is not None
-
     def build(self, initial_num_draft_tokens: int,
               previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
         if previous is not None:

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from .adaptive import AdaptivePolicyConfig
 from .api import BACKENDS, Decoder, hybrid_lookup
-from .config import GenerationConfig
+from .config import VERIFICATION_RULES, GenerationConfig, check_verification
 from .errors import ConfigError
 from .models import llama_cpp
 from .models.llama_cpp import LlamaCppConfig, LlamaCppModel
@@ -39,7 +39,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
          num_draft_tokens: int | None = None, tokenizer: str | Path | None = None,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
          hybrid: bool | NgramDraft = False,
-         llama_cpp_config: LlamaCppConfig | None = None) -> Decoder:
+         llama_cpp_config: LlamaCppConfig | None = None,
+         verification: str = VERIFICATION_RULES[0]) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
@@ -65,9 +66,11 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     (with MKL on Intel verifying 4 or more tokens costs 1.6 plain steps and up). ``adaptive``: the
     default depth policy of every generation (GoodputPolicyConfig() measures which k is fastest
     on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
-    None: a fixed k.
+    None: a fixed k. ``verification``: the default rule of unseeded sampled rows with a draft
+    model, "block" or "token" (GenerationConfig.verification); a call may override it.
     """
     hybrid_lookup(hybrid, draft, target)  # checked before anything loads
+    check_verification(verification)
     if target is None and (draft is None or isinstance(draft, NgramDraft)):
         from .demo import demo_pair  # the shipped assets; imported only when used
 
@@ -93,7 +96,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
         if isinstance(draft_model, LlamaCppModel):
             check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
         return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                       adaptive, hybrid, llama_cpp_config)
+                       adaptive, hybrid, llama_cpp_config, verification)
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
     target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
     draft_model = draft if isinstance(draft, NgramDraft) else None
@@ -102,7 +105,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
     return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                   adaptive, hybrid)
+                   adaptive, hybrid, verification=verification)
 
 
 def _runs_on_llama_cpp(backend: str, target: object, draft: object,

@@ -10,10 +10,12 @@ torch.Generator, and leave it when they finish or are removed. What this is not:
 from __future__ import annotations
 
 import itertools
+
 import torch
 
 from .config import GenerationConfig
 from .metrics import GenerationMetrics, MetricsRecorder
+from .seeded import RaceClocks, stream_key
 
 _ids = itertools.count()
 
@@ -24,17 +26,23 @@ class Row:
     ("cancelled"); ``metrics``: the rounds it took part in.
 
     ``follows_policy``: its depth is the batch's adaptive policy's choice each round; else it
-    is its config's num_draft_tokens. A seeded sampled row keeps a fixed k under a policy that
-    picks k from timings: its random numbers, and so its tokens, would otherwise depend on the
-    machine's load and on the other rows."""
+    is its config's num_draft_tokens.
+
+    A seeded sampled row (``keyed``) draws each token from the clocks of its position
+    (seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
+    seed and settings whatever k, proposer, depth policy or batch mates. Other sampled rows
+    draw from ``generator`` (rejection sampling)."""
 
     def __init__(self, prompt: list[int], config: GenerationConfig, generator: torch.Generator,
-                 follows_policy: bool) -> None:
+                 follows_policy: bool, lane: int = 0) -> None:
         self.id = next(_ids)
         self.prompt = prompt
         self.config = config
         self.generator = generator
         self.follows_policy = follows_policy
+        keyed = config.seed is not None and not config.sampling.is_greedy
+        self.key = stream_key(config.seed, lane) if keyed else None
+        self._clocks: dict[int, RaceClocks] = {}  # position -> its clocks, until emitted
         self.stop_ids = frozenset(config.stop_token_ids)
         self.token_ids: list[int] = []
         self.num_generated = 0
@@ -49,6 +57,21 @@ class Row:
     @property
     def is_greedy(self) -> bool:
         return self.config.sampling.is_greedy
+
+    @property
+    def keyed(self) -> bool:
+        """Whether its tokens are races on position-keyed clocks (a seeded sampled row)."""
+        return self.key is not None
+
+    def clocks(self, step: int, vocab_size: int) -> RaceClocks:
+        """The clocks of this round's position ``step`` (new token num_generated + step),
+        drawn once and shared by the draft's race and the target's."""
+        assert self.key is not None
+        position = self.num_generated + step
+        clocks = self._clocks.get(position)
+        if clocks is None:
+            clocks = self._clocks[position] = RaceClocks(self.key, position, vocab_size)
+        return clocks
 
     def num_draft_tokens(self, policy_k: int | None) -> int:
         """This round's k: the policy's (or its fixed) depth, never drafting past
@@ -74,6 +97,8 @@ class Row:
                 break
         self.num_generated += len(new)
         self.token_ids.extend(new)
+        for position in [p for p in self._clocks if p < self.num_generated]:
+            del self._clocks[position]
         if self.finish_reason is None and self.num_generated >= self.config.max_new_tokens:
             self.finish_reason = "length"
         self.finished = self.finish_reason is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .constraints import ConstraintSet
 from .detokenize import IncrementalDetokenizer
 from .engine import DecodingRun
 from .errors import ConfigError
@@ -46,25 +47,40 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return stops
 
 
+def row_end_token_ids(constraints: ConstraintSet | None, row: int) -> frozenset[int]:
+    """The tokens that end a row's text (ConstraintSet.end_token_ids; none without a grammar)."""
+    return frozenset() if constraints is None else constraints.end_token_ids(row)
+
+
 class RowText:
     """One row's text: its token chunks in, text deltas out, never splitting a multi-byte
     character and never showing text that may turn out to be the start of a stop string. Each
     chunk is detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole
     output. Used by :class:`TextStream` (one row of a run) and by batched text
-    (batch_text.py, one per row)."""
+    (batch_text.py, one per row).
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], num_prompt_tokens: int) -> None:
+    ``end_token_ids``: tokens after which the text is complete even where the engine goes on
+    (a grammar's end tokens under ignore_eos: ConstraintSet.end_token_ids); the first one is
+    kept in token_ids, as the engine keeps a stop token, and nothing after it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], num_prompt_tokens: int,
+                 end_token_ids: frozenset[int] = frozenset()) -> None:
         self.stop = stop
         self.num_prompt_tokens = num_prompt_tokens
+        self.end_token_ids = end_token_ids
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self.token_ids = self._detokenizer.token_ids  # the new tokens so far
         self.text = ""  # their text so far: what was emitted, plus held-back text
         self._emitted = 0  # characters of text already given out
         self.stopped_by_string = False
+        self.stopped_by_token = False  # an end token came
 
     def feed(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """A round's new tokens (``final``: the row has ended) -> (the text now safe to show,
-        whether the text is complete: the row ended or a stop string was found)."""
+        whether the text is complete: the row ended, an end token came or a stop string was
+        found)."""
+        token_ids = self._cut_after_end_token(token_ids)
+        final = final or self.stopped_by_token
         # at the end, partial bytes of a character are decoded too (as U+FFFD)
         self.text += self._detokenizer.add(token_ids, final=final)
         cut = self._find_stop(self.text)
@@ -77,12 +93,21 @@ class RowText:
 
     def completion(self, finish_reason: str, metrics: GenerationMetrics) -> Completion:
         """The finished text's Completion (finish_reason: the engine's, "stop" or "length";
-        a stop string makes it "stop")."""
+        a stop string or an end token makes it "stop")."""
         token_ids = list(self.token_ids)
         if self.stopped_by_string:  # the tokens after the stop string's start were not shown
             token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
-        reason = "stop" if self.stopped_by_string else finish_reason
+        reason = "stop" if self.stopped_by_string or self.stopped_by_token else finish_reason
         return Completion(self.text, token_ids, reason, metrics, self.num_prompt_tokens)
+
+    def _cut_after_end_token(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """A round's tokens up to and including the first end token (a speculative round may
+        verify several end tokens in a row: plain decoding would have stopped at the first)."""
+        for i, token in enumerate(token_ids):
+            if token in self.end_token_ids:
+                self.stopped_by_token = True
+                return token_ids[: i + 1]
+        return token_ids
 
     def _tokens_covering(self, token_ids: list[int], text: str) -> int:
         """The fewest leading tokens whose decode starts with ``text`` (a round may verify
@@ -101,9 +126,15 @@ class RowText:
         return low
 
     def _find_stop(self, text: str) -> int | None:
+        """Where the text is cut: the start of the stop string that completes first (the
+        earliest end; at one end, the longest). Token-by-token decoding cuts there, so the cut
+        depends on the text alone, never on how many tokens a round delivered: with stops
+        ["\\n\\nUser:", "User"] the text "hello\\n\\nUser: hi" is cut to "hello\\n\\n" (the
+        earliest start would give "hello" only when one round holds both). Every match ends
+        in the text added since the last search: an earlier one would have cut it then."""
         start = max(0, self._emitted - max((len(s) for s in self.stop), default=0))
-        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(found) if found else None
+        found = [(i + len(s), i) for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(found)[1] if found else None
 
     def _held_back(self, text: str) -> int:
         """Trailing characters not safe to show yet: a suffix that starts a stop string. (Text
@@ -119,13 +150,15 @@ class RowText:
 
 class TextStream:
     """Text deltas of one row of a :class:`DecodingRun` (a one-prompt generation), through
-    :class:`RowText`; ``.completion`` is set when the text is complete."""
+    :class:`RowText`; ``.completion`` is set when the text is complete (the run is then
+    dropped: a grammar's end token under ignore_eos ends it early, as a stop string does)."""
 
     def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
                  num_prompt_tokens: int) -> None:
         self.run = run
         self.num_prompt_tokens = num_prompt_tokens
-        self._text = RowText(tokenizer, stop, num_prompt_tokens)
+        self._text = RowText(tokenizer, stop, num_prompt_tokens,
+                             row_end_token_ids(run.batch.constraints, 0))
         self.token_ids = self._text.token_ids  # the new tokens so far
         self.completion: Completion | None = None
 

@@ -4,17 +4,18 @@ Legend: B batch, K draft tokens (max over rows), V vocabulary.
 
 Each check raises a typed error naming the argument, what was expected and what came:
 ShapeError for shapes, ragged lengths and devices, NonFiniteError for NaN/inf probabilities,
-TokenOutOfRangeError for a draft token outside the vocabulary, ConfigError for a generator that
-is not a torch.Generator. Not here: the math.
+InputError for negative ones, TokenOutOfRangeError for a draft or stop token outside the
+vocabulary, ConfigError for a generator that is not a torch.Generator. Not here: the math.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from .errors import ConfigError, NonFiniteError, ShapeError, TokenOutOfRangeError
+from .errors import ConfigError, InputError, NonFiniteError, ShapeError, TokenOutOfRangeError
 
 
 def check_verify_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -50,7 +51,7 @@ def check_draft_tokens(draft_tokens: torch.Tensor) -> tuple[int, int]:
 def check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                   target_probs: torch.Tensor, num_draft_tokens: torch.Tensor | None
                   ) -> list[int]:
-    """Validate shapes and finiteness; return num_draft, each row's number of proposed tokens
+    """Validate shapes and values; return num_draft, each row's number of proposed tokens
     (see :func:`check_num_draft`). The token range is checked by each verification path."""
     batch_size, max_k = draft_tokens.shape
     if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (batch_size, max_k + 1):
@@ -69,10 +70,22 @@ def check_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                          "vocabulary.")
     num_draft = check_num_draft(draft_tokens, num_draft_tokens)
     for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
-        if probs is not None and not math.isfinite(float(probs.sum())):  # NaN/inf -> sum not finite
-            raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
-                                 "from verispec.sampling.to_probs.")
+        if probs is not None and probs.numel():
+            check_probs_values(name, probs)
     return num_draft
+
+
+def check_probs_values(name: str, probs: torch.Tensor) -> None:
+    """No NaN or inf (NonFiniteError) and no negative entry (InputError): rejection sampling
+    would sample from them. One reduction and one host sync: the min and max in one pass (a
+    NaN makes both NaN, an inf reaches one of them)."""
+    low, high = torch.stack(list(torch.aminmax(probs))).tolist()
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
+                             "from verispec.sampling.to_probs.")
+    if low < 0:
+        raise InputError(f"{name} holds a negative entry ({low:g}); expected probabilities "
+                         "in [0, 1], e.g. from verispec.sampling.to_probs.")
 
 
 def check_num_draft(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
@@ -104,6 +117,16 @@ def check_token_range(draft_tokens: torch.Tensor, valid: torch.Tensor, vocab_siz
     out_of_range = valid & ((draft_tokens < 0) | (draft_tokens >= vocab_size))
     if bool(out_of_range.any()):
         raise_out_of_range(draft_tokens[out_of_range].tolist(), vocab_size)
+
+
+def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Every stop token id is in [0, V): min_new_tokens masks them in the target's logits, and
+    an id the model cannot emit could never end a row. Checked as a row joins the batch."""
+    bad = next((token for token in stop_token_ids if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise TokenOutOfRangeError(
+            f"stop_token_ids={tuple(stop_token_ids)} holds {bad}, outside the vocabulary "
+            f"[0, {vocab_size}); pass ids of this model's tokenizer (e.g. its eos_token_id).")
 
 
 def raise_out_of_range(tokens: list[int], vocab_size: int) -> None:

@@ -50,10 +50,12 @@ class LMSession(Protocol):
 @runtime_checkable
 class LanguageModel(Protocol):
     """A causal LM that can open sessions. ``vocab_size`` is the width V of its logits;
-    ``device`` is where its logits live (the engine's generator is created there)."""
+    ``device`` is where its logits live (the engine's generator is created there);
+    ``max_positions``: the longest sequence a row may reach (None: no limit)."""
 
     vocab_size: int
     device: torch.device
+    max_positions: int | None
 
     def new_session(self) -> LMSession:
         ...

@@ -114,6 +114,7 @@ class _FixtureLM:
         self.order = order
         self.vocab_size = table.shape[-1]
         self.device = torch.device("cpu")
+        self.max_positions: int | None = None  # a table has no window
 
     def new_session(self) -> _HistorySession:
         return _HistorySession(self)

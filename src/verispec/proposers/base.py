@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingConfig
+from ..seeded import RaceClocks
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,16 @@ class DraftPlan:
 
     num_draft_tokens: B ints >= 0, at least one >= 1 (a row past its k_b drafts padding that
     is not verified, and draws nothing); samplings, generators: one per row.
+    keyed: per row, None or its position-keyed clocks (a seeded sampled row, seeded.py): a
+    sampling draft then draws each of the row's tokens by a race on the clocks of its position
+    instead of from the generator (the row is verified by comparison with the target's race
+    winner, so the draft's probs are not used for it). None: no keyed rows.
     """
 
     num_draft_tokens: list[int]
     samplings: list[SamplingConfig]
     generators: list[torch.Generator]
+    keyed: list[KeyedClocks | None] | None = None
 
     @classmethod
     def uniform(cls, num_rows: int, num_draft_tokens: int, sampling: SamplingConfig,
@@ -55,6 +61,14 @@ class DraftPlan:
     @property
     def num_steps(self) -> int:
         return max(self.num_draft_tokens)
+
+
+class KeyedClocks(Protocol):
+    """A seeded row's clocks by round step (rows.Row): step j is its new token
+    num_generated + j."""
+
+    def clocks(self, step: int, vocab_size: int) -> RaceClocks:
+        """The clocks of the row's position ``step`` of this round."""
 
 
 class RoundConstraint(Protocol):
@@ -104,10 +118,13 @@ class ProposerSession(Protocol):
 class Proposer(Protocol):
     """Opens a :class:`ProposerSession` per generation. ``vocab_size`` must equal the target's;
     ``device``, where draft_probs live, must be the target's (None: a proposer with no model,
-    whose proposals carry no probs; it may leave the attribute out)."""
+    whose proposals carry no probs; it may leave the attribute out). ``max_positions``: the
+    longest sequence its model takes (None: no limit, or no model); a round drafts no deeper
+    than every row's room in it and the target's."""
 
     vocab_size: int
     device: torch.device | None
+    max_positions: int | None
 
     def start(self, prompts: Sequence[Sequence[int]]) -> ProposerSession:
         """A session over these rows' committed sequences (each >= 1 token; [] for none yet)."""

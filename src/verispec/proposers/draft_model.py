@@ -29,7 +29,8 @@ import torch
 from ..config import SamplingConfig
 from ..models.base import LanguageModel, LMSession, as_ints
 from ..sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
-from .base import DraftPlan, Proposal, RoundConstraint
+from ..seeded import race
+from .base import DraftPlan, KeyedClocks, Proposal, RoundConstraint
 
 
 class DraftModelProposer:
@@ -39,6 +40,7 @@ class DraftModelProposer:
         self.model = model
         self.vocab_size = model.vocab_size
         self.device = model.device  # where draft_probs live
+        self.max_positions = model.max_positions
 
     def start(self, prompts: Sequence[Sequence[int]]) -> DraftModelSession:
         return DraftModelSession(self.model.new_session(), prompts)
@@ -93,12 +95,18 @@ class DraftModelSession:
         # the round's uniforms, each generator group in one draw (sampling.draw_step_uniforms)
         sampled = [0 if sampling.is_greedy else k
                    for sampling, k in zip(plan.samplings, plan.num_draft_tokens)]
-        uniforms = draw_step_uniforms(plan.generators, sampled)
+        keyed = plan.keyed or [None] * len(sampled)
+        uniforms = draw_step_uniforms(
+            plan.generators, [0 if clocks is not None else k for clocks, k in zip(keyed, sampled)])
+        uniforms = [[0.0] * k if clocks is not None else drawn  # a keyed row races instead
+                    for clocks, k, drawn in zip(keyed, sampled, uniforms)]
         draft_tokens, draft_probs = [], []
         for step in range(num_steps):
             logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
             allowed = None if constraint is None else constraint.allowed()  # [B, V] or None
             token, probs = _draw_step(logits, allowed, step, plan.samplings, sampled, uniforms)
+            if plan.keyed is not None:
+                token = _race_keyed(token, probs, step, keyed, sampled)
             if constraint is not None:
                 constraint.advance(token.tolist())
             draft_tokens.append(token)
@@ -145,6 +153,22 @@ class DraftModelSession:
             self.session.rewind([max(num_draft_tokens - 1 - n, 0) for n in num_accepted])
             self.unfed = [[token] if n < num_draft_tokens else [drafted[-1], token]
                           for drafted, n, token in zip(proposal, num_accepted, next_tokens)]
+
+
+def _race_keyed(tokens: torch.Tensor, probs: torch.Tensor | None, step: int,
+                keyed: Sequence[KeyedClocks | None], sampled: Sequence[int]) -> torch.Tensor:
+    """tokens [B] with each keyed row that samples at this step redrawn by a race of its
+    probs [B, V] on its position's clocks (seeded.race): the draft's token is then coupled to
+    the target's race winner there, which verification compares it with."""
+    rows = [row for row, (clocks, count) in enumerate(zip(keyed, sampled))
+            if clocks is not None and count > step]
+    if not rows:
+        return tokens
+    assert probs is not None
+    tokens = tokens.clone()
+    for row in rows:
+        tokens[row] = race(probs[row], keyed[row].clocks(step, probs.shape[-1]))
+    return tokens
 
 
 def _draw_step(logits: torch.Tensor, allowed: torch.Tensor | None, step: int,

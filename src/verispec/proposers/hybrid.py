@@ -45,6 +45,7 @@ class HybridProposer:
         self.config = config
         self.vocab_size = draft.vocab_size
         self.device = draft.device
+        self.max_positions = draft.max_positions
 
     def start(self, prompts: Sequence[Sequence[int]]) -> HybridSession:
         return HybridSession(self.draft.start(prompts), NgramSession(prompts, self.config))

@@ -56,6 +56,7 @@ class NgramProposer:
     def __init__(self, vocab_size: int, config: NgramDraft = NgramDraft()) -> None:
         self.vocab_size = vocab_size
         self.device = None  # no model: host tokens, no probs
+        self.max_positions = None  # no model, no window
         self.config = config
 
     def start(self, prompts: Sequence[Sequence[int]]) -> NgramSession:

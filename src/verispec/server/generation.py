@@ -70,14 +70,9 @@ class GenerationService:
                                               self.worker.fail_all, error)
 
     def depth_policy(self, params: GenerationParams) -> str | None:
-        """The adaptive policy a request runs under: None for a fixed k. A seeded sampled
-        request runs at a fixed k when the policy picks depths from timings (goodput's measured
-        costs) or from earlier requests (carry-over): those would change which random numbers
-        its tokens use, and the seed would not fix its output."""
-        policy = self.decoder.adaptive
-        if not self.speculative or policy is None:
-            return None
-        if params.seed is not None and params.temperature > 0 and not policy.reproducible:
+        """The adaptive policy a request runs under: None for a fixed k. A seeded request
+        follows it like any other: its text does not depend on the depths (seeded.py)."""
+        if not self.speculative or self.decoder.adaptive is None:
             return None
         return self.settings.depth_policy
 

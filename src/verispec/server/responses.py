@@ -16,9 +16,8 @@ prompt, as OpenAI counts them), and in a stream each choice's finishing chunk ca
 choice's ``speculation``.
 
 num_draft_tokens is the k the request ran with (0 for plain decoding), or where its policy
-started; depth_policy is "fixed", or the --adaptive policy that moved k between rounds ("fixed"
-for a seeded sampled request when that policy picks depths from timings or earlier requests,
-which would change its tokens); mean_accepted_length is the tokens produced per target call
+started; depth_policy is "fixed", or the --adaptive policy that moved k between rounds (a
+seeded request's text does not depend on it); mean_accepted_length is the tokens produced per target call
 (see verispec.metrics).
 """
 

@@ -36,7 +36,7 @@ def load_decoder(settings: ServerSettings):
     draft = NgramDraft() if settings.ngram else None if settings.no_draft else draft
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
-                adaptive=adaptive_policy(settings),
+                adaptive=adaptive_policy(settings), verification=settings.verification,
                 hybrid=settings.hybrid, backend=settings.backend,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
                                                 context_size=settings.context_size))

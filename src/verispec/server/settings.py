@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from os import PathLike
 
-from ..config import MAX_NUM_DRAFT_TOKENS, POLICY_NAMES
+from ..config import MAX_NUM_DRAFT_TOKENS, POLICY_NAMES, VERIFICATION_RULES
 from ..errors import ConfigError
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
@@ -88,15 +88,17 @@ class ServerSettings:
                                     "size, goodput-plain may also choose plain rounds (k = 0), "
                                     "threshold follows acceptance, fixed keeps --k (default: "
                                     "goodput-plain with a draft: a fixed k that pays for one "
-                                    "client costs throughput under load). A sampled request with "
-                                    "a seed runs at the fixed --k under goodput (its "
-                                    "timing-chosen depths would change the tokens; the reply's "
-                                    "speculation.depth_policy says 'fixed')",
+                                    "client costs throughput under load). No policy changes "
+                                    "what a seed gives: a seeded request's text is the same at "
+                                    "any depth",
                                     choices=POLICY_NAMES + ("fixed",), value_type=str)
+    verification: str = _setting(VERIFICATION_RULES[0], "how an unseeded sampled request tests "
+                                 "a draft model's tokens: block (block verification) or token "
+                                 "(token-wise rejection sampling); both exact",
+                                 choices=VERIFICATION_RULES, value_type=str)
     carry_over: bool = _setting(False, "with --adaptive: each request starts from the depth "
                                 "estimates the previous requests left (same sampling settings) "
-                                "instead of from priors; a seeded sampled request's tokens then "
-                                "depend on earlier requests")
+                                "instead of from priors")
     threads: int | None = _setting(None, "torch intra-op threads of the server process, and "
                                    "llama.cpp's decoding threads (default: one per core)",
                                    metavar="N", value_type=int)
@@ -173,6 +175,8 @@ class ServerSettings:
                self.adaptive, f"one of {', '.join(POLICY_NAMES)} or fixed")
         _check(not (self.adaptive not in (None, "fixed") and self.no_draft), "adaptive",
                self.adaptive, "no --adaptive with --no-draft (there is no draft depth to adapt)")
+        _check(self.verification in VERIFICATION_RULES, "verification", self.verification,
+               " or ".join(VERIFICATION_RULES))
         _check(not self.carry_over or self.depth_policy is not None, "carry_over",
                self.carry_over, "--carry-over only with an adaptive depth (a fixed k has nothing "
                "to carry over)")
@@ -233,7 +237,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "device", "dtype",
                            "backend", "context_size", "num_draft_tokens", "adaptive",
-                           "carry_over", "threads"})
+                           "carry_over", "threads", "verification"})
 
 
 # the field annotations used above (strings: this module has postponed annotations)

@@ -25,8 +25,8 @@ at (uniform) come first, for every block; the other clocks of the block are M_b 
 independent Exp(1) excesses (the memorylessness of the minimum), drawn only when the block
 could hold the winner: a block whose smallest clock over its largest probability, M_b / P_b,
 is not below the best arrival found so far cannot. The clocks are the same whichever blocks a
-race opens (each block's excesses come from a generator keyed by the block), so the draft's
-race and the target's run on one set of clocks.
+race opens (a block's excesses are read at its own counters of a counter-based generator), so
+the draft's race and the target's run on one set of clocks.
 
 Not here: the rejection rule for unseeded rows (verify.py, verify_block.py), where the rows'
 distributions come from (sampling.to_probs), the loop (batch.py).
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .errors import NonFiniteError
@@ -44,7 +45,7 @@ from .errors import NonFiniteError
 # it opens; a block is opened with probability about S * A * P_b (A the winner's arrival, P_b the
 # block's largest probability), so about S of them at most: S near V ** (1/3) balances the two.
 BLOCK_SIZE = 32
-_TINY = torch.finfo(torch.float64).tiny
+_TINY = np.finfo(np.float64).tiny
 _MASK64 = (1 << 64) - 1
 
 
@@ -68,10 +69,9 @@ def position_key(key: int, position: int) -> int:
     return _mix64(key ^ _mix64(position))
 
 
-def block_seed(position_key: int, block: int = -1) -> int:
-    """The torch seed of a position's block minima (block -1) or of block b's excesses.
-    -> an int in [0, 2**63)."""
-    return _mix64(position_key + block + 1) >> 1
+def block_seed(position_key: int) -> int:
+    """The torch seed of a position's block minima. -> an int in [0, 2**63)."""
+    return _mix64(position_key) >> 1
 
 
 class RaceClocks:
@@ -79,6 +79,10 @@ class RaceClocks:
 
     block_min [N] fp64: each block's smallest clock M_b; block_argmin [N] int64: where in the
     block it is (clocks past V, in the last block, exist but never win: their probability is 0).
+    The minima come from a torch.Generator seeded by the position's key, a block's excesses
+    from a counter-based generator keyed the same way (:func:`_splitmix64_uniforms`); the
+    arithmetic is numpy's, whose per-call cost on vectors of a few hundred entries is a
+    fraction of torch's (a race is a dozen such calls).
     """
 
     def __init__(self, key: int, position: int, vocab_size: int,
@@ -86,33 +90,39 @@ class RaceClocks:
         self.position_key, self.block_size = position_key(key, position), block_size
         self.num_blocks = -(-vocab_size // block_size)
         generator = torch.Generator().manual_seed(block_seed(self.position_key))
-        uniforms = torch.rand(self.num_blocks, generator=generator, dtype=torch.float64)
+        uniforms = torch.rand(self.num_blocks, generator=generator, dtype=torch.float64).numpy()
         # [N] Exp(S) each; kept above 0 so that an arrival M_b / p is never 0 / 0
-        self.block_min = torch.log1p(-uniforms).neg_().div_(block_size).clamp_min_(_TINY)
-        self.block_argmin = torch.randint(block_size, (self.num_blocks,), generator=generator)
-        self._opened: dict[int, torch.Tensor] = {}  # block -> its S clocks, fp64
+        self.block_min = np.maximum(-np.log1p(-uniforms) / block_size, _TINY)
+        self.block_argmin = torch.randint(block_size, (self.num_blocks,),
+                                          generator=generator).numpy()
+        self._opened: dict[int, np.ndarray] = {}  # block -> its S clocks, fp64
 
-    def blocks(self, indices: list[int]) -> torch.Tensor:
-        """The clocks of these blocks, [len(indices), S] fp64, the same on every call: block
-        b's excesses over M_b come from a generator seeded by (key, position, b) alone."""
+    def blocks(self, indices: list[int]) -> np.ndarray:
+        """The clocks of these blocks, [len(indices), S] fp64, the same on every call."""
         missing = [index for index in indices if index not in self._opened]
         if missing:
-            generator = torch.Generator()
-            uniforms = torch.empty((len(missing), self.block_size), dtype=torch.float64)
-            for row, index in enumerate(missing):
-                generator.manual_seed(block_seed(self.position_key, index))
-                torch.rand(self.block_size, generator=generator, dtype=torch.float64,
-                           out=uniforms[row])
-            where = torch.tensor(missing)
-            clocks = torch.log1p(-uniforms).neg_().add_(self.block_min[where, None])
-            clocks.scatter_(1, self.block_argmin[where, None], self.block_min[where, None])
+            minima = self.block_min[missing]
+            uniforms = _splitmix64_uniforms(self.position_key, np.array(missing, np.uint64),
+                                            self.block_size)
+            clocks = -np.log1p(-uniforms) + minima[:, None]  # [m, S]
+            clocks[np.arange(len(missing)), self.block_argmin[missing]] = minima
             for row, index in enumerate(missing):
                 self._opened[index] = clocks[row]
-        return torch.stack([self._opened[index] for index in indices])
+        return np.stack([self._opened[index] for index in indices])
 
 
-# blocks a race opens before it looks again at which others could still hold the winner
-_FIRST_OPENED = 4
+def _splitmix64_uniforms(key: int, blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Uniforms in [0, 1) [m, S] fp64 for these blocks: SplitMix64's stream seeded by ``key``
+    read at counters b * S + i. A counter-based generator, so that block b's excesses are the
+    same whichever blocks a race opens, and drawing m blocks is a few vector operations (a
+    torch.Generator seeded per block cost more than the rest of the race)."""
+    counters = blocks[:, None] * np.uint64(block_size) + np.arange(block_size, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the algorithm
+        state = np.uint64(key) + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        state = (state ^ (state >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        state = (state ^ (state >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        state ^= state >> np.uint64(31)
+    return (state >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 def race(probs: torch.Tensor, clocks: RaceClocks) -> int:
@@ -120,27 +130,25 @@ def race(probs: torch.Tensor, clocks: RaceClocks) -> int:
     normalised, >= 0 with a positive sum) on ``clocks``: a sample of probs' law.
 
     Opens the blocks whose bound M_b / P_b is below the best arrival found so far: first the
-    few nearest, then, with the best arrival they give, every block still below it. Exact
-    ties between arrivals (probability 0) go to the lower id.
+    nearest one, then, with the best arrival it gives, every block still below it. Exact ties
+    between arrivals (probability 0) go to the lower id.
     Raises NonFiniteError for a row with no positive probability.
     """
     block_size, num_blocks = clocks.block_size, clocks.num_blocks
-    padded = torch.nn.functional.pad(probs.detach().to("cpu", torch.float32),
-                                     (0, num_blocks * block_size - probs.shape[-1]))
-    blocks = padded.view(num_blocks, block_size)  # [N, S] fp32
-    at_min = blocks.gather(1, clocks.block_argmin[:, None]).squeeze(1).double()
-    arrivals = clocks.block_min / at_min  # [N] each block's smallest clock's arrival (inf: p 0)
-    bounds = clocks.block_min / blocks.amax(dim=1).double()  # [N] no clock of a block is sooner
+    padded = np.zeros(num_blocks * block_size, dtype=np.float32)
+    padded[: probs.shape[-1]] = probs.detach().to("cpu", torch.float32).numpy()
+    blocks = padded.reshape(num_blocks, block_size)  # [N, S] fp32
+    at_min = blocks[np.arange(num_blocks), clocks.block_argmin].astype(np.float64)
+    with np.errstate(divide="ignore"):  # p = 0: an arrival never (inf)
+        arrivals = clocks.block_min / at_min  # [N] each block's smallest clock's arrival
+        bounds = clocks.block_min / _row_max(blocks)  # [N] no clock of a block is sooner
     best_block = int(arrivals.argmin())
     best = (float(arrivals[best_block]),
             best_block * block_size + int(clocks.block_argmin[best_block]))
-    nearest = torch.topk(bounds, min(_FIRST_OPENED, num_blocks), largest=False)
-    first = [index for index, bound in zip(nearest.indices.tolist(), nearest.values.tolist())
-             if bound < best[0]]
-    if first:
-        best = min(best, _open(blocks, clocks, first))
-    below = (bounds < best[0]).nonzero().squeeze(1).tolist()
-    rest = [index for index in below if index not in first]
+    nearest = int(bounds.argmin())
+    if bounds[nearest] < best[0]:
+        best = min(best, _open(blocks, clocks, [nearest]))
+    rest = [index for index in np.flatnonzero(bounds < best[0]).tolist() if index != nearest]
     if rest:
         best = min(best, _open(blocks, clocks, rest))
     if not math.isfinite(best[0]):
@@ -149,9 +157,22 @@ def race(probs: torch.Tensor, clocks: RaceClocks) -> int:
     return best[1]
 
 
-def _open(blocks: torch.Tensor, clocks: RaceClocks, indices: list[int]) -> tuple[float, int]:
+def _row_max(blocks: np.ndarray) -> np.ndarray:
+    """Each row's largest entry, blocks [N, S] fp32 -> [N] fp64, by halving the rows: numpy
+    reduces a short last axis an element at a time, a pairwise maximum runs vectorised."""
+    while blocks.shape[1] > 1:
+        half = blocks.shape[1] // 2
+        if blocks.shape[1] % 2:
+            blocks = np.concatenate([blocks, blocks[:, -1:]], axis=1)
+            half += 1
+        blocks = np.maximum(blocks[:, :half], blocks[:, half:2 * half])
+    return blocks[:, 0].astype(np.float64)
+
+
+def _open(blocks: np.ndarray, clocks: RaceClocks, indices: list[int]) -> tuple[float, int]:
     """The first arrival among these blocks: (arrival, token). blocks [N, S] fp32 probs."""
-    arrivals = clocks.blocks(indices) / blocks[torch.tensor(indices)].double()  # [m, S]
+    with np.errstate(divide="ignore"):
+        arrivals = clocks.blocks(indices) / blocks[indices]  # [m, S] fp64 (inf where p is 0)
     flat = int(arrivals.argmin())
     row, column = divmod(flat, clocks.block_size)
     return float(arrivals[row, column]), indices[row] * clocks.block_size + column

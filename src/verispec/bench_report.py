@@ -282,7 +282,7 @@ def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
     """One Markdown table per temperature: the columns of the terminal table that matter."""
     lines = []
     for temperature, results in all_results.items():
-        title = "greedy" if temperature == 0 else "seeded sampling"
+        title = "greedy" if temperature == 0 else "sampling"
         lines += [f"**Temperature {temperature:g} ({title})**", "",
                   "| method | tok/s | speedup | repeats | accepted / drafted | a | "
                   "tokens / target call | c | v | theory | achieved / theory | = plain |",

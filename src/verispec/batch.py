@@ -8,9 +8,11 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
   2. score:   the target runs ONE pass over [last committed token, d_1 .. d_K] for every row
               -> K+1 logits per row; each row's are processed by sampling.to_probs under its
               own settings (at temperature 0 only their argmax, sampling.greedy_tokens);
-  3. verify:  greedy rows by verify_greedy.verify_greedy_rows (no random numbers), sampled rows
-              by verify.verify_rows, each reading only its first k_b draft tokens and k_b + 1
-              distributions, with uniforms from its own generator (steps 2-3 row by row:
+  3. verify:  greedy rows by verify_greedy.verify_greedy_rows (no random numbers), seeded
+              sampled rows against the target's race winners on their keyed clocks
+              (seeded.py), other sampled rows by block or token-wise rejection sampling
+              with uniforms from their own generators, each reading only its first k_b
+              draft tokens and k_b + 1 distributions (steps 2-3 row by row:
               batch_verify.py);
   4. commit:  both sides rewind each row to its accepted prefix and append the new token (a
               round that only measures drafting for the depth policy keeps the first token
@@ -21,9 +23,10 @@ Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, t
 caches untouched) and leave (:meth:`Batch.remove`, or by finishing).
 
 Exactness per row: a row's tokens are drawn from its own distributions with its own random
-numbers, so its output law is the target's whatever the other rows do, and a row with a
-generator of its own and a fixed k draws the same numbers whatever else is in the batch (its
-tokens then differ only where batched arithmetic rounds its logits differently).
+numbers, so its output law is the target's whatever the other rows do. A seeded row's tokens
+are the target's samples at their positions on clocks keyed by its seed, so they are the same
+whatever k, proposer, policy or batch mates (they could differ only where batched arithmetic
+rounds its logits differently enough to flip a race).
 Depth: rows follow the batch's adaptive policy (adaptive.py) or keep a fixed k (rows.Row); the
 policy is one per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
 depends on how many rows it carries, and may choose k = 0: a plain round for the whole batch.

@@ -4,13 +4,15 @@ settings, then each row verified by its own rule.
 Legend: B rows, K draft tokens this round (the largest row's k), V vocabulary, S sampled rows.
 
 What it is: the part of :class:`verispec.batch.Batch`'s round between the target's pass and the
-commit, as functions of the rows (rows.Row: settings, stop tokens, generator) and tensors. A
-greedy row takes the target's argmax (no random numbers, verify_greedy.verify_greedy_rows); a
-sampled row takes its own temperature/top-k/top-p distributions and its own generator's
-uniforms (verify.verify_rows); a row with min_new_tokens has its stop tokens masked out of the
+commit, as functions of the rows (rows.Row: settings, stop tokens, generator, clocks) and
+tensors. A greedy row takes the target's argmax (no random numbers,
+verify_greedy.verify_greedy_rows); a seeded sampled row the target's race winner on its
+position-keyed clocks (seeded.py); another sampled row its own temperature/top-k/top-p
+distributions and its own generator's uniforms under block or token-wise verification
+(verify_block.py, verify.py). A row with min_new_tokens has its stop tokens masked out of the
 target's distribution where they are not yet allowed.
-What it is not: the acceptance math (verify.py, verify_greedy.py), the loop, its policy and
-its caches (batch.py).
+What it is not: the acceptance math (verify.py, verify_block.py, verify_greedy.py,
+seeded.py), the loop, its policy and its caches (batch.py).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from .models.llama_cpp import LlamaCppConfig  # llama_cpp itself is imported whe
 from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
 from .sampling import greedy_tokens, make_generator, sample, to_probs
 from .verify import VerifyResult, verify, verify_rows
+from .verify_block import verify_block_rows
 from .verify_greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 
 __version__ = "0.1.0"
@@ -59,6 +60,6 @@ __all__ = [
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal",
     "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_rows",
-    "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
+    "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

@@ -476,3 +476,36 @@ def test_server_serves_the_llama_cpp_backend(tiny):
         bad = httpx.post(f"{server.url}/v1/completions", json={**body, "min_tokens": 99},
                          timeout=60)
         assert bad.status_code == 400 and "min_tokens" in bad.text
+
+
+# --- chat on a GGUF model with a chat template ---------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_on_a_gguf_model_with_a_template_answers_with_the_templates_prompt(tmp_path):
+    # the chat route encodes the rendered template with add_special_tokens=False; the GGUF
+    # tokenizer did not take that argument, and every chat request on such a model was a 500
+    from openai import OpenAI
+    from test_server import ServerThread
+
+    from verispec.server import ServerSettings, create_app
+
+    tokenizer = build_tokenizer(vocab_size=300)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    path = save_gguf(untied_llama(len(tokenizer), seed=9, max_positions=128), tokenizer,
+                     tmp_path / "chat.gguf")
+    decoder = verispec.load(str(path), verispec.NgramDraft(), backend="llama.cpp")
+    assert decoder.tokenizer.chat_template == CHAT_TEMPLATE  # written by the export
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    rendered = "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"
+    expected = decoder.generate(decoder.tokenizer.encode(rendered, add_special_tokens=False),
+                                max_new_tokens=8, ignore_eos=True)
+    settings = ServerSettings(model_name="m", max_tokens_limit=64)
+    with ServerThread(create_app(decoder, settings)) as running:
+        client = OpenAI(base_url=f"{running.url}/v1", api_key="unused")
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == len(decoder.tokenizer.encode(rendered))

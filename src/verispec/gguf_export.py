@@ -132,6 +132,8 @@ def save_gguf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path:
         if token_id is not None:
             add_id(token_id)
     writer.add_add_bos_token(False)
+    if getattr(tokenizer, "chat_template", None):  # as llama.cpp's converter writes it
+        writer.add_chat_template(tokenizer.chat_template)
 
     def add(name: str, tensor: torch.Tensor) -> None:
         data = tensor.detach().float().numpy().astype(np.float32)

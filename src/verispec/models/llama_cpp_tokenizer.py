@@ -43,14 +43,19 @@ class LlamaCppTokenizer:
     def __len__(self) -> int:
         return self._size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, special-token text parsed as special tokens.
+        ``add_special_tokens``: add the BOS token where the model's metadata asks for one (as
+        a transformers tokenizer does); False for text that carries its own, such as a chat
+        template's rendering."""
         llama_cpp = bindings()
+        add_special = self._add_special and add_special_tokens
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
             buffer = (llama_cpp.llama_token * capacity)()
             count = llama_cpp.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
-                                             self._add_special, True)
+                                             add_special, True)
             if count >= 0:
                 return list(buffer[:count])
             capacity = -count

@@ -124,7 +124,7 @@ class GenerationConfig:
     cost_ratio: c = time of one draft step / time of one target step, for the modelled speedup;
         None uses the ratio measured during the generation.
     verification: how an unseeded sampled row tests a draft model's tokens: "block" (block
-        verification, Sun et al. 2025: exact, and accepts at least as many tokens a round) or
+        verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average) or
         "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
         (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a
         draft token while it is the target's own sample at its position (seeded.py).

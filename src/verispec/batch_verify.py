@@ -135,8 +135,10 @@ def _verify_keyed(row: Row, drafted: list[int], target_probs: torch.Tensor,
                   vocab_size: int) -> tuple[int, list[int]]:
     """A keyed row: keep draft tokens while each is the target's race winner at its position
     (seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
-    row's k_b draft tokens. Races run only up to the first mismatch. -> (num_accepted, the
-    accepted tokens and the next one)."""
+    row's k_b draft tokens. Races run only up to the first mismatch, on the host (one copy of
+    the row's k_b + 1 distributions, not one per race, from an accelerator). -> (num_accepted,
+    the accepted tokens and the next one)."""
+    target_probs = target_probs[: len(drafted) + 1].cpu()
     for step, token in enumerate(drafted):
         if not 0 <= token < vocab_size:
             raise_out_of_range(drafted, vocab_size)

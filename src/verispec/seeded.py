@@ -47,13 +47,16 @@ from .errors import NonFiniteError
 BLOCK_SIZE = 32
 _TINY = np.finfo(np.float64).tiny
 _MASK64 = (1 << 64) - 1
+# SplitMix64's increment and finaliser multipliers: _mix64 on Python ints (keys, seeds),
+# _splitmix64_uniforms on numpy arrays (a block's excesses)
+_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _mix64(value: int) -> int:
     """SplitMix64's finaliser: a bijection of 64-bit ints that spreads every input bit."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    value = (value + _GOLDEN) & _MASK64
+    value = ((value ^ (value >> 30)) * _MUL1) & _MASK64
+    value = ((value ^ (value >> 27)) * _MUL2) & _MASK64
     return value ^ (value >> 31)
 
 
@@ -87,6 +90,7 @@ class RaceClocks:
 
     def __init__(self, key: int, position: int, vocab_size: int,
                  block_size: int = BLOCK_SIZE) -> None:
+        assert block_size & (block_size - 1) == 0, "blocks of a power of two (race's row max)"
         self.position_key, self.block_size = position_key(key, position), block_size
         self.num_blocks = -(-vocab_size // block_size)
         generator = torch.Generator().manual_seed(block_seed(self.position_key))
@@ -118,9 +122,9 @@ def _splitmix64_uniforms(key: int, blocks: np.ndarray, block_size: int) -> np.nd
     torch.Generator seeded per block cost more than the rest of the race)."""
     counters = blocks[:, None] * np.uint64(block_size) + np.arange(block_size, dtype=np.uint64)
     with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the algorithm
-        state = np.uint64(key) + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-        state = (state ^ (state >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        state = (state ^ (state >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        state = np.uint64(key) + (counters + np.uint64(1)) * np.uint64(_GOLDEN)
+        state = (state ^ (state >> np.uint64(30))) * np.uint64(_MUL1)
+        state = (state ^ (state >> np.uint64(27))) * np.uint64(_MUL2)
         state ^= state >> np.uint64(31)
     return (state >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
@@ -158,14 +162,12 @@ def race(probs: torch.Tensor, clocks: RaceClocks) -> int:
 
 
 def _row_max(blocks: np.ndarray) -> np.ndarray:
-    """Each row's largest entry, blocks [N, S] fp32 -> [N] fp64, by halving the rows: numpy
-    reduces a short last axis an element at a time, a pairwise maximum runs vectorised."""
+    """Each row's largest entry, blocks [N, S] fp32 (S a power of two) -> [N] fp64, by halving
+    the rows: numpy reduces a short last axis an element at a time, a pairwise maximum runs
+    vectorised."""
     while blocks.shape[1] > 1:
         half = blocks.shape[1] // 2
-        if blocks.shape[1] % 2:
-            blocks = np.concatenate([blocks, blocks[:, -1:]], axis=1)
-            half += 1
-        blocks = np.maximum(blocks[:, :half], blocks[:, half:2 * half])
+        blocks = np.maximum(blocks[:, :half], blocks[:, half:])
     return blocks[:, 0].astype(np.float64)
 
 

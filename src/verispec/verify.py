@@ -404,8 +404,8 @@ def rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
     return torch.stack([probs[b, n] for b, n in enumerate(positions)])
 
 
-def result_from_rows(num_accepted: list[int], output_tokens: list[list[int]], num_draft: list[int],
-            device: torch.device) -> VerifyResult:
+def result_from_rows(num_accepted: list[int], output_tokens: list[list[int]],
+                     num_draft: list[int], device: torch.device) -> VerifyResult:
     """A :class:`VerifyResult` built from host ints (rows as in :func:`_assemble`)."""
     accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)
     max_k = len(output_tokens[0]) - 1 if output_tokens else 0

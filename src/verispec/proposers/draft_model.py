@@ -166,8 +166,9 @@ def _race_keyed(tokens: torch.Tensor, probs: torch.Tensor | None, step: int,
         return tokens
     assert probs is not None
     tokens = tokens.clone()
-    for row in rows:
-        tokens[row] = race(probs[row], keyed[row].clocks(step, probs.shape[-1]))
+    host_probs = probs[rows].cpu()  # [R, V]: one copy from an accelerator, not one a race
+    for row, row_probs in zip(rows, host_probs):
+        tokens[row] = race(row_probs, keyed[row].clocks(step, probs.shape[-1]))
     return tokens
 
 

@@ -23,13 +23,14 @@ import uvicorn
 
 import verispec
 from verispec import cli
+from verispec.chat import ChatTemplateMissing
 from verispec.config import default_num_draft_tokens
 from verispec.errors import ConfigError
 from verispec.models.matmul import resolve_matmul
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
 from verispec.server.http import VerispecServer, uvicorn_config
-from verispec.server.prompts import ChatMessage, ChatPrompt, render_chat, render_plain_chat
+from verispec.server.prompts import ChatMessage, ChatPrompt
 from verispec.server.run import adaptive_policy
 from verispec.server.settings import add_settings_arguments
 
@@ -48,7 +49,8 @@ PROMPT = "def add(a, b):"
 LONG = 1500  # tokens: several seconds of generation, for the aborted and the blocking requests
 SETTINGS = ServerSettings(api_key=API_KEY, model_name=MODEL, max_tokens_limit=2000,
                           max_prompt_tokens=64, max_queue=2, max_body_bytes=16_384,
-                          max_batch_size=1)  # one row at a time: the queue tests below fill it
+                          max_batch_size=1,  # one row at a time: the queue tests below fill it
+                          chat_template="plain")  # the tiny tokenizer has no template of its own
 
 
 class ServerThread:
@@ -92,12 +94,13 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dirs):
     """A decoder of its own for expected outputs (the server's runs on the server's thread)."""
-    return verispec.load(*model_dirs)
+    return verispec.load(*model_dirs, chat_template=SETTINGS.chat_template)
 
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    with ServerThread(create_app(verispec.load(*model_dirs), SETTINGS)) as running:
+    with ServerThread(create_app(verispec.load(*model_dirs, chat_template=SETTINGS.chat_template),
+                                 SETTINGS)) as running:
         yield running
 
 
@@ -211,8 +214,9 @@ def test_chat_greedy_equals_decoder_on_the_plain_template(client, reference):
                 {"role": "user", "content": "def add(a, b):"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
                                          temperature=0)
-    prompt = render_plain_chat(tuple(ChatMessage(m["role"], m["content"]) for m in messages))
-    assert prompt == "system: You write Python.\nuser: def add(a, b):\nassistant:"
+    prompt = "system: You write Python.\nuser: def add(a, b):\nassistant:"
+    assert reference.chat_prompt_ids(messages) == reference.tokenizer.encode(
+        prompt, add_special_tokens=False)
     expected = reference.generate(prompt, max_new_tokens=16, temperature=0)
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
@@ -221,14 +225,17 @@ def test_chat_greedy_equals_decoder_on_the_plain_template(client, reference):
     assert "speculation" in out.model_extra
 
 
-def test_chat_uses_the_tokenizers_template_when_it_has_one():
-    tokenizer = build_tokenizer()
+def test_chat_uses_the_tokenizers_template_and_refuses_a_model_without_one():
+    """ChatPrompt.encode renders with the decoder's template (chat.py): the tokenizer's own;
+    a tokenizer with none, and no template named, gets ChatTemplateMissing (a 400)."""
     messages = (ChatMessage("system", "Be brief."), ChatMessage("user", "hi"))
-    assert render_chat(tokenizer, messages) == render_plain_chat(messages)  # no template
+    tokenizer = build_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=1)
+    with pytest.raises(ChatTemplateMissing, match="--chat-template"):
+        ChatPrompt(messages).encode(verispec.Decoder(model, tokenizer))
     tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
-    assert render_chat(tokenizer, messages) == "<system>Be brief.<user>hi<assistant>"
-    assert ChatPrompt(messages).encode(tokenizer) == tokenizer.encode(
+    assert ChatPrompt(messages).encode(verispec.Decoder(model, tokenizer)) == tokenizer.encode(
         "<system>Be brief.<user>hi<assistant>", add_special_tokens=False)
 
 
@@ -265,6 +272,16 @@ def test_max_tokens_omitted_fills_the_window_up_to_the_limit(small_window_url,
     assert out.json()["choices"][0]["finish_reason"] == "length"
     assert out.json()["usage"]["completion_tokens"] == expected
     assert out.json()["speculation"]["num_draft_tokens"] == 0  # plain decoding: no draft
+
+
+def test_chat_without_a_template_is_a_400_naming_the_option(small_window_url):
+    """The small-window server's model has no chat template and none was named: its chat route
+    refuses (chat.ChatTemplateMissing) rather than guessing a format; completions still work."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    out = httpx.post(small_window_url + "/v1/chat/completions", json=body, timeout=60)
+    assert out.status_code == 400, out.text
+    assert out.json()["error"]["code"] == "unsupported_parameter"
+    assert "--chat-template" in out.json()["error"]["message"]
 
 
 # --- the CLI and the server agree ---------------------------------------------------------

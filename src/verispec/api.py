@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -37,7 +38,11 @@ from .models.llama_cpp_tokenizer import LlamaCppTokenizer
 from .models.transformers import TransformersLM, output_width
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HYBRID_LOOKUP, HybridProposer
-from .proposers.ngram import NgramDraft, NgramProposer
+from .proposers import ModelFreeDraft, model_free_proposer
+from .proposers.ngram import NgramDraft
+from .proposers.suffix import SuffixDraft
+from .chat import (ChatTemplate, check_messages, chat_template_for, end_of_turn_ids,
+                   require_chat_template, special_token_text)
 from .batch_text import BatchStream, TextBatch, is_batch, row_settings
 from .text_stream import Completion, TextStream, check_stop
 
@@ -81,8 +86,8 @@ def hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft |
     if not (hybrid is True or isinstance(hybrid, NgramDraft)):
         raise ConfigError(f"hybrid={hybrid!r} is invalid: expected True, False or "
                           "NgramDraft(...) (the lookup's settings).")
-    if isinstance(draft, NgramDraft) or (draft is None and target is not None):
-        given = "draft=NgramDraft()" if draft is not None else "no draft"
+    if isinstance(draft, ModelFreeDraft) or (draft is None and target is not None):
+        given = f"draft={type(draft).__name__}()" if draft is not None else "no draft"
         raise ConfigError(f"hybrid falls back on a draft model where lookup finds nothing, and "
                           f"{given} was given; pass a draft model (or drop hybrid for lookup "
                           "only: draft=NgramDraft()).")
@@ -93,13 +98,14 @@ class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair."""
 
     def __init__(self, target_model: LoadedModel, tokenizer, draft_model: LoadedModel |
-                 NgramDraft | None = None, num_draft_tokens: int | None = None,
+                 ModelFreeDraft | None = None, num_draft_tokens: int | None = None,
                  backend: str = "auto",
                  adaptive: AdaptivePolicyConfig | None = None,
                  hybrid: bool | NgramDraft = False,
                  llama_cpp_config: LlamaCppConfig | None = None,
-                 verification: str = VERIFICATION_RULES[0]) -> None:
-        ngram = draft_model if isinstance(draft_model, NgramDraft) else None
+                 verification: str = VERIFICATION_RULES[0],
+                 chat_template: str | Path | None = None) -> None:
+        ngram = draft_model if isinstance(draft_model, ModelFreeDraft) else None
         hybrid = hybrid_lookup(hybrid, draft_model, target_model)
         draft_model = None if ngram is not None else draft_model
         widths = [_num_logits(target_model)]
@@ -107,13 +113,19 @@ class Decoder:
             widths.append(_num_logits(draft_model))
         vocab_size = common_vocab_size(tokenizer, *widths)
         self.tokenizer = tokenizer
+        # what chat() renders messages with (chat.py); None: the model has none, chat refuses
+        self.chat_template: ChatTemplate | None = chat_template_for(chat_template, tokenizer)
+        # generation ends at these: the tokenizer's end-of-generation tokens and the chat
+        # template's end-of-turn token (a completion of chat-formatted text stops there too)
+        self.stop_token_ids = tuple(sorted(set(_stop_token_ids(tokenizer)) | set(
+            end_of_turn_ids(self.chat_template, tokenizer))))
         self.target = wrap_model(target_model, vocab_size, backend, llama_cpp_config)
         # the draft model's adapter; None with no draft or an n-gram one (self.ngram)
         self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend,
                                                                  llama_cpp_config, draft=True)
         self.ngram = ngram
         self.hybrid = hybrid  # lookup settings, n-grams first, then self.draft; None: not hybrid
-        proposer = (NgramProposer(vocab_size, ngram) if ngram is not None else
+        proposer = (model_free_proposer(vocab_size, ngram) if ngram is not None else
                     None if self.draft is None else DraftModelProposer(self.draft))
         if hybrid is not None:
             proposer = HybridProposer(proposer, hybrid)
@@ -122,8 +134,10 @@ class Decoder:
         # packed oneDNN weights (models/matmul.py), and llama.cpp, whose 5-token passes measured
         # ~1.8 one-token ones on a 2-core EPYC, where k = 3-5 tied and k = 5 led sampled
         flat_verify = self.target.matmul in ("onednn", "llama.cpp")
-        self.num_draft_tokens = (default_num_draft_tokens(self.target.device.type, flat_verify)
-                                 if num_draft_tokens is None else num_draft_tokens)
+        # a suffix drafter's own rule sets each row's depth (as deep as its match): k only caps it
+        self.num_draft_tokens = (num_draft_tokens if num_draft_tokens is not None else
+                                 ngram.max_depth if isinstance(ngram, SuffixDraft) else
+                                 default_num_draft_tokens(self.target.device.type, flat_verify))
         GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked
         self.adaptive = adaptive
         check_verification(verification)
@@ -167,6 +181,33 @@ class Decoder:
         for _ in run:
             pass
         return run.completion
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **settings) -> Completion:
+        """The assistant's reply to ``messages`` (a list of {"role", "content"} dicts),
+        rendered by the decoder's chat template (the model's own, or ``load(chat_template=)``)
+        with the generation prompt; the reply ends at the template's end-of-turn token.
+        ``settings``: :meth:`generate`'s (one conversation, so single values).
+
+            dec.chat([{"role": "user", "content": "Name a prime."}], max_new_tokens=32).text
+        """
+        return self.generate(self.chat_prompt_ids(messages), **settings)
+
+    def stream_chat(self, messages: Sequence[Mapping[str, str]], **settings) -> TextStream:
+        """:meth:`chat` as text chunks (see :meth:`stream`)."""
+        return self.stream(self.chat_prompt_ids(messages), **settings)
+
+    def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The token ids a reply to ``messages`` continues: the chat template's rendering with
+        the generation prompt, encoded with its own special tokens (none added). Raises
+        InputError for malformed messages and ChatTemplateMissing (chat.py) when the model has
+        no template and none was named."""
+        template = require_chat_template(self.chat_template)
+        text = template.render(check_messages(messages), special_token_text(self.tokenizer))
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise EmptyPromptError("the chat template rendered the messages as no tokens; send "
+                                   "a message with some content.")
+        return ids
 
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], speculative: bool = True,
                      adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
@@ -244,7 +285,7 @@ class Decoder:
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, num_draft_tokens=k,
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
-            stop_token_ids=() if ignore_eos else _stop_token_ids(self.tokenizer),
+            stop_token_ids=() if ignore_eos else self.stop_token_ids,
             min_new_tokens=min_new_tokens, seed=seed,
             adaptive=self.adaptive if adaptive is None else (adaptive or None),
             verification=self.verification if verification is None else verification)
@@ -272,7 +313,7 @@ class Decoder:
                               "grammar decides where the output may end; drop one.")
         if self._constraint_index is None:  # built once: about a second for a large vocabulary
             self._constraint_index = TokenizerIndex(self.tokenizer, self.target.vocab_size,
-                                                    _stop_token_ids(self.tokenizer))
+                                                    self.stop_token_ids)
         constraints = ConstraintSet(self._constraint_index, [grammar])
         forced = constraints.forced_lengths()[0]
         if forced > max_new_tokens:

@@ -55,6 +55,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--context-size", type=_int, default=None, metavar="N",
                         help="llama.cpp backend: KV-cache tokens per sequence (default: the "
                         "model's trained context, at most 4096)")
+    models.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                        help="what chat renders messages with: chatml, gemma, plain or a Jinja "
+                        "file (default: the model's own template)")
 
 
 def llama_cpp_config(args: argparse.Namespace):
@@ -84,8 +87,10 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--min-tokens", type=_int, default=0, metavar="N",
                           help="no end-of-generation token before N new tokens (default: 0)")
     sampling.add_argument("--ngram", action="store_true",
-                          help="draft by prompt lookup (tokens that followed the latest earlier "
-                          "occurrence of the last 1-3 tokens) instead of a draft model")
+                          help="draft without a model, by the suffix-decoding rule: where the "
+                          "last tokens repeat a span of the prompt, the output or an earlier "
+                          "request, draft its most frequent continuation, deeper the longer "
+                          "the match; nothing elsewhere")
     sampling.add_argument("--hybrid", action="store_true",
                           help="draft by prompt lookup in rounds where it finds a match, by the "
                           "draft model otherwise (needs a draft model: the demo pair's, or "
@@ -127,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "speedup and its range (and, at temperature 0 or with --seed, "
                           "whether the tokens are identical)")
     generate.set_defaults(handler=_generate)
+    chat = commands.add_parser(
+        "chat", help="answer a chat message with the model's chat template",
+        description="Answer MESSAGE (or each line of stdin, as one conversation) in the model's "
+        "chat template (--chat-template names one for a model without), streaming the reply; "
+        "the reply ends at the template's end-of-turn token.")
+    chat.add_argument("message", nargs="?", default=None, metavar="MESSAGE",
+                      help="the user's message; '-' reads it from stdin; none: each line of "
+                      "stdin is the next user turn")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
+    _add_model_options(chat)
+    _add_sampling_options(chat)
+    chat.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
+    chat.set_defaults(handler=_chat)
     export = commands.add_parser(
         "export-gguf", help="write a Llama checkpoint as a .gguf file (for the llama.cpp backend)",
         description="Write the Llama-architecture transformers checkpoint in DIR (byte-level BPE "
@@ -202,10 +220,50 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _load_decoder(args: argparse.Namespace):
+    """The decoder the model flags describe."""
     from .loader import load
-    from .proposers.ngram import NgramDraft
+    from .proposers.suffix import SuffixDraft
 
+    return load(args.target, SuffixDraft() if args.ngram else args.draft, device=args.device,
+                dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
+                adaptive=named_policy(args.adaptive), verification=args.verification,
+                hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args),
+                chat_template=args.chat_template)
+
+
+def _request_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The generation flags as Decoder.stream's arguments."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                num_draft_tokens=args.k, speculative=not args.no_draft,
+                ignore_eos=args.ignore_eos, min_new_tokens=args.min_tokens)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """One reply to MESSAGE, or a conversation: each line of stdin is a user turn, answered
+    in turn with the whole conversation so far as the prompt."""
+    _check_model_choice(args)
+    decoder = _load_decoder(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [_read_prompt(args.message)] if args.message is not None else (
+        line.rstrip("\n") for line in sys.stdin if line.strip())
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        stream = decoder.stream_chat(messages, **_request_settings(args))
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": stream.completion.text})
+        if not args.quiet:
+            print(format_metrics(stream.completion.metrics, speculative=not args.no_draft),
+                  file=sys.stderr)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args.prompt)
     _check_model_choice(args)
     if args.no_draft and (args.compare or args.adaptive):
@@ -214,15 +272,8 @@ def _generate(args: argparse.Namespace) -> int:
         option = "--compare" if args.compare else "--adaptive"
         raise ConfigError(f"{option} needs a draft (it is about speculative decoding); drop "
                           "--no-draft.")
-    decoder = load(args.target, NgramDraft() if args.ngram else args.draft, device=args.device,
-                   dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
-                   adaptive=named_policy(args.adaptive), verification=args.verification,
-                   hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args))
-    stream = decoder.stream(prompt, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
-                            speculative=not args.no_draft, ignore_eos=args.ignore_eos,
-                            min_new_tokens=args.min_tokens)
+    decoder = _load_decoder(args)
+    stream = decoder.stream(prompt, **_request_settings(args))
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)

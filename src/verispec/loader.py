@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .models import llama_cpp
 from .models.llama_cpp import LlamaCppConfig, LlamaCppModel
 from .models.llama_cpp_tokenizer import LlamaCppTokenizer
+from .models.packaged import resolve_packaged
 from .models.loading import (
     check_same_tokenizer,
     is_gguf,
@@ -29,23 +30,27 @@ from .models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from .proposers import ModelFreeDraft
 from .proposers.ngram import NgramDraft
 
 ModelSource = str | Path | PreTrainedModel
 
 
-def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | None = None, *,
+def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft | None = None, *,
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
          num_draft_tokens: int | None = None, tokenizer: str | Path | None = None,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
          hybrid: bool | NgramDraft = False,
          llama_cpp_config: LlamaCppConfig | None = None,
-         verification: str = VERIFICATION_RULES[0]) -> Decoder:
+         verification: str = VERIFICATION_RULES[0],
+         chat_template: str | Path | None = None) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
     file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra).
-    ``draft=NgramDraft()`` drafts by prompt lookup instead of a model (no draft model at all;
+    ``draft=SuffixDraft()`` drafts without a model by the suffix-decoding rule (long drafts
+    where the prompt, the output or an earlier request's text repeats, none elsewhere; what
+    ``--ngram`` runs), ``draft=NgramDraft()`` by plain prompt lookup (no draft model at all;
     with no target, the demo target). ``hybrid=True`` with a draft model drafts by lookup (of
     the last 2-3 tokens; ``hybrid=NgramDraft(...)`` sets other lengths) in rounds where every
     row's history has a match, and by the draft model otherwise (no target, no draft: the demo
@@ -68,10 +73,15 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
     on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
     None: a fixed k. ``verification``: the default rule of unseeded sampled rows with a draft
     model, "block" or "token" (GenerationConfig.verification); a call may override it.
+    ``chat_template``: what :meth:`Decoder.chat` renders messages with: "chatml", "gemma",
+    "plain" or a Jinja file (chat.py); None: the model's own (chat then refuses a model that has
+    none). A ``target`` or ``draft`` that is not a local path but a packaged model's name
+    (models/packaged.py: "smollm2-135m-instruct", "gemma-3-270m") loads that package's GGUF file.
     """
+    target, draft = resolve_packaged(target), resolve_packaged(draft)
     hybrid_lookup(hybrid, draft, target)  # checked before anything loads
     check_verification(verification)
-    if target is None and (draft is None or isinstance(draft, NgramDraft)):
+    if target is None and (draft is None or isinstance(draft, ModelFreeDraft)):
         from .demo import demo_pair  # the shipped assets; imported only when used
 
         pair = demo_pair()
@@ -90,22 +100,22 @@ def load(target: ModelSource | None = None, draft: ModelSource | NgramDraft | No
                               "backend, which runs on the CPU in the GGUF file's own tensor "
                               "types; leave them at their defaults (or pick another backend).")
         target_model = LlamaCppModel(target, "target")
-        draft_model = draft if isinstance(draft, NgramDraft) else (
+        draft_model = draft if isinstance(draft, ModelFreeDraft) else (
             None if draft is None else LlamaCppModel(draft, "draft"))
         target_tokenizer = LlamaCppTokenizer(target_model)
         if isinstance(draft_model, LlamaCppModel):
             check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
         return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                       adaptive, hybrid, llama_cpp_config, verification)
+                       adaptive, hybrid, llama_cpp_config, verification, chat_template)
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
     target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
-    draft_model = draft if isinstance(draft, NgramDraft) else None
+    draft_model = draft if isinstance(draft, ModelFreeDraft) else None
     if draft is not None and draft_model is None:
         draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
     return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                   adaptive, hybrid, verification=verification)
+                   adaptive, hybrid, verification=verification, chat_template=chat_template)
 
 
 def _runs_on_llama_cpp(backend: str, target: object, draft: object,
@@ -113,7 +123,7 @@ def _runs_on_llama_cpp(backend: str, target: object, draft: object,
     """Whether load() puts the models on llama.cpp: asked for, or "auto" with GGUF files only
     (a GGUF target with a transformers draft stays on transformers, as both must share one
     backend's tokenizer) on the CPU with llama-cpp-python installed."""
-    gguf_only = is_gguf(target) and (draft is None or isinstance(draft, NgramDraft)
+    gguf_only = is_gguf(target) and (draft is None or isinstance(draft, ModelFreeDraft)
                                      or is_gguf(draft))
     if backend == "llama.cpp":
         if not gguf_only:

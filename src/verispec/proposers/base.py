@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingConfig
+from ..models.base import as_ints
 from ..seeded import RaceClocks
 
 
@@ -128,3 +129,43 @@ class Proposer(Protocol):
 
     def start(self, prompts: Sequence[Sequence[int]]) -> ProposerSession:
         """A session over these rows' committed sequences (each >= 1 token; [] for none yet)."""
+
+
+class HostRow(Protocol):
+    """A model-free proposer's row: its committed host tokens, and the call that indexes one."""
+
+    tokens: list[int]
+
+    def append(self, token: int) -> None:
+        """Index one committed token."""
+
+
+class LookupSession:
+    """What model-free (deterministic) proposer sessions share: host rows, proposals made of
+    host ids padded to the longest (num_proposed says how many each row found) and commits
+    that index the kept tokens. A subclass sets ``self.rows`` and finds each row's draft."""
+
+    rows: list[HostRow]
+    _proposal: list[list[int]] | None = None  # this round's [B][K] host rows
+
+    def propose_found(self, found: list[list[int]]) -> Proposal:
+        """The proposal made of ``found`` (each row's draft, [] for none), short rows padded
+        with their last token (the padding is not verified)."""
+        width = max(map(len, found))
+        self._proposal = [draft + [row.tokens[-1]] * (width - len(draft))
+                          for draft, row in zip(found, self.rows)]
+        draft_tokens = torch.tensor(self._proposal, dtype=torch.int64).reshape(len(found), width)
+        return Proposal(draft_tokens, None, [len(draft) for draft in found])  # [B, K]
+
+    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
+        num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
+        proposal = self._proposal or [[] for _ in self.rows]
+        self._proposal = None
+        self.append_committed([drafted[:n] + [token] for drafted, n, token
+                               in zip(proposal, num_accepted, next_tokens)])
+
+    def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
+        """Index tokens committed without a proposal of this session's: [B][*] host ids."""
+        for row, tokens in zip(self.rows, committed):
+            for token in tokens:
+                row.append(token)

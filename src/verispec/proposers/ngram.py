@@ -28,11 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import ConfigError
-from ..models.base import as_ints
-from .base import DraftPlan, Proposal, RoundConstraint
+from .base import DraftPlan, LookupSession, Proposal, RoundConstraint
 
 
 @dataclass(frozen=True)
@@ -91,13 +88,12 @@ class _RowIndex:
         return []
 
 
-class NgramSession:
+class NgramSession(LookupSession):
     """One generation's n-gram state: each row's committed tokens and their index."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], config: NgramDraft) -> None:
         self.config = config
         self.rows = [_RowIndex(list(prompt), config) for prompt in prompts]
-        self._proposal: list[list[int]] | None = None  # this round's [B][K] host rows
 
     def add_rows(self, prompts: Sequence[Sequence[int]], defer: bool = False) -> None:
         """Rows join (``defer`` changes nothing: indexing a prompt is cheap host work)."""
@@ -120,25 +116,3 @@ class NgramSession:
     def lookup(self, num_draft_tokens: Sequence[int]) -> list[list[int]]:
         """Each row's match: up to num_draft_tokens[b] host ids, [] where the history has none."""
         return [row.lookup(k) if k else [] for row, k in zip(self.rows, num_draft_tokens)]
-
-    def propose_found(self, found: list[list[int]]) -> Proposal:
-        """The proposal made of ``found`` (from :meth:`lookup`), short rows padded (the padding
-        is not verified: num_proposed says how many tokens each row found)."""
-        width = max(map(len, found))
-        self._proposal = [match + [row.tokens[-1]] * (width - len(match))
-                          for match, row in zip(found, self.rows)]
-        draft_tokens = torch.tensor(self._proposal, dtype=torch.int64).reshape(len(found), width)
-        return Proposal(draft_tokens, None, [len(match) for match in found])  # [B, K]
-
-    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
-        num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
-        proposal = self._proposal or [[] for _ in self.rows]
-        self._proposal = None
-        self.append_committed([drafted[:n] + [token] for drafted, n, token
-                               in zip(proposal, num_accepted, next_tokens)])
-
-    def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
-        """Index tokens committed without a proposal of this session's: [B][*] host ids."""
-        for row, tokens in zip(self.rows, committed):
-            for token in tokens:
-                row.append(token)

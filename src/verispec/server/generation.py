@@ -110,7 +110,7 @@ class GenerationService:
                      batch: TextBatch) -> PendingRow:
         """Runs on the worker thread: encode and check sizes (the worker then joins the batch's
         pending rows together)."""
-        prompt_ids = prompt.encode(self.decoder.tokenizer)
+        prompt_ids = prompt.encode(self.decoder)
         if len(prompt_ids) > self.settings.max_prompt_tokens:
             raise PromptTooLarge(f"the prompt has {len(prompt_ids)} tokens, more than this "
                                  f"server's --max-prompt-tokens={self.settings.max_prompt_tokens};"

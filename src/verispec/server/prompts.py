@@ -1,18 +1,12 @@
 """What a request conditions on, turned into token ids in the worker thread.
 
 Three kinds: text (``prompt`` of /v1/completions), token ids (``prompt`` as a list of ints) and
-chat messages (/v1/chat/completions). Each has ``encode(tokenizer) -> list[int]`` and ``param``,
-the request field it came from. Text is
-encoded exactly as :meth:`verispec.Decoder.generate` encodes a string, so a greedy request here
-gives what ``verispec generate --temperature 0`` gives.
-
-Chat template: the tokenizer's own ``chat_template`` when it has one (rendered with the
-generation prompt, and encoded without extra special tokens, since templates add their own).
-Otherwise (the demo tokenizer has none) the plain template of :func:`render_plain_chat`:
-
-    system: You are terse.
-    user: Say hi.
-    assistant:
+chat messages (/v1/chat/completions). Each has ``encode(decoder) -> list[int]`` and ``param``,
+the request field it came from. Text is encoded exactly as :meth:`verispec.Decoder.generate`
+encodes a string, and chat messages as :meth:`verispec.Decoder.chat` renders them (the
+decoder's chat template: the model's own or ``--chat-template``; a model with neither gets
+chat.ChatTemplateMissing, a 400 naming the option), so a greedy request here gives what the
+library gives.
 """
 
 from __future__ import annotations
@@ -34,8 +28,8 @@ class TextPrompt:
             raise EmptyPromptError("prompt is empty; pass some text or token ids.")
         check_text(self.text, "prompt")
 
-    def encode(self, tokenizer) -> list[int]:
-        return list(tokenizer.encode(self.text))
+    def encode(self, decoder) -> list[int]:
+        return list(decoder.tokenizer.encode(self.text))
 
 
 @dataclass(frozen=True)
@@ -43,7 +37,7 @@ class TokenPrompt:
     token_ids: tuple[int, ...]
     param: ClassVar[str] = "prompt"
 
-    def encode(self, tokenizer) -> list[int]:
+    def encode(self, decoder) -> list[int]:
         return list(self.token_ids)  # the engine checks emptiness and the vocabulary range
 
 
@@ -67,26 +61,10 @@ class ChatPrompt:
             raise EmptyPromptError("messages is empty; send at least one message, e.g. "
                                    '[{"role": "user", "content": "Hi"}].')
 
-    def encode(self, tokenizer) -> list[int]:
-        if getattr(tokenizer, "chat_template", None):
-            return list(tokenizer.encode(render_chat(tokenizer, self.messages),
-                                         add_special_tokens=False))
-        return list(tokenizer.encode(render_plain_chat(self.messages)))
+    def encode(self, decoder) -> list[int]:
+        return decoder.chat_prompt_ids([{"role": m.role, "content": m.content}
+                                        for m in self.messages])
 
 
 # what a request conditions on, of any kind
 Prompt = TextPrompt | TokenPrompt | ChatPrompt
-
-
-def render_chat(tokenizer, messages: tuple[ChatMessage, ...]) -> str:
-    """The prompt text a chat request conditions on (the tokenizer's template, else the plain
-    one), ending where the assistant's reply starts."""
-    if not getattr(tokenizer, "chat_template", None):
-        return render_plain_chat(messages)
-    turns = [{"role": m.role, "content": m.content} for m in messages]
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-
-
-def render_plain_chat(messages: tuple[ChatMessage, ...]) -> str:
-    """One "role: content" line per message, then "assistant:" for the reply to continue."""
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"

@@ -27,17 +27,18 @@ def load_decoder(settings: ServerSettings):
     from ..loader import load
     from ..demo import demo_pair
     from ..models.llama_cpp import LlamaCppConfig
-    from ..proposers.ngram import NgramDraft
+    from ..proposers.suffix import SuffixDraft
 
     target, draft = settings.target, settings.draft
     if target is None:
         pair = demo_pair()
         target, draft = pair.target, pair.draft
-    draft = NgramDraft() if settings.ngram else None if settings.no_draft else draft
+    draft = SuffixDraft() if settings.ngram else None if settings.no_draft else draft
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings), verification=settings.verification,
                 hybrid=settings.hybrid, backend=settings.backend,
+                chat_template=settings.chat_template,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
                                                 context_size=settings.context_size))
 

@@ -63,12 +63,17 @@ class ServerSettings:
     draft: str | PathLike | None = _setting(
         None, "draft model directory or .gguf file (default: the shipped demo draft when "
         "--target is not given)", metavar="PATH")
-    ngram: bool = _setting(False, "draft by prompt lookup (n-grams of each request's prompt and "
-                           "output) instead of a draft model")
+    ngram: bool = _setting(False, "draft without a model, by the suffix-decoding rule: spans "
+                           "of each request's prompt and output, and of earlier requests, that "
+                           "the last tokens repeat (deeper the longer the match)")
     hybrid: bool = _setting(False, "draft by prompt lookup in rounds where it finds a match, "
                             "by the draft model otherwise (needs a draft model)")
     no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
                               "code path")
+    chat_template: str | None = _setting(
+        None, "what /v1/chat/completions renders messages with: chatml, gemma, plain or a "
+        "Jinja file (default: the model's own template; a model without one answers chat "
+        "requests with a 400 naming this option)", metavar="NAME|FILE", value_type=str)
     device: str = _setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = _setting("float32", "model dtype", choices=DTYPES)
     backend: str = _setting("auto", "forward implementation: 'llama.cpp' runs .gguf files on "
@@ -87,8 +92,9 @@ class ServerSettings:
                                     "goodput measures which depth is fastest here at each batch "
                                     "size, goodput-plain may also choose plain rounds (k = 0), "
                                     "threshold follows acceptance, fixed keeps --k (default: "
-                                    "goodput-plain with a draft: a fixed k that pays for one "
-                                    "client costs throughput under load). No policy changes "
+                                    "goodput-plain with a draft model: a fixed k that pays for "
+                                    "one client costs throughput under load; fixed with --ngram, "
+                                    "whose drafter sets each row's depth by its match). No policy changes "
                                     "what a seed gives: a seeded request's text is the same at "
                                     "any depth",
                                     choices=POLICY_NAMES + ("fixed",), value_type=str)
@@ -155,8 +161,11 @@ class ServerSettings:
     @property
     def depth_policy(self) -> str | None:
         """The depth policy requests follow: --adaptive's, goodput-plain when it is not given
-        and there is a draft, None for a fixed k (--adaptive fixed, or --no-draft)."""
-        if self.no_draft or self.adaptive == "fixed":
+        and there is a draft model, None for a fixed k (--adaptive fixed, --no-draft, or
+        --ngram without --adaptive: the suffix drafter's own rule sets each row's depth, up to
+        --k, and drafts nothing where nothing repeats, so a policy has nothing to save there
+        and its probes would cost)."""
+        if self.no_draft or self.adaptive == "fixed" or (self.ngram and self.adaptive is None):
             return None
         return self.adaptive or DEFAULT_DEPTH_POLICY
 
@@ -235,8 +244,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                            help=meta["help"] + shown)
 
 
-_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "device", "dtype",
-                           "backend", "context_size", "num_draft_tokens", "adaptive",
+_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "chat_template",
+                           "device", "dtype", "backend", "context_size", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 

@@ -1,0 +1,352 @@
+"""A suffix-decoding proposer: draft the most frequent continuation of the longest suffix of the
+sequence that occurred before, in the row's own history or in earlier sequences. No model, no
+random numbers.
+
+Legend: B batch, K draft tokens, m the length of the matched suffix.
+
+Reference: Oliaro et al. 2024, "SuffixDecoding: A Model-Free Approach to Speeding Up Large
+Language Model Inference". Per row and round:
+
+  1. match: the longest suffix of the row's sequence (m <= ``max_match`` tokens) that occurred
+     earlier followed by at least one token, in the row's own prompt + output or in the pool of
+     sequences that left earlier; the row's own history wins at equal length. m < ``min_match``:
+     no draft.
+  2. draft: walk the continuation token by token, each time taking the token that most of the
+     matched context's occurrences still on the path continue with (ties: the most recent),
+     up to min(k_b, ``max_depth``, floor(m * ``factor``)) tokens (the paper's adaptive length
+     alpha * p: a longer match earns a deeper draft), and stop before a token that fewer than
+     ``min_confidence`` of the context's occurrences continue with (the paper's path score: the
+     product of the continuation frequencies along it).
+
+What it is not: a literal suffix tree. Each source (a row, the pool) keeps, for a few suffix
+lengths L (min_match, 2 min_match, 4 min_match, ... and max_match), the latest end position of
+every L-gram followed by a token, and per position the previous end of the same L-gram: a chain
+of occurrences, newest first. A match takes one dict lookup per indexed length, longest first,
+then compares the latest occurrences of the longest L-gram found token by token to find m and
+the occurrences of the m-token context; a committed token costs one dict update per indexed
+length. Frequencies are counted among the latest MAX_OCCURRENCES occurrences, not all of them.
+
+Nor a distribution: a proposal is deterministic, so ``draft_probs`` is None and verification
+treats it as a point mass, exact at any temperature (as :mod:`.ngram`).
+
+Pool: the sequences of the rows that left any session of one :class:`SuffixProposer` (a row
+dropped by ``keep_rows``, or every row at ``close``), its prompt and its output, bounded by
+``pool_tokens`` and evicted oldest first. Sessions of one proposer may run in different threads:
+the pool is read and written under a lock.
+
+Ragged rows: as :mod:`.ngram`, a shorter proposal is padded with the row's last committed token
+and num_proposed says how many tokens each row found; K = 0 when no row drafts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import MAX_NUM_DRAFT_TOKENS
+from ..errors import ConfigError
+from .base import DraftPlan, LookupSession, Proposal, RoundConstraint
+
+# Frequencies come from the matched context's latest occurrences only: where a short context
+# recurs thousands of times, a round then costs the same as where it occurred twice.
+MAX_OCCURRENCES = 32
+
+# Ends each pooled sequence (and opens the pool): no token id equals it, so no match or
+# continuation crosses from one sequence into the next.
+_SEPARATOR = -1
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    """Settings of the suffix proposer.
+
+    max_depth: the most tokens a row drafts in one round (the round's k_b caps it further).
+    factor: a match of m tokens drafts at most floor(m * factor) tokens.
+    min_match: no draft where the longest suffix that occurred before is shorter.
+    max_match: the longest suffix compared.
+    min_confidence: stop the draft before a token that fewer than this share of the matched
+    context's occurrences continue with (a context that occurred once drafts while it goes on).
+    pool_tokens: the most tokens of finished sequences kept for all sessions (0: no pool).
+    """
+
+    max_depth: int = 32
+    factor: float = 1.0
+    # Shorter matches were right about half the time on chat answers, and where a pass over a
+    # few more tokens costs nearly a token each (quantized llama.cpp on a CPU) a draft right
+    # half the time loses; see dev/LOG.md (2026-11-27, the suffix drafter)
+    min_match: int = 4
+    max_match: int = 32
+    min_confidence: float = 0.5
+    pool_tokens: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_depth) and 1 <= self.max_depth <= MAX_NUM_DRAFT_TOKENS,
+                 "max_depth", self.max_depth,
+                 f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, e.g. 32")
+        _require(_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0,
+                 "factor", self.factor, "a finite number > 0, e.g. 1.0")
+        lo, hi = self.min_match, self.max_match
+        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi <= 64):
+            raise ConfigError(f"min_match={lo!r}, max_match={hi!r} are invalid: expected integers "
+                              "with 1 <= min_match <= max_match <= 64, e.g. 4 and 32.")
+        _require(_is_real(self.min_confidence) and 0.0 <= self.min_confidence <= 1.0,
+                 "min_confidence", self.min_confidence, "a number in [0, 1], e.g. 0.5")
+        _require(_is_int(self.pool_tokens) and self.pool_tokens >= 0, "pool_tokens",
+                 self.pool_tokens, "an integer >= 0 (0 disables the pool), e.g. 65536")
+
+    def indexed_lengths(self) -> tuple[int, ...]:
+        """The suffix lengths indexed, longest first: max_match, then min_match doubled down."""
+        lengths, length = {self.max_match}, self.min_match
+        while length < self.max_match:
+            lengths.add(length)
+            length *= 2
+        return tuple(sorted(lengths, reverse=True))
+
+
+def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _SuffixIndex:
+    """Tokens and, per indexed length L, each L-gram's latest end position e with a successor
+    (t[e+1] exists) and, per position, the previous end of the same L-gram (-1: none)."""
+
+    def __init__(self, lengths: tuple[int, ...]) -> None:
+        self.lengths = lengths  # longest first
+        self.tokens: list[int] = []
+        # keyed by hash(tuple(L-gram)): a collision costs one wasted comparison (occurrences
+        # are compared token by token), never a wrong match
+        self.latest: list[dict[int, int]] = [{} for _ in lengths]
+        self.previous = [array("q") for _ in lengths]  # [L][position]
+
+    def index_end(self, end: int, first: int) -> None:
+        """Index the L-grams ending at ``end`` that start at ``first`` or later; every
+        position gets a chain entry, in order."""
+        tokens = self.tokens
+        for length, latest, previous in zip(self.lengths, self.latest, self.previous):
+            if end - length + 1 >= first:
+                key = hash(tuple(tokens[end - length + 1: end + 1]))
+                previous.append(latest.get(key, -1))
+                latest[key] = end
+            else:
+                previous.append(-1)
+
+    def longest_match(self, query: list[int], max_match: int,
+                      base: int = 0) -> tuple[int, list[int]]:
+        """(m, ends): the longest suffix of ``query`` (the shortest indexed length <= m <=
+        max_match) that occurs here followed by a token, and the end positions of its latest
+        occurrences (newest first, at most MAX_OCCURRENCES); (0, []) if none. ``base``:
+        positions below it are gone (the pool's evicted sequences)."""
+        tokens, size = self.tokens, len(query)
+        for length, latest, previous in zip(self.lengths, self.latest, self.previous):
+            if length > size:
+                continue
+            suffix = query[size - length:]
+            end, ends = latest.get(hash(tuple(suffix)), -1), []
+            while end >= base and len(ends) < MAX_OCCURRENCES:
+                if tokens[end - length + 1: end + 1] == suffix:
+                    ends.append(end)
+                end = previous[end]
+            if ends:
+                reach = [self._extend(end, length, query, max_match) for end in ends]
+                best = max(reach)
+                return best, [end for end, r in zip(ends, reach) if r == best]
+        return 0, []
+
+    def _extend(self, end: int, length: int, query: list[int], max_match: int) -> int:
+        """How far the occurrence ending at ``end``, known to match ``length`` tokens, matches
+        the end of ``query`` (at most max_match tokens)."""
+        tokens, last = self.tokens, len(query) - 1
+        limit = min(max_match, last + 1, end + 1)
+        while length < limit and tokens[end - length] == query[last - length]:
+            length += 1
+        return length
+
+    def continuation(self, ends: list[int], limit: int, min_confidence: float) -> list[int]:
+        """Up to ``limit`` tokens along the most frequent continuation of the occurrences
+        ending at ``ends`` (ties: the most recent), while at least ``min_confidence`` of them
+        continue with the whole path. An occurrence that runs into the end of a row's history
+        continues with the path drafted so far (a loop drafts on around itself)."""
+        tokens, size = self.tokens, len(self.tokens)
+        needed = min_confidence * len(ends)
+        path: list[int] = []
+        alive = ends  # the occurrences that continued with the whole path, newest first
+        while len(path) < limit:
+            step = len(path) + 1
+            nexts = [tokens[e + step] if e + step < size else path[e + step - size]
+                     for e in alive]
+            counts: dict[int, int] = {}
+            for token in nexts:  # newest first: max() keeps the most recent of a tie
+                counts[token] = counts.get(token, 0) + 1
+            counts.pop(_SEPARATOR, None)
+            if not counts:
+                break
+            best = max(counts, key=counts.__getitem__)
+            if counts[best] < needed:
+                break
+            path.append(best)
+            alive = [e for e, token in zip(alive, nexts) if token == best]
+        return path
+
+
+class _Pool:
+    """Finished sequences for every session of one proposer: one index over them all, each
+    sequence followed by a separator, the oldest evicted past ``pool_tokens`` tokens."""
+
+    def __init__(self, config: SuffixDraft) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.sequences: deque[list[int]] = deque()
+        self.num_tokens = 0  # the live sequences' tokens, separators not counted
+        self._reindex([])
+
+    def add(self, sequence: Sequence[int]) -> None:
+        sequence = list(sequence[-self.config.pool_tokens:])
+        with self.lock:
+            self.sequences.append(sequence)
+            self.num_tokens += len(sequence)
+            self._index_sequence(sequence)
+            while self.num_tokens > self.config.pool_tokens:
+                evicted = self.sequences.popleft()
+                self.num_tokens -= len(evicted)
+                self.base += len(evicted) + 1
+            # Evicted entries only stop chains: rebuild once they are most of the index, so
+            # eviction costs about one more indexing of each pooled token.
+            if self.base > len(self.index.tokens) // 2:
+                self._reindex(list(self.sequences))
+
+    def match(self, query: list[int], limit: int, row_match: int) -> tuple[int, list[int]]:
+        """(m, up to ``limit`` drafted tokens) from the pool where its match is longer than
+        ``row_match`` (the row's own), else (0, [])."""
+        config = self.config
+        with self.lock:
+            length, ends = self.index.longest_match(query, config.max_match, self.base)
+            if length <= row_match:
+                return 0, []
+            return length, self.index.continuation(ends, min(limit, int(length * config.factor)),
+                                                   config.min_confidence)
+
+    def _reindex(self, sequences: list[list[int]]) -> None:
+        self.index = _SuffixIndex(self.config.indexed_lengths())
+        self.index.tokens.append(_SEPARATOR)
+        self.index.index_end(0, 1)
+        self.base = 1  # the first live position
+        for sequence in sequences:
+            self._index_sequence(sequence)
+
+    def _index_sequence(self, sequence: list[int]) -> None:
+        index = self.index
+        first = len(index.tokens)
+        index.tokens += sequence
+        separator = len(index.tokens)
+        index.tokens.append(_SEPARATOR)
+        for end in range(first, separator + 1):
+            # an L-gram is indexed where a token of its own sequence follows it (first past
+            # end: none of its L-grams is)
+            index.index_end(end, first if end + 1 < separator else end + 1)
+
+
+class _RowHistory:
+    """One row's committed tokens (prompt + output) and their index."""
+
+    def __init__(self, tokens: Sequence[int], config: SuffixDraft) -> None:
+        self.config = config
+        self.index = _SuffixIndex(config.indexed_lengths())
+        self.tokens = self.index.tokens
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        # the L-grams ending at the current last position now have a successor: index them
+        if self.tokens:
+            self.index.index_end(len(self.tokens) - 1, 0)
+        self.tokens.append(token)
+
+    def draft(self, num_tokens: int, pool: _Pool | None) -> list[int]:
+        """Up to num_tokens drafted from the longest match, the row's own at equal length."""
+        config = self.config
+        limit = min(num_tokens, config.max_depth)
+        length, ends = self.index.longest_match(self.tokens, config.max_match)
+        if pool is not None and length < config.max_match:
+            pool_length, path = pool.match(self.tokens, limit, length)
+            if pool_length:
+                return path
+        if not length:
+            return []
+        return self.index.continuation(ends, min(limit, int(length * config.factor)),
+                                       config.min_confidence)
+
+
+class SuffixProposer:
+    """Proposes the most frequent continuation of the longest earlier suffix match; the pool
+    of finished sequences is shared by every session it starts."""
+
+    def __init__(self, vocab_size: int, config: SuffixDraft = SuffixDraft()) -> None:
+        self.vocab_size = vocab_size
+        self.device = None  # no model: host tokens, no probs
+        self.max_positions = None  # no model, no window
+        self.config = config
+        self.pool = _Pool(config) if config.pool_tokens else None
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> SuffixSession:
+        return SuffixSession(prompts, self.config, self.pool)
+
+
+class SuffixSession(LookupSession):
+    """One generation's suffix state: each row's committed tokens and their index, and the
+    proposer's pool, which rows enter as they leave."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], config: SuffixDraft,
+                 pool: _Pool | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.rows = [_RowHistory(list(prompt), config) for prompt in prompts]
+
+    def add_rows(self, prompts: Sequence[Sequence[int]], defer: bool = False) -> None:
+        """Rows join (``defer`` changes nothing: indexing a prompt is cheap host work)."""
+        self.rows += [_RowHistory(list(prompt), self.config) for prompt in prompts]
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep these rows in this order; the others leave, into the pool."""
+        kept = set(rows)
+        self._pool_rows([row for i, row in enumerate(self.rows) if i not in kept])
+        self.rows = [self.rows[row] for row in rows]
+
+    def close(self) -> None:
+        """The session ends: every row still here enters the pool."""
+        self._pool_rows(self.rows)
+        self.rows = []
+
+    def catch_up(self) -> None:
+        """Nothing to do: the index takes each committed token as it comes."""
+
+    def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
+        """Up to ``plan.num_draft_tokens[b]`` for row b (fewer, or none, where the sequence
+        has no match long and frequent enough); deterministic: draft_probs None. The plan's
+        samplings and generators are not used, nor ``constraint``: the engine cuts a draft
+        where it leaves the grammar (ConstraintSet.cover)."""
+        assert plan.num_steps >= 1
+        return self.propose_found(self.lookup(plan.num_draft_tokens))
+
+    def lookup(self, num_draft_tokens: Sequence[int]) -> list[list[int]]:
+        """Each row's draft: up to num_draft_tokens[b] host ids, [] where it has none."""
+        return [row.draft(k, self.pool) if k else [] for row, k in zip(self.rows,
+                                                                        num_draft_tokens)]
+
+    def _pool_rows(self, rows: list[_RowHistory]) -> None:
+        if self.pool is not None:
+            for row in rows:
+                self.pool.add(row.tokens)

@@ -27,7 +27,7 @@ SPAN = list(range(10, 30))  # 20 distinct tokens
 
 
 # the unit cases are written for short matches (2 tokens); the default asks for longer ones
-SHORT = SuffixDraft(min_match=2)
+SHORT = SuffixDraft(min_match=2, first_depth=32)
 
 
 def _session(prompts, config=None, proposer=None):
@@ -57,16 +57,16 @@ def test_a_long_repeat_drafts_up_to_k_and_match_times_factor():
     prompt = SPAN + SPAN[:6]  # the suffix SPAN[:6] matched: m = 6
     assert _proposed(_session([prompt]), 8) == [SPAN[6:12]]  # m * factor = 6 < k
     assert _proposed(_session([prompt]), 4) == [SPAN[6:10]]  # k < 6
-    assert _proposed(_session([prompt], SuffixDraft(min_match=2, factor=0.5)), 8) == [SPAN[6:9]]
-    assert _proposed(_session([prompt], SuffixDraft(min_match=2, max_depth=2)), 8) == [SPAN[6:8]]
-    assert _proposed(_session([prompt], SuffixDraft(min_match=2, max_match=4)), 8) == [SPAN[6:10]]
+    assert _proposed(_session([prompt], SuffixDraft(min_match=2, first_depth=32, factor=0.5)), 8) == [SPAN[6:9]]
+    assert _proposed(_session([prompt], SuffixDraft(min_match=2, first_depth=2, max_depth=2)), 8) == [SPAN[6:8]]
+    assert _proposed(_session([prompt], SuffixDraft(min_match=2, first_depth=32, max_match=4)), 8) == [SPAN[6:10]]
 
 
 def test_a_match_is_the_longest_suffix_up_to_max_match():
     prompt = SPAN * 2 + SPAN[:1]  # the suffix SPAN + SPAN[:1] occurred before: m = 21
     # the occurrence runs into the present, then continues with the draft; m caps it at 21
     assert _proposed(_session([prompt]), 32) == [SPAN[1:] + SPAN[:2]]
-    capped = _session([prompt], SuffixDraft(min_match=2, max_match=8))
+    capped = _session([prompt], SuffixDraft(min_match=2, first_depth=32, max_match=8))
     assert _proposed(capped, 32) == [SPAN[1:9]]
 
 
@@ -80,9 +80,9 @@ def test_the_confident_path_stops_where_occurrences_diverge():
     history = [90, 1, 2, 3, 4, 5, 91, 1, 2, 3, 4, 6, 92, 1, 2, 3, 4, 7, 93, 1, 2, 3]
     assert _proposed(_session([history]), 8) == [[4]]  # 5, 6, 7: 1/3 each < 0.5
     # at 1/3 the path goes on; a tie goes to the most recent occurrence (then m = 3 caps it)
-    assert _proposed(_session([history], SuffixDraft(min_match=2, min_confidence=0.3)), 8) == [[4, 7, 93]]
+    assert _proposed(_session([history], SuffixDraft(min_match=2, first_depth=32, min_confidence=0.3)), 8) == [[4, 7, 93]]
     # min_confidence 1: a path every occurrence shares
-    assert _proposed(_session([history], SuffixDraft(min_match=2, min_confidence=1.0)), 8) == [[4]]
+    assert _proposed(_session([history], SuffixDraft(min_match=2, first_depth=32, min_confidence=1.0)), 8) == [[4]]
 
 
 def test_the_most_frequent_continuation_beats_the_most_recent():
@@ -127,7 +127,7 @@ def test_commit_appends_accepted_tokens_and_the_next_one_to_the_history():
 
 def test_keep_rows_and_add_rows_keep_rows_aligned():
     session = _session([SPAN[:5] * 2 + SPAN[:2], [7] * 3, [40, 41, 42, 40, 41]],
-                       SuffixDraft(min_match=2, pool_tokens=0))
+                       SuffixDraft(min_match=2, first_depth=32, pool_tokens=0))
     session.keep_rows([2, 0])
     session.add_rows([[50, 51, 52, 50, 51]], defer=True)
     assert _proposed(session, 2) == [[42, 40], SPAN[2:4], [52, 50]]
@@ -174,7 +174,7 @@ def test_no_match_crosses_from_one_pooled_sequence_into_the_next():
 
 
 def test_the_pool_bound_evicts_the_oldest_sequences():
-    proposer = SuffixProposer(100, SuffixDraft(min_match=2, pool_tokens=10))
+    proposer = SuffixProposer(100, SuffixDraft(min_match=2, first_depth=32, pool_tokens=10))
     proposer.start([[20, 21, 22, 23, 24, 25]]).close()
     proposer.start([[40, 41, 42, 43, 44, 45]]).close()  # 12 tokens: the first leaves
     assert proposer.pool.num_tokens == 6
@@ -191,7 +191,7 @@ def test_the_pool_bound_evicts_the_oldest_sequences():
 
 
 def test_pool_tokens_zero_keeps_no_pool():
-    proposer = SuffixProposer(100, SuffixDraft(min_match=2, pool_tokens=0))
+    proposer = SuffixProposer(100, SuffixDraft(min_match=2, first_depth=32, pool_tokens=0))
     proposer.start([[60, 61, 62, 63]]).close()
     assert proposer.pool is None
     assert _proposed(_session([[0, 61, 62]], proposer=proposer), 4) == [[]]
@@ -246,3 +246,16 @@ def test_greedy_output_equals_plain_decoding_on_the_demo_pair(demo_decoder, demo
         alone = decoder.generate([prompt], config)
         assert alone.token_ids == [expected]
         assert alone.metrics.num_accepted > 0 and alone.metrics.num_rounds < len(expected)
+
+
+def test_a_kept_draft_doubles_the_next_and_a_rejected_one_asks_a_longer_match():
+    span = list(range(10, 60))
+    session = _session([span + [0] + span[:6]], SuffixDraft(min_match=2, first_depth=4))
+    assert _proposed(session, 32) == [span[6:10]]  # the first draft: first_depth tokens
+    session.commit([4], [span[10]])  # kept whole
+    assert _proposed(session, 32) == [span[11:19]]  # twice as deep
+    session.commit([0], [99])  # rejected at its first token: the text left the span
+    row = session.rows[0]
+    assert (row.needed, row.budget) == (4, 4)
+    session.append_committed([[span[0], span[1]]])  # a 2-token match no longer drafts
+    assert _proposed(session, 32) == [[]]

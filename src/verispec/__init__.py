@@ -27,7 +27,8 @@ from .goodput import GoodputPolicyConfig
 from .metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
 from .models.llama_cpp import LlamaCppConfig  # llama_cpp itself is imported when a model loads
-from .proposers import DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal
+from .proposers import (DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal,
+                        SuffixDraft, SuffixProposer)
 from .sampling import greedy_tokens, make_generator, sample, to_probs
 from .verify import VerifyResult, verify, verify_rows
 from .verify_block import verify_block_rows
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # these pull in transformers; imported on first use so `import verispec` stays light
     "load": ("loader", "load"), "Decoder": ("api", "Decoder"), "Completion": ("api", "Completion"),
-    "demo_pair": ("demo", "demo_pair"),
+    "demo_pair": ("demo", "demo_pair"), "ChatTemplateMissing": ("chat", "ChatTemplateMissing"),
 }
 
 
@@ -58,7 +59,7 @@ __all__ = [
     "GenerationConfig", "SamplingConfig", "ThresholdPolicyConfig", "GoodputPolicyConfig",
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
-    "NgramProposer", "Proposal",
+    "NgramProposer", "Proposal", "SuffixDraft", "SuffixProposer", "ChatTemplateMissing",
     "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_rows",
     "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from ..config import MAX_NUM_DRAFT_TOKENS
 from ..errors import ConfigError
+from ..models.base import as_ints
 from .base import DraftPlan, LookupSession, Proposal, RoundConstraint
 
 # Frequencies come from the matched context's latest occurrences only: where a short context
@@ -65,6 +66,9 @@ class SuffixDraft:
     """Settings of the suffix proposer.
 
     max_depth: the most tokens a row drafts in one round (the round's k_b caps it further).
+    first_depth: the most tokens a row's first draft may have; a draft kept whole doubles the
+    next one's limit, up to max_depth, a draft rejected at its first token sets it back here
+    and doubles the match length the next draft needs, up to max_match.
     factor: a match of m tokens drafts at most floor(m * factor) tokens.
     min_match: no draft where the longest suffix that occurred before is shorter.
     max_match: the longest suffix compared.
@@ -74,6 +78,7 @@ class SuffixDraft:
     """
 
     max_depth: int = 32
+    first_depth: int = 8
     factor: float = 1.0
     # Shorter matches were right about half the time on chat answers, and where a pass over a
     # few more tokens costs nearly a token each (quantized llama.cpp on a CPU) a draft right
@@ -87,6 +92,9 @@ class SuffixDraft:
         _require(_is_int(self.max_depth) and 1 <= self.max_depth <= MAX_NUM_DRAFT_TOKENS,
                  "max_depth", self.max_depth,
                  f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, e.g. 32")
+        _require(_is_int(self.first_depth) and 1 <= self.first_depth <= self.max_depth,
+                 "first_depth", self.first_depth,
+                 f"an integer from 1 to max_depth ({self.max_depth}), e.g. 8")
         _require(_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0,
                  "factor", self.factor, "a finite number > 0, e.g. 1.0")
         lo, hi = self.min_match, self.max_match
@@ -268,6 +276,12 @@ class _RowHistory:
         self.tokens = self.index.tokens
         for token in tokens:
             self.append(token)
+        # How the row's drafts fared so far sets the next one (observe): the match a draft
+        # needs, and the most tokens it may have, which starts at first_depth and doubles while
+        # whole drafts are kept (the slow start of a copy), so a row whose text only seemed to
+        # repeat (sampled text leaving an earlier answer) wastes short drafts, not long ones.
+        self.needed = config.min_match
+        self.budget = config.first_depth
 
     def append(self, token: int) -> None:
         # the L-grams ending at the current last position now have a successor: index them
@@ -278,16 +292,32 @@ class _RowHistory:
     def draft(self, num_tokens: int, pool: _Pool | None) -> list[int]:
         """Up to num_tokens drafted from the longest match, the row's own at equal length."""
         config = self.config
-        limit = min(num_tokens, config.max_depth)
+        limit = min(num_tokens, config.max_depth, self.budget)
         length, ends = self.index.longest_match(self.tokens, config.max_match)
         if pool is not None and length < config.max_match:
             pool_length, path = pool.match(self.tokens, limit, length)
-            if pool_length:
+            if pool_length >= self.needed:
                 return path
-        if not length:
+        if length < self.needed:
             return []
         return self.index.continuation(ends, min(limit, int(length * config.factor)),
                                        config.min_confidence)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """The row's last draft of ``num_drafted`` tokens kept ``num_accepted``: a whole draft
+        kept doubles the budget (up to max_depth) and asks only min_match again; a draft
+        rejected at its first token doubles the match the next one needs (up to max_match)
+        and sets the budget back to first_depth; a partly kept one sets the budget to what it
+        kept (at least half of first_depth)."""
+        config = self.config
+        if num_accepted >= num_drafted:
+            self.budget = min(2 * self.budget, config.max_depth)
+            self.needed = config.min_match
+        elif num_accepted == 0:
+            self.needed = min(2 * self.needed, config.max_match)
+            self.budget = config.first_depth
+        else:
+            self.budget = min(max(num_accepted, config.first_depth // 2, 1), config.max_depth)
 
 
 class SuffixProposer:
@@ -314,6 +344,7 @@ class SuffixSession(LookupSession):
         self.config = config
         self.pool = pool
         self.rows = [_RowHistory(list(prompt), config) for prompt in prompts]
+        self._found: list[int] | None = None  # this round's drafted lengths, per row
 
     def add_rows(self, prompts: Sequence[Sequence[int]], defer: bool = False) -> None:
         """Rows join (``defer`` changes nothing: indexing a prompt is cheap host work)."""
@@ -345,6 +376,20 @@ class SuffixSession(LookupSession):
         """Each row's draft: up to num_draft_tokens[b] host ids, [] where it has none."""
         return [row.draft(k, self.pool) if k else [] for row, k in zip(self.rows,
                                                                         num_draft_tokens)]
+
+    def propose_found(self, found: list[list[int]]) -> Proposal:
+        self._found = [len(draft) for draft in found]
+        return super().propose_found(found)
+
+    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
+        """Each row that drafted learns how its draft fared (_RowHistory.observe), then the
+        kept tokens are indexed."""
+        if self._found is not None:
+            for row, drafted, kept in zip(self.rows, self._found, as_ints(num_accepted)):
+                if drafted:
+                    row.observe(drafted, kept)
+            self._found = None
+        super().commit(num_accepted, next_tokens)
 
     def _pool_rows(self, rows: list[_RowHistory]) -> None:
         if self.pool is not None:

@@ -46,7 +46,7 @@ SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_batch_siz
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    with ServerThread(create_app(verispec.load(*model_dirs), SETTINGS)) as running:
+    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), SETTINGS)) as running:
         yield running
 
 
@@ -311,7 +311,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_row_streams(mode
     # (chunked_prefill.py) while the running row gets its rounds (a delta in most: some hold
     # text back; admitted whole, the prompt would start within a round); both texts equal the
     # same requests alone
-    decoder = verispec.load(*model_dirs)
+    decoder = verispec.load(*model_dirs, chat_template="plain")
     long_prompt = " ".join(PROMPTS)
     with _RecordedWorker(decoder, monkeypatch) as recorded:
         short = recorded.submit(PROMPTS[0], 160)
@@ -336,7 +336,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_row_streams(mode
 
 def test_a_request_cancelled_while_its_prompt_is_prefilled_in_chunks_never_joins(model_dirs,
                                                                                 monkeypatch):
-    decoder = verispec.load(*model_dirs)
+    decoder = verispec.load(*model_dirs, chat_template="plain")
     # the long prompt needs ~90 gaps, the short row runs 300 tokens: the cancel comes while
     # the prompt is still going in, and the next gap drops it
     with _RecordedWorker(decoder, monkeypatch) as recorded:
@@ -354,7 +354,7 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_in_chunks_never_joins
 def test_a_rows_books_close_before_its_end_is_posted(model_dirs, monkeypatch):
     # a client that has read its row's end must find the worker (num_running) and /metrics
     # (the finish hook) already without that row: the CI run on 03396a1 read num_running == 1
-    decoder = verispec.load(*model_dirs)
+    decoder = verispec.load(*model_dirs, chat_template="plain")
     with _RecordedWorker(decoder, monkeypatch) as recorded:
         jobs = [recorded.submit(prompt, tokens) for prompt, tokens in zip(PROMPTS, (3, 9, 5))]
         recorded.wait_for(lambda: all(recorded.posted(job, Event.DONE) for job in jobs))

@@ -55,7 +55,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dirs):
-    return verispec.load(*model_dirs)
+    return verispec.load(*model_dirs, chat_template="plain")
 
 
 SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_queue=1, max_batch_size=1,
@@ -64,7 +64,7 @@ SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_queue=1, 
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    with ServerThread(create_app(verispec.load(*model_dirs), SETTINGS)) as running:
+    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), SETTINGS)) as running:
         yield running
 
 
@@ -128,7 +128,7 @@ def test_host_names_follow_the_bind_address_and_allowed_hosts():
 
 def test_allowed_hosts_lets_a_named_host_in(model_dirs):
     settings = ServerSettings(model_name=MODEL, allowed_hosts="api.example.test")
-    with ServerThread(create_app(verispec.load(*model_dirs), settings)) as running:
+    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), settings)) as running:
         assert post(running, headers={"Host": "api.example.test"}).status_code == 200
         error_of(post(running, headers={"Host": "127.0.0.1"}), 403, "host_not_allowed")
 
@@ -283,7 +283,8 @@ def test_a_seed_fixes_the_output_under_goodput(model_dirs, reference):
     # the seeded request follows the policy like any other, and its text is plain decoding's
     settings = ServerSettings(model_name=MODEL, adaptive="goodput", max_tokens_limit=200)
     body = {**GOOD, "max_tokens": 48, "temperature": 1.0, "seed": 11}
-    decoder = verispec.load(*model_dirs, adaptive=verispec.GoodputPolicyConfig())
+    decoder = verispec.load(*model_dirs, adaptive=verispec.GoodputPolicyConfig(),
+                            chat_template="plain")
     with ServerThread(create_app(decoder, settings)) as running:
         first, second = post(running, body=body).json(), post(running, body=body).json()
         unseeded = post(running, body={**body, "seed": None}).json()

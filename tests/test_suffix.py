@@ -98,7 +98,9 @@ def test_frequencies_count_the_latest_occurrences_only():
 
 
 def test_ragged_rows_are_padded_and_no_draft_is_a_plain_round():
-    session = _session([SPAN + SPAN[:3], [1, 2, 3], [7] * 4])
+    # min_match 1: in a round of 3 rows a draft needs a match 3 times as long (3 tokens here)
+    session = _session([SPAN + SPAN[:3], [1, 2, 3], [7] * 4],
+                       SuffixDraft(min_match=1, first_depth=32))
     proposal = session.propose(DraftPlan.uniform(3, 4, GREEDY, make_generator(0)))
     assert proposal.num_proposed == [3, 0, 3]
     assert proposal.draft_tokens.tolist() == [SPAN[3:6], [3] * 3, [7] * 3]
@@ -108,7 +110,7 @@ def test_ragged_rows_are_padded_and_no_draft_is_a_plain_round():
 
 
 def test_a_row_with_k_zero_drafts_nothing():
-    session = _session([SPAN + SPAN[:3], SPAN + SPAN[:3]])
+    session = _session([SPAN + SPAN[:3], SPAN + SPAN[:3]], SuffixDraft(min_match=1))
     plan = DraftPlan([0, 2], [GREEDY] * 2, [make_generator(0)] * 2)
     assert session.propose(plan).num_proposed == [0, 2]
 
@@ -126,14 +128,15 @@ def test_commit_appends_accepted_tokens_and_the_next_one_to_the_history():
 
 
 def test_keep_rows_and_add_rows_keep_rows_aligned():
-    session = _session([SPAN[:5] * 2 + SPAN[:2], [7] * 3, [40, 41, 42, 40, 41]],
-                       SuffixDraft(min_match=2, first_depth=32, pool_tokens=0))
+    # min_match 1: in a round of 3 rows a draft needs a 3-token match
+    session = _session([SPAN[:5] * 2 + SPAN[:2], [7] * 3, [40, 41, 42, 43, 40, 41, 42]],
+                       SuffixDraft(min_match=1, first_depth=32, pool_tokens=0))
     session.keep_rows([2, 0])
-    session.add_rows([[50, 51, 52, 50, 51]], defer=True)
-    assert _proposed(session, 2) == [[42, 40], SPAN[2:4], [52, 50]]
+    session.add_rows([[50, 51, 52, 53, 50, 51, 52]], defer=True)
+    assert _proposed(session, 2) == [[43, 40], SPAN[2:4], [53, 50]]
     session.commit([1, 0, 2], [60, 61, 62])
-    assert [row.tokens[-3:] for row in session.rows] == [[41, 42, 60], [10, 11, 61],
-                                                          [52, 50, 62]]
+    assert [row.tokens[-3:] for row in session.rows] == [[42, 43, 60], [10, 11, 61],
+                                                          [53, 50, 62]]
 
 
 # --- the pool -----------------------------------------------------------------------------
@@ -259,3 +262,10 @@ def test_a_kept_draft_doubles_the_next_and_a_rejected_one_asks_a_longer_match():
     assert (row.needed, row.budget) == (4, 4)
     session.append_committed([[span[0], span[1]]])  # a 2-token match no longer drafts
     assert _proposed(session, 32) == [[]]
+
+
+def test_in_a_batch_a_draft_needs_a_match_as_many_times_as_long_as_rows():
+    alone = _session([SPAN + SPAN[:4]], SuffixDraft(min_match=2, first_depth=32))
+    assert _proposed(alone, 4) == [SPAN[4:8]]  # 4 >= 2: drafts alone
+    pair = _session([SPAN + SPAN[:4], SPAN + SPAN[:6]], SuffixDraft(min_match=3, first_depth=32))
+    assert _proposed(pair, 4) == [[], SPAN[6:10]]  # 2 rows: a match of 6 or more

@@ -92,6 +92,11 @@ class AdaptivePolicyConfig:
     min_num_draft_tokens: int = 1
     max_num_draft_tokens: int = 16
     carry_over: bool = False
+    # the fewest rows a round must have for the policy to set its k; a smaller round drafts at
+    # its rows' own k (a model-free drafter that sets each row's depth itself needs no policy
+    # for a lone row, whose draft costs only that row, but does in a batch, where a wide pass
+    # makes every row wait)
+    min_rows: int = 1
     # the lowest min_num_draft_tokens a policy accepts: 0 lets it choose plain decoding rounds
     LOWEST_MIN: ClassVar[int] = 1
 
@@ -102,6 +107,9 @@ class AdaptivePolicyConfig:
             raise ConfigError(
                 f"min_num_draft_tokens={lo!r}, max_num_draft_tokens={hi!r} are invalid: expected "
                 f"integers with {self.LOWEST_MIN} <= min <= max <= 32 and max >= 1.")
+        if isinstance(self.min_rows, bool) or not (isinstance(self.min_rows, int)
+                                                   and self.min_rows >= 1):
+            raise ConfigError(f"min_rows={self.min_rows!r} is invalid: expected an integer >= 1.")
         if not isinstance(self.carry_over, bool):
             raise ConfigError(f"carry_over={self.carry_over!r} is invalid: expected True or False.")
 

@@ -252,8 +252,10 @@ class Batch:
         return times["wall_time"] - times["draft_time"] - times["target_time"]
 
     def _policy(self) -> AdaptivePolicy | None:
-        """The policy of the current batch size's bucket, built on first use."""
-        if self.policy_config is None or not any(row.follows_policy for row in self.rows):
+        """The policy of the current batch size's bucket, built on first use; None below the
+        config's min_rows (the rows' own k then)."""
+        if self.policy_config is None or len(self.rows) < self.policy_config.min_rows or not any(
+                row.follows_policy for row in self.rows):
             return None
         bucket = self._bucket()
         if bucket not in self._policies:

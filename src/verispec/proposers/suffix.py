@@ -9,12 +9,15 @@ Language Model Inference". Per row and round:
 
   1. match: the longest suffix of the row's sequence (m <= ``max_match`` tokens) that occurred
      earlier followed by at least one token, in the row's own prompt + output or in the pool of
-     sequences that left earlier; the row's own history wins at equal length. m < ``min_match``:
-     no draft.
+     sequences that left earlier; the row's own history wins at equal length. m below the
+     length the row needs (``min_match``, doubled after each draft rejected at its first
+     token, and times the number of rows in the round: a draft widens the pass every row of
+     the batch waits for): no draft.
   2. draft: walk the continuation token by token, each time taking the token that most of the
      matched context's occurrences still on the path continue with (ties: the most recent),
-     up to min(k_b, ``max_depth``, floor(m * ``factor``)) tokens (the paper's adaptive length
-     alpha * p: a longer match earns a deeper draft), and stop before a token that fewer than
+     up to min(k_b, ``max_depth``, the row's budget, floor(m * ``factor``)) tokens (the
+     paper's adaptive length alpha * p: a longer match earns a deeper draft; the budget starts
+     at ``first_depth`` and doubles while whole drafts are kept), and stop before a token that fewer than
      ``min_confidence`` of the context's occurrences continue with (the paper's path score: the
      product of the continuation frequencies along it).
 
@@ -289,16 +292,20 @@ class _RowHistory:
             self.index.index_end(len(self.tokens) - 1, 0)
         self.tokens.append(token)
 
-    def draft(self, num_tokens: int, pool: _Pool | None) -> list[int]:
-        """Up to num_tokens drafted from the longest match, the row's own at equal length."""
+    def draft(self, num_tokens: int, pool: _Pool | None, num_rows: int = 1) -> list[int]:
+        """Up to num_tokens drafted from the longest match, the row's own at equal length.
+        In a round of ``num_rows`` rows the match must be num_rows times as long (up to
+        max_match): a draft's tokens widen the pass every row waits for, so in a batch only
+        long repeats pay."""
         config = self.config
+        needed = min(self.needed * num_rows, config.max_match)
         limit = min(num_tokens, config.max_depth, self.budget)
         length, ends = self.index.longest_match(self.tokens, config.max_match)
         if pool is not None and length < config.max_match:
             pool_length, path = pool.match(self.tokens, limit, length)
-            if pool_length >= self.needed:
+            if pool_length >= needed:
                 return path
-        if length < self.needed:
+        if length < needed:
             return []
         return self.index.continuation(ends, min(limit, int(length * config.factor)),
                                        config.min_confidence)
@@ -374,8 +381,9 @@ class SuffixSession(LookupSession):
 
     def lookup(self, num_draft_tokens: Sequence[int]) -> list[list[int]]:
         """Each row's draft: up to num_draft_tokens[b] host ids, [] where it has none."""
-        return [row.draft(k, self.pool) if k else [] for row, k in zip(self.rows,
-                                                                        num_draft_tokens)]
+        num_rows = len(self.rows)
+        return [row.draft(k, self.pool, num_rows) if k else []
+                for row, k in zip(self.rows, num_draft_tokens)]
 
     def propose_found(self, found: list[list[int]]) -> Proposal:
         self._found = [len(draft) for draft in found]

@@ -18,8 +18,14 @@ from .settings import ServerSettings
 
 def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
     """The depth policy every request uses by default: --adaptive NAME [--carry-over], or the
-    server's default (ServerSettings.depth_policy)."""
-    return named_policy(settings.depth_policy, settings.carry_over)
+    server's default (ServerSettings.depth_policy). With --ngram and no --adaptive, the
+    default goodput-plain sets k only in rounds of 2 rows or more: a lone row drafts by the
+    suffix drafter's own rule, whose drafts cost that row alone, while in a batch a draft
+    widens the pass every row waits for and the policy prices that."""
+    config = named_policy(settings.depth_policy, settings.carry_over)
+    if settings.ngram and settings.adaptive is None and config is not None:
+        config = replace(config, min_rows=2)
+    return config
 
 
 def load_decoder(settings: ServerSettings):

@@ -92,9 +92,9 @@ class ServerSettings:
                                     "goodput measures which depth is fastest here at each batch "
                                     "size, goodput-plain may also choose plain rounds (k = 0), "
                                     "threshold follows acceptance, fixed keeps --k (default: "
-                                    "goodput-plain with a draft model: a fixed k that pays for "
-                                    "one client costs throughput under load; fixed with --ngram, "
-                                    "whose drafter sets each row's depth by its match). No policy changes "
+                                    "goodput-plain with a draft: a fixed k that pays for one "
+                                    "client costs throughput under load; with --ngram it sets k "
+                                    "in batches only, a lone request drafting by its match). No policy changes "
                                     "what a seed gives: a seeded request's text is the same at "
                                     "any depth",
                                     choices=POLICY_NAMES + ("fixed",), value_type=str)
@@ -161,11 +161,9 @@ class ServerSettings:
     @property
     def depth_policy(self) -> str | None:
         """The depth policy requests follow: --adaptive's, goodput-plain when it is not given
-        and there is a draft model, None for a fixed k (--adaptive fixed, --no-draft, or
-        --ngram without --adaptive: the suffix drafter's own rule sets each row's depth, up to
-        --k, and drafts nothing where nothing repeats, so a policy has nothing to save there
-        and its probes would cost)."""
-        if self.no_draft or self.adaptive == "fixed" or (self.ngram and self.adaptive is None):
+        and there is a draft (with --ngram only in rounds of 2 rows or more:
+        run.adaptive_policy), None for a fixed k (--adaptive fixed, or --no-draft)."""
+        if self.no_draft or self.adaptive == "fixed":
             return None
         return self.adaptive or DEFAULT_DEPTH_POLICY
 

@@ -1,0 +1,137 @@
+"""Why verispec's greedy text can differ from llama-server's on the same GGUF file: each
+llama-server setting that changes how the logits are computed, against verispec's plain
+decoding, prompt by prompt.
+
+    python benchmarks/llama_server_agreement.py --llama-server /path/to/llama-server
+
+For each model (the packaged SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M) and each
+prompt of benchmarks/real_models.py (rendered in the model's chat template, sent as token ids),
+greedy 128 tokens (ignore_eos, no prompt cache) from:
+
+    verispec                      verispec plain decoding in this process (llama-cpp-python;
+                                  one KV stream per sequence, prompt prefilled in one pass)
+    llama -np 1                   llama-server, one slot
+    llama -np 8                   eight slots (the unified KV cache shared by all slots)
+    llama -np 8 --no-kv-unified   eight slots, one KV stream per slot (as verispec)
+    llama -np 1 -t 1              one thread instead of two
+    llama -np 1 -ub 16            the prompt processed 16 tokens at a time instead of 512
+
+and reports, per setting, on how many prompts its tokens equal verispec's, and where the first
+difference is. Writes <out>.json and <out>.md (default benchmarks/results/llama_server_agreement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batching_load import machine  # noqa: E402
+from load_test import wait_until_healthy  # noqa: E402
+from real_models import MODELS, TASKS, free_port  # noqa: E402
+
+SETTINGS = {
+    "llama -np 1": ["-np", "1"],
+    "llama -np 8": ["-np", "8"],
+    "llama -np 8 --no-kv-unified": ["-np", "8", "--no-kv-unified"],
+    "llama -np 1 -t 1": ["-np", "1", "-t", "1", "-tb", "1"],
+    "llama -np 1 -ub 16": ["-np", "1", "-ub", "16"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", required=True)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"
+                                             / "llama_server_agreement"))
+    return parser.parse_args(argv)
+
+
+def llama_tokens(binary: str, gguf: str, flags: list[str], prompts: list[list[int]],
+                 max_tokens: int) -> list[list[int]]:
+    port = free_port()
+    threads = [] if "-t" in flags else ["-t", "2", "-tb", "2"]
+    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-c", "16384",
+               "--no-webui", *threads, *flags]
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
+    process.log = log  # type: ignore[attr-defined]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, process)
+        outputs = []
+        with httpx.Client(timeout=600) as client:
+            for prompt in prompts:
+                reply = client.post(f"{url}/completion", json={
+                    "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}).json()
+                outputs.append(reply["tokens"])
+        return outputs
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import verispec
+    from verispec.models.packaged import packaged_model_path
+
+    args = parse_args(argv)
+    rows, lines = [], []
+    for model in args.models:
+        package_name, template = MODELS[model]
+        gguf = str(packaged_model_path(package_name))
+        decoder = verispec.load(gguf, chat_template=template)
+        prompts = [decoder.chat_prompt_ids([{"role": "user", "content": text}])
+                   for texts in TASKS.values() for text in texts]
+        reference = [decoder.generate(p, max_new_tokens=args.max_tokens, ignore_eos=True,
+                                      speculative=False).token_ids for p in prompts]
+        del decoder
+        lines += [f"### {model} ({len(prompts)} prompts, {args.max_tokens} greedy tokens)", "",
+                  "| setting | prompts equal to verispec's | first differences (new-token index) |",
+                  "|---|---|---|"]
+        for setting, flags in SETTINGS.items():
+            started = time.perf_counter()
+            outputs = llama_tokens(args.llama_server, gguf, flags, prompts, args.max_tokens)
+            differences = [first_difference(ref, out) for ref, out in zip(reference, outputs)]
+            equal = sum(d is None for d in differences)
+            rows.append({"model": model, "setting": setting, "equal": equal,
+                         "prompts": len(prompts), "first_differences": differences,
+                         "seconds": time.perf_counter() - started})
+            shown = ", ".join(str(d) for d in differences if d is not None) or "-"
+            lines.append(f"| {setting} | {equal} / {len(prompts)} | {shown} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    table = "\n".join(lines)
+    out = Path(args.out)
+    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python benchmarks/llama_server_agreement.py "
+                       + " ".join(argv or sys.argv[1:])}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(f"Machine: {meta['machine']['cpu']}, "
+                                      f"{meta['machine']['cores']} cores; {meta['date']}; "
+                                      f"`{meta['command']}`\n\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,9 @@ decoding, prompt by prompt.
 
 For each model (the packaged SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M) and each
 prompt of benchmarks/real_models.py (rendered in the model's chat template, sent as token ids),
-greedy 128 tokens (ignore_eos, no prompt cache) from:
+greedy up to 128 tokens, ending at the model's end-of-generation tokens (no prompt cache;
+``ignore_eos`` is not used: llama-server bans those tokens under it, where verispec generates
+and keeps them, so the texts would part at the first one), from:
 
     verispec                      verispec plain decoding in this process (llama-cpp-python;
                                   one KV stream per sequence, prompt prefilled in one pass)
@@ -75,12 +77,18 @@ def llama_tokens(binary: str, gguf: str, flags: list[str], prompts: list[list[in
             for prompt in prompts:
                 reply = client.post(f"{url}/completion", json={
                     "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}).json()
+                    "cache_prompt": False, "return_tokens": True}).json()
                 outputs.append(reply["tokens"])
         return outputs
     finally:
         process.terminate()
         process.wait(30)
+
+
+def _without_stop(token_ids: list[int], stop_token_ids: tuple[int, ...]) -> list[int]:
+    """verispec's tokens without the end-of-generation token it ended at (llama-server's
+    ``tokens`` leave it out)."""
+    return token_ids[:-1] if token_ids and token_ids[-1] in stop_token_ids else token_ids
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -102,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         decoder = verispec.load(gguf, chat_template=template)
         prompts = [decoder.chat_prompt_ids([{"role": "user", "content": text}])
                    for texts in TASKS.values() for text in texts]
-        reference = [decoder.generate(p, max_new_tokens=args.max_tokens, ignore_eos=True,
-                                      speculative=False).token_ids for p in prompts]
+        reference = [_without_stop(decoder.generate(p, max_new_tokens=args.max_tokens,
+                                                    speculative=False).token_ids,
+                                   decoder.stop_token_ids) for p in prompts]
         del decoder
         lines += [f"### {model} ({len(prompts)} prompts, {args.max_tokens} greedy tokens)", "",
                   "| setting | prompts equal to verispec's | first differences (new-token index) |",

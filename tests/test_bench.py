@@ -52,8 +52,8 @@ def test_bench_runs_every_method_and_greedy_outputs_match(model_dirs, tmp_path, 
     names = [r["name"] for r in greedy]
     assert names == ["verispec plain", "hf generate (target)", "hf assisted (defaults)",
                      "hf assisted k=1", "hf assisted k=3", "verispec k=1", "verispec k=3",
-                     "hf prompt lookup k=2", "verispec ngram k=2", "verispec hybrid k=2",
-                     "verispec threshold",
+                     "hf prompt lookup k=2", "verispec ngram k=2", "verispec suffix",
+                     "verispec hybrid k=2", "verispec threshold",
                      "verispec goodput", "verispec goodput carry-over"]
     assert [r["name"] for r in sampled] == names
     assert all(r["matches_baseline"] is True for r in greedy), [

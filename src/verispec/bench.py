@@ -47,6 +47,7 @@ from .models.matmul import cpuinfo
 from .proposers.draft_model import DraftModelProposer
 from .proposers.hybrid import HybridProposer
 from .proposers.ngram import NgramDraft, NgramProposer
+from .proposers.suffix import SuffixDraft, SuffixProposer
 from .sampling import make_generator
 
 
@@ -64,6 +65,8 @@ class BenchSettings:
     ngram_ks: tuple[int, ...] = (1, 2, 3)
     # n-gram lookup first, the draft model where there is no match (needs a draft model)
     hybrid_ks: tuple[int, ...] = (2, 3)
+    # the suffix drafter (what --ngram serves) at its own depth rule, no depth policy
+    include_suffix: bool = True
     # how sampled rows of the fixed-k methods are verified (BENCH_RULES), the first unnamed:
     # "verispec k=4" is the first rule, "verispec k=4 token" another, in the same run
     rules: tuple[str, ...] = ("block",)
@@ -233,6 +236,12 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float,
                                           settings, temperature, prompt_lookup=True))
             methods.append(_verispec_method(decoder, f"verispec ngram k={k}", "ngram", k, True,
                                             settings, temperature, engine=ngram))
+    if settings.include_suffix:
+        suffix = SpeculativeDecoder(decoder.target,
+                                    SuffixProposer(decoder.target.vocab_size, SuffixDraft()))
+        methods.append(_verispec_method(decoder, "verispec suffix", "ngram",
+                                        SuffixDraft().max_depth, True, settings, temperature,
+                                        engine=suffix))
     if settings.hybrid_ks and decoder.draft is not None:
         hybrid = SpeculativeDecoder(decoder.target,
                                     HybridProposer(DraftModelProposer(decoder.draft)))

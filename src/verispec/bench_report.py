@@ -45,6 +45,8 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
                        help="draft depths of llama-server's speculation (default: --ks)")
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
     bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive policies")
+    bench.add_argument("--no-suffix", action="store_true",
+                       help="skip the suffix drafter (what --ngram serves: no draft model)")
     bench.add_argument("--ngram-ks", type=int, nargs="*", default=[1, 2, 3], metavar="K",
                        help="k values for n-gram (prompt lookup) drafting on the same target, "
                        "and for HF prompt lookup matched to them; none to skip")
@@ -181,6 +183,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              # transformers' generate() needs a transformers model
                              include_hf=not args.no_hf and not on_llama_cpp,
                              include_adaptive=not args.no_adaptive,
+                             include_suffix=not args.no_suffix,
                              ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks),
                              rules=tuple(dict.fromkeys(args.rules)))
     console = Console(stderr=True)

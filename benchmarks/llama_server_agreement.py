@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,15 +35,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batching_load import machine  # noqa: E402
-from load_test import wait_until_healthy  # noqa: E402
-from real_models import MODELS, TASKS, free_port  # noqa: E402
+from real_models import MODELS, TASKS  # noqa: E402
 
-SETTINGS = {
-    "llama -np 1": ["-np", "1"],
-    "llama -np 8": ["-np", "8"],
-    "llama -np 8 --no-kv-unified": ["-np", "8", "--no-kv-unified"],
-    "llama -np 1 -t 1": ["-np", "1", "-t", "1", "-tb", "1"],
-    "llama -np 1 -ub 16": ["-np", "1", "-ub", "16"],
+SETTINGS = {  # (slots, threads, extra flags)
+    "llama -np 1": (1, 2, []),
+    "llama -np 8": (8, 2, []),
+    "llama -np 8 --no-kv-unified": (8, 2, ["--no-kv-unified"]),
+    "llama -np 1 -t 1": (1, 1, []),
+    "llama -np 1 -ub 16": (1, 2, ["-ub", "16"]),
 }
 
 
@@ -59,30 +56,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def llama_tokens(binary: str, gguf: str, flags: list[str], prompts: list[list[int]],
-                 max_tokens: int) -> list[list[int]]:
-    port = free_port()
-    threads = [] if "-t" in flags else ["-t", "2", "-tb", "2"]
-    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-c", "16384",
-               "--no-webui", *threads, *flags]
-    log = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
-    process.log = log  # type: ignore[attr-defined]
+def llama_tokens(binary: str, gguf: str, flags: tuple[int, int, list[str]],
+                 prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """llama-server's greedy tokens for each prompt under (slots, threads, extra flags)."""
+    from verispec.bench_llama_server import start_llama_server
+
+    parallel, threads, extra = flags
+    running = start_llama_server(binary, gguf, None, 0, threads, 16384,
+                                 Path(tempfile.mkdtemp()), parallel=parallel, extra_args=extra)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, process)
-        outputs = []
         with httpx.Client(timeout=600) as client:
-            for prompt in prompts:
-                reply = client.post(f"{url}/completion", json={
-                    "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
-                    "cache_prompt": False, "return_tokens": True}).json()
-                outputs.append(reply["tokens"])
-        return outputs
+            return [client.post(f"http://127.0.0.1:{running.port}/completion", json={
+                "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
+                "cache_prompt": False, "return_tokens": True}).json()["tokens"]
+                for prompt in prompts]
     finally:
-        process.terminate()
-        process.wait(30)
+        running.stop()
 
 
 def _without_stop(token_ids: list[int], stop_token_ids: tuple[int, ...]) -> list[int]:

@@ -126,27 +126,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(server: str, gguf: str, chat_template: str | None, args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = tempfile.TemporaryFile("w+")
+def start(server: str, gguf: str, args) -> tuple[object, str]:
+    """(a handle with stop(), url) of one server on gguf, healthy."""
     if server.startswith("llama"):
-        command = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                   "-t", str(args.threads), "-tb", str(args.threads), "-np", "8", "-c",
-                   str(8 * 2048), "--no-webui"]
-        if server != "llama-plain":
-            command += ["--spec-type", server.removeprefix("llama-")]
-        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_server).parent)}
-    else:
-        command = [sys.executable, "-m", "verispec.server", "--host", "127.0.0.1", "--port",
-                   str(port), "--target", gguf, "--threads", str(args.threads),
-                   "--max-tokens-limit", "1024", "--max-batch-size", "8",
-                   "--no-draft" if server == "verispec-plain" else "--ngram"]
-        command += args.server_arg
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        from verispec.bench_llama_server import start_llama_server
+
+        spec = [] if server == "llama-plain" else ["--spec-type", server.removeprefix("llama-")]
+        running = start_llama_server(args.llama_server, gguf, None, 0, args.threads, 8 * 2048,
+                                     Path(tempfile.mkdtemp()), parallel=8, extra_args=spec)
+        return running, f"http://127.0.0.1:{running.port}"
+    port = free_port()
+    command = [sys.executable, "-m", "verispec.server", "--host", "127.0.0.1", "--port",
+               str(port), "--target", gguf, "--threads", str(args.threads),
+               "--max-tokens-limit", "1024", "--max-batch-size", "8",
+               "--no-draft" if server == "verispec-plain" else "--ngram", *args.server_arg]
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
+                               stderr=subprocess.STDOUT, text=True)
     process.log = log  # type: ignore[attr-defined]
     url = f"http://127.0.0.1:{port}"
     wait_until_healthy(url, process)
+    process.stop = process.terminate  # type: ignore[attr-defined]
     return process, url
 
 
@@ -209,8 +209,8 @@ def run_cell(server: str, url: str, prompts: list[list[int]], temperature: float
             "texts": [r["text"] for r in replies[0]] if clients == 1 else None}
 
 
-def model_prompts(name: str) -> tuple[str, str | None, dict[str, list[list[int]]]]:
-    """(GGUF path, chat template, task -> token-id prompts), rendered by verispec's own chat
+def model_prompts(name: str) -> tuple[str, dict[str, list[list[int]]]]:
+    """(GGUF path, task -> token-id prompts), rendered by verispec's own chat
     templates on the model's tokenizer."""
     import verispec
     from verispec.models.packaged import packaged_model_path
@@ -221,16 +221,16 @@ def model_prompts(name: str) -> tuple[str, str | None, dict[str, list[list[int]]
     prompts = {task: [decoder.chat_prompt_ids([{"role": "user", "content": text}])
                       for text in texts] for task, texts in TASKS.items()}
     del decoder
-    return gguf, template, prompts
+    return gguf, prompts
 
 
 def run_model(name: str, args) -> list[dict]:
-    gguf, template, prompts = model_prompts(name)
-    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    gguf, prompts = model_prompts(name)
+    servers: dict[str, tuple[object, str]] = {}
     rows = []
     try:
         for server in args.servers:
-            servers[server] = start(server, gguf, template, args)
+            servers[server] = start(server, gguf, args)
         with httpx.Client(timeout=900) as client:  # warm-up, out of the times
             for server, (_, url) in servers.items():
                 complete(client, url, body(server, prompts["questions"][0], 0.0, None, 16))
@@ -252,10 +252,8 @@ def run_model(name: str, args) -> list[dict]:
                       + (f"  mal {result['mean_accepted_length']:.2f}"
                          if result["mean_accepted_length"] else ""), flush=True)
     finally:
-        for process, _ in servers.values():
-            process.terminate()
-        for process, _ in servers.values():
-            process.wait(30)
+        for handle, _ in servers.values():
+            handle.stop()
     return rows
 
 

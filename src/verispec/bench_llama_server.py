@@ -17,6 +17,7 @@ verispec's in-process methods do not pay (well under a millisecond per reply her
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -60,9 +61,13 @@ class LlamaServer:
 
 
 def start_llama_server(binary: str, target: str, draft: str | None, num_draft_tokens: int,
-                       threads: int, context_size: int, log_dir: Path) -> LlamaServer:
+                       threads: int, context_size: int, log_dir: Path, parallel: int = 1,
+                       extra_args: Sequence[str] = ()) -> LlamaServer:
     """Start ``binary`` on a free loopback port serving ``target`` (with ``draft``: llama.cpp's
-    draft-model speculation of up to ``num_draft_tokens`` tokens), and wait until it is ready."""
+    draft-model speculation of up to ``num_draft_tokens`` tokens) with ``parallel`` slots and
+    ``extra_args`` appended (e.g. ``--spec-type ngram-mod``), and wait until it is ready. The
+    binary's directory goes first on LD_LIBRARY_PATH: a llama.cpp build puts its shared
+    libraries beside it."""
     if not Path(binary).is_file():
         raise ConfigError(f"--llama-server {binary!r} is not a file; pass the path of a "
                           "llama-server binary built from llama.cpp's source.")
@@ -70,15 +75,18 @@ def start_llama_server(binary: str, target: str, draft: str | None, num_draft_to
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [binary, "-m", target, "--host", "127.0.0.1", "--port", str(port), "-t",
-               str(threads), "-tb", str(threads), "-c", str(context_size), "-np", "1",
-               "--no-webui"]
+               str(threads), "-tb", str(threads), "-c", str(context_size), "-np", str(parallel),
+               "--no-webui", *extra_args]
     if draft is not None:
         command += ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max",
                     str(num_draft_tokens), "--spec-draft-n-min", "0", "-td", str(threads)]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"llama-server-{'spec' if draft else 'plain'}-{port}.log"
     log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    library_path = os.pathsep.join(filter(None, [str(Path(binary).resolve().parent),
+                                                 os.environ.get("LD_LIBRARY_PATH")]))
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "LD_LIBRARY_PATH": library_path})
     server = LlamaServer(process, port, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -1,16 +1,18 @@
-"""What CUDA graphs would save on a pair's forward steps: each step run eagerly (the fast
-backend's forward, as decoding runs it today) against the same step captured once in a CUDA
-graph and replayed. A measurement for the GPU work ahead, not a feature: verispec does not
-capture graphs yet.
+"""What CUDA graphs save on a pair's decoding steps: each step run through a session of the
+fast backend eagerly (``load(..., cuda_graphs=False)``) against the same step replayed as a
+captured graph (the default on CUDA, models/step_graphs.py).
 
     python benchmarks/cuda_graph_steps.py                       # the demo pair, bf16, CUDA
     python benchmarks/cuda_graph_steps.py --target T --draft D --dtype float32
 
 Each case is one model, a number of rows and tokens a row (1: a decoding step or a draft
-step; 2-5: a verification pass), all rows at one position after a 40-token prompt, so that
-the step's shapes are fixed while it replays. Medians of --repeats timed calls, each followed
-by a device sync. "same logits": the replay's logits equal the eager step's bit for bit (a
-graph replays the same kernels). Writes cuda_graph_steps.json to --out-dir.
+step; 2-9: a verification pass of k = 1-8), all rows at one position after a 40-token prompt:
+``session.extend`` then ``session.rewind`` of what it fed, so the host's share of a step (the
+graph's input copies and bucket lookup, or the eager path's op dispatch) is in the time.
+Medians of --repeats timed calls, each followed by a device sync. "same argmax": every row's
+greedy token agrees between the two (a graph attends over a padded key range, so in bfloat16
+its logits may differ from the eager step's in the last bits; "max |diff|" says how much).
+Writes cuda_graph_steps.json to --out-dir.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from pathlib import Path
 import torch
 
 import verispec
-from verispec.models.attention import attention_kernels
 
-CASES = ((1, 1), (1, 5), (16, 1), (16, 2))  # (rows, tokens a row)
+CASES = ((1, 1), (1, 3), (1, 5), (1, 9), (16, 1), (16, 3), (16, 5))  # (rows, tokens a row)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,33 +53,26 @@ def median_ms(step, repeats: int) -> float:
     return sorted(times)[repeats // 2] * 1e3
 
 
-def measure(lm, rows: int, width: int, repeats: int) -> dict:
-    """One case: eager and graph-replayed medians (ms) of ``lm``'s step."""
-    device = lm.device
-    session = lm.new_session()
-    session.start([[7] * 40] * rows)
-    start = session.lengths[0]
-    used = start + width
-    session.cache.ensure(used)
-    tokens = torch.full((rows, width), 11, dtype=torch.int64, device=device)
+def measure(eager_lm, graphed_lm, rows: int, width: int, repeats: int) -> dict:
+    """One case: the median ms of a step (extend + rewind) through an eager session and a
+    graphed one, and how their logits compare."""
+    tokens = torch.full((rows, width), 11, dtype=torch.int64, device=eager_lm.device)
+    logits, medians = [], []
+    for lm in (eager_lm, graphed_lm):
+        session = lm.new_session()
+        session.start([[7] * 40] * rows)
 
-    def eager() -> torch.Tensor:
-        with torch.inference_mode(), attention_kernels(device):
-            return lm.forward(tokens, None, start, session.cache, used, width - 1)
+        def step(session=session) -> torch.Tensor:
+            out = session.extend(tokens)
+            session.rewind([width] * rows)
+            return out
 
-    eager_ms = median_ms(eager, repeats)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's docs ask
-        for _ in range(3):
-            eager()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = eager()
-    graph_ms = median_ms(graph.replay, repeats)
-    return {"rows": rows, "tokens_a_row": width, "eager_ms": eager_ms, "graph_ms": graph_ms,
-            "speedup": eager_ms / graph_ms, "same_logits": bool(torch.equal(captured, eager()))}
+        medians.append(median_ms(step, repeats))
+        logits.append(step().float())
+    same_argmax = bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))
+    return {"rows": rows, "tokens_a_row": width, "eager_ms": medians[0], "graph_ms": medians[1],
+            "speedup": medians[0] / medians[1], "same_argmax": same_argmax,
+            "max_abs_diff": float((logits[0] - logits[1]).abs().max())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,16 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("cuda_graph_steps: needs a CUDA device", file=sys.stderr)
         return 2
-    decoder = verispec.load(args.target, args.draft, device="cuda", dtype=args.dtype)
+    eager, graphed = (verispec.load(args.target, args.draft, device="cuda", dtype=args.dtype,
+                                    cuda_graphs=graphs) for graphs in (False, True))
     results = []
-    print("| model | rows | tokens a row | eager ms | graph replay ms | speedup | same logits |")
-    print("|---|---|---|---|---|---|---|")
-    for name, lm in (("draft", decoder.draft), ("target", decoder.target)):
+    print("| model | rows | tokens a row | eager ms | graphed ms | speedup | same argmax | "
+          "max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in ("draft", "target"):
         for rows, width in CASES:
-            row = {"model": name, **measure(lm, rows, width, args.repeats)}
+            row = {"model": name, **measure(getattr(eager, name), getattr(graphed, name), rows,
+                                            width, args.repeats)}
             results.append(row)
             print(f"| {name} | {rows} | {width} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} "
-                  f"| {row['speedup']:.1f}x | {row['same_logits']} |", flush=True)
+                  f"| {row['speedup']:.1f}x | {row['same_argmax']} | {row['max_abs_diff']:.3g} |",
+                  flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -8,8 +8,12 @@ runs them). What is checked here and not on the CPU:
     on the same device for every proposer (draft model, n-gram, hybrid), both backends,
     k in {1, 2, 4, 8}, batch 1 and 3; sampled output is reproducible per seed, leaves the global RNGs (CPU and CUDA) alone,
     and drafts and target meet on one device (a mismatch is refused at construction);
-  * bfloat16 on the GPU through the public API, the CLI and the bench.
-The law of sampled output on CUDA is tested in test_real_losslessness.py (its cuda cases).
+  * bfloat16 on the GPU through the public API, the CLI and the bench;
+  * the fast path's steps captured as CUDA graphs (models/step_graphs.py, on by default): the
+    demo pair's greedy speculative output equals its plain output at k in {1, 2, 4, 8}, batch 1
+    and 8, in bfloat16; replays stay exact as rows join and leave and the cache grows; the law
+    of the first two sampled tokens passes a G-test whose negative control fails.
+The law of sampled output on CUDA is also tested in test_real_losslessness.py (its cuda cases).
 
 Legend: B batch, K draft tokens, V vocabulary.
 """
@@ -27,6 +31,7 @@ import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.bench import BenchSettings, run_bench
 from verispec.cli import main
+from verispec.demo import heldout_prompts
 from verispec.errors import IncompatibleModelsError, ShapeError
 from verispec.models.fast_llama import FastLlamaLM
 from verispec.models.transformers import TransformersLM
@@ -270,14 +275,105 @@ def test_a_long_prompt_prefilled_in_chunks_on_cuda_joins_as_if_whole(model_dirs,
                                                      ignore_eos=True).text
 
 
-def test_cuda_graph_steps_replays_each_step_with_the_same_logits(tmp_path):
-    # benchmarks/cuda_graph_steps.py, shortened: every case is captured, replayed and timed,
-    # and the replay's logits equal the eager step's
+def test_cuda_graph_steps_times_each_step_eager_and_graphed(tmp_path):
+    # benchmarks/cuda_graph_steps.py, shortened: every case runs through an eager session and a
+    # graphed one, and both give every row the same greedy token
     import runpy
     from pathlib import Path
     script = Path(__file__).parent.parent / "benchmarks" / "cuda_graph_steps.py"
     main = runpy.run_path(str(script))["main"]
     assert main(["--repeats", "5", "--out-dir", str(tmp_path)]) == 0
     cases = json.loads((tmp_path / "cuda_graph_steps.json").read_text())["cases"]
-    assert len(cases) == 8 and all(case["same_logits"] for case in cases)
+    assert len(cases) == 14 and all(case["same_argmax"] for case in cases)
     assert all(case["graph_ms"] > 0 and case["eager_ms"] > 0 for case in cases)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs (models/step_graphs.py)
+
+
+@pytest.fixture(scope="module")
+def demo_bf16():
+    decoder = verispec.load(device="cuda", dtype="bfloat16")
+    assert decoder.target.step_graphs.capture and decoder.draft.step_graphs.capture
+    return decoder
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_graphed_greedy_speculative_equals_plain_on_the_demo_pair(demo_bf16, rows, k):
+    prompts = heldout_prompts()[:rows]
+    settings = {"max_new_tokens": 48, "ignore_eos": True, "adaptive": False}
+    plain = demo_bf16.generate(prompts, speculative=False, **settings)
+    speculative = demo_bf16.generate(prompts, num_draft_tokens=k, **settings)
+    assert [c.token_ids for c in speculative] == [c.token_ids for c in plain]
+    assert sum(c.metrics.num_accepted for c in speculative) > 0
+    assert demo_bf16.target.step_graphs.num_captured > 0
+
+
+def test_graphed_steps_stay_exact_as_rows_join_and_leave(models):
+    """Random extends and rewinds over rows that join (packed, riding a pass, eagerly) and
+    leave, and a cache that grows past its first key bucket: every replayed step's last logits
+    equal a fresh forward's."""
+    target, _ = models
+    lm = FastLlamaLM(target)
+    session = lm.new_session()
+    session.start([[1, 2, 3]])
+    history = [[1, 2, 3]]
+    generator = torch.Generator().manual_seed(0)
+    for round_ in range(45):
+        if round_ in (3, 9, 15):
+            joining = [[5 + round_] * (2 + round_), [40 + round_]]
+            session.add_rows(joining, ride=round_ != 9)
+            history += [list(p) for p in joining]
+        if round_ in (12, 20):
+            kept = list(range(1, len(history)))[::-1]
+            session.keep_rows(kept)
+            history = [history[i] for i in kept]
+        width = int(torch.randint(1, 10, (1,), generator=generator))
+        tokens = torch.randint(0, VOCAB, (len(history), width), generator=generator)
+        logits = session.extend(tokens.to(CUDA))
+        for row, ids in enumerate(history):
+            ids.extend(tokens[row].tolist())
+            with torch.inference_mode():
+                fresh = target(torch.tensor([ids], device=CUDA)).logits[0, -1]
+            torch.testing.assert_close(logits[row, -1], fresh, atol=1e-3, rtol=1e-3)
+        rewind = [int(torch.randint(0, width // 2 + 1, (1,), generator=generator))
+                  for _ in history]
+        session.rewind(rewind)
+        for ids, n in zip(history, rewind):
+            del ids[len(ids) - n:]
+    assert max(map(len, history)) > 128  # the steps outgrew the first key bucket
+    assert lm.step_graphs.num_captured > 0
+
+
+def test_graphed_first_two_tokens_follow_the_target_law_and_the_control_fails(monkeypatch):
+    from helpers_stats import g_test, pair_counts
+    from test_losslessness import inject_verify
+    from test_real_losslessness import (
+        CONTROL_P_THRESHOLD,
+        P_THRESHOLD,
+        VOCAB_SIZE,
+        accept_every_draft_token,
+        exact_first_two_law,
+        first_two_tokens,
+    )
+    from test_real_losslessness import LM_HEAD_SCALE as LAW_HEAD_SCALE
+    target = untied_llama(VOCAB_SIZE, seed=11, hidden=32, layers=2, max_positions=64)
+    with torch.no_grad():  # the law test's pair (test_real_losslessness.models), on CUDA
+        target.lm_head.weight.mul_(LAW_HEAD_SCALE)
+    target, draft = target.to(CUDA), layer_dropped_draft(target, num_layers=1).to(CUDA)
+    engine = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
+    assert engine.target.step_graphs.capture
+    sampling = SamplingConfig(temperature=1.0)
+    law = exact_first_two_law(target, sampling)
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, 2, seed=7,
+                                               verification="token")
+    result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
+    assert 0.2 < acceptance_rate < 0.95 and result.num_impossible_hits == 0
+    assert result.p_value > P_THRESHOLD, result
+    inject_verify(monkeypatch, accept_every_draft_token)
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, 2, seed=99,
+                                               verification="token")
+    control = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
+    assert acceptance_rate == 1.0 and control.p_value < CONTROL_P_THRESHOLD, control

@@ -61,9 +61,11 @@ BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 
 
 def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
-               llama_cpp_config: LlamaCppConfig | None = None, draft: bool = False):
+               llama_cpp_config: LlamaCppConfig | None = None, draft: bool = False,
+               cuda_graphs: bool = True):
     """The LanguageModel adapter for ``model`` under ``backend`` (see :func:`load`); ``draft``:
-    the model only drafts (the fast path may then pick kernels by batch size)."""
+    the model only drafts (the fast path may then pick kernels by batch size); ``cuda_graphs``:
+    the fast path captures its steps on a CUDA device (models/step_graphs.py)."""
     if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
         return LlamaCppLM(model, vocab_size, llama_cpp_config)
     if backend == "llama.cpp":
@@ -71,7 +73,8 @@ def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
                           "is a transformers model: use backend='auto', 'fast' or "
                           "'transformers'.")
     if backend == "fast" or (backend == "auto" and fast_llama.supports(model)):
-        return fast_llama.FastLlamaLM(model, vocab_size, draft=draft)
+        return fast_llama.FastLlamaLM(model, vocab_size, draft=draft,
+                                      step_graphs="auto" if cuda_graphs else "off")
     return TransformersLM(model, vocab_size)
 
 
@@ -104,7 +107,7 @@ class Decoder:
                  hybrid: bool | NgramDraft = False,
                  llama_cpp_config: LlamaCppConfig | None = None,
                  verification: str = VERIFICATION_RULES[0],
-                 chat_template: str | Path | None = None) -> None:
+                 chat_template: str | Path | None = None, cuda_graphs: bool = True) -> None:
         ngram = draft_model if isinstance(draft_model, ModelFreeDraft) else None
         hybrid = hybrid_lookup(hybrid, draft_model, target_model)
         draft_model = None if ngram is not None else draft_model
@@ -119,10 +122,12 @@ class Decoder:
         # template's end-of-turn token (a completion of chat-formatted text stops there too)
         self.stop_token_ids = tuple(sorted(set(_stop_token_ids(tokenizer)) | set(
             end_of_turn_ids(self.chat_template, tokenizer))))
-        self.target = wrap_model(target_model, vocab_size, backend, llama_cpp_config)
+        self.target = wrap_model(target_model, vocab_size, backend, llama_cpp_config,
+                                 cuda_graphs=cuda_graphs)
         # the draft model's adapter; None with no draft or an n-gram one (self.ngram)
-        self.draft = None if draft_model is None else wrap_model(draft_model, vocab_size, backend,
-                                                                 llama_cpp_config, draft=True)
+        self.draft = None if draft_model is None else wrap_model(
+            draft_model, vocab_size, backend, llama_cpp_config, draft=True,
+            cuda_graphs=cuda_graphs)
         self.ngram = ngram
         self.hybrid = hybrid  # lookup settings, n-grams first, then self.draft; None: not hybrid
         proposer = (model_free_proposer(vocab_size, ngram) if ngram is not None else

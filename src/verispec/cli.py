@@ -50,6 +50,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         "(the llamacpp extra), 'fast' is a flat Llama forward, 'transformers' "
                         "the model's own; auto = llama.cpp for .gguf files when installed, "
                         "else fast where supported")
+    models.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="on a CUDA device, run decoding steps eagerly instead of replaying "
+                        "them as captured CUDA graphs")
     models.add_argument("--threads", type=_int, default=None, metavar="N",
                         help="llama.cpp backend: decoding threads (default: one per core)")
     models.add_argument("--context-size", type=_int, default=None, metavar="N",
@@ -229,7 +232,7 @@ def _load_decoder(args: argparse.Namespace):
                 dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
                 adaptive=named_policy(args.adaptive), verification=args.verification,
                 hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args),
-                chat_template=args.chat_template)
+                chat_template=args.chat_template, cuda_graphs=args.cuda_graphs)
 
 
 def _request_settings(args: argparse.Namespace) -> dict[str, object]:

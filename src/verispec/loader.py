@@ -43,7 +43,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
          hybrid: bool | NgramDraft = False,
          llama_cpp_config: LlamaCppConfig | None = None,
          verification: str = VERIFICATION_RULES[0],
-         chat_template: str | Path | None = None) -> Decoder:
+         chat_template: str | Path | None = None, cuda_graphs: bool = True) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
@@ -77,6 +77,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     "plain" or a Jinja file (chat.py); None: the model's own (chat then refuses a model that has
     none). A ``target`` or ``draft`` that is not a local path but a packaged model's name
     (models/packaged.py: "smollm2-135m-instruct", "gemma-3-270m") loads that package's GGUF file.
+    ``cuda_graphs``: on a CUDA device the fast path's decoding steps are captured as CUDA graphs
+    and replayed (models/step_graphs.py); False runs them eagerly.
     """
     target, draft = resolve_packaged(target), resolve_packaged(draft)
     hybrid_lookup(hybrid, draft, target)  # checked before anything loads
@@ -115,7 +117,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
         draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
     return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                   adaptive, hybrid, verification=verification, chat_template=chat_template)
+                   adaptive, hybrid, verification=verification, chat_template=chat_template,
+                   cuda_graphs=cuda_graphs)
 
 
 def _runs_on_llama_cpp(backend: str, target: object, draft: object,

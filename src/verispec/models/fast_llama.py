@@ -40,13 +40,14 @@ from .kv_cache import KVCache
 from .masks import FULL, mask_plan
 from .matmul import linear_kernel, resolve_matmul
 from .packed import PackedRows, embed_packed, write_and_attend, write_packed
+from .step_graphs import StepGraphs
 from .transformers import max_positions, output_width
-
 
 # Llama's forward, and the architectures whose forward is Llama's up to what this path already
 # computes: Mistral (Llama + an optional sliding window) and Qwen2 (Llama + q/k/v biases + an
 # optional window). A window is not computed here: a model using one takes the transformers path.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
+STEP_GRAPHS = ("auto", "off", "static")  # FastLlamaLM's step_graphs
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -81,14 +82,21 @@ class FastLlamaLM:
     the resolved name is ``self.matmul``. ``draft``: the model only drafts, so its numbers may
     differ between batch sizes, and under "onednn" each projection picks its kernel by the rows
     of the call (matmul.linear_kernel's ``by_rows``); a target's kernel is fixed per weight.
+    ``step_graphs``: how decoding steps run (models/step_graphs.py): "auto" captures them as
+    CUDA graphs on a CUDA device and runs them eagerly elsewhere, "off" always eagerly, and
+    "static" at the graphs' static shapes without capturing them (what a graph replays, on any
+    device: for tests).
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None,
-                 matmul: str = "auto", draft: bool = False) -> None:
+                 matmul: str = "auto", draft: bool = False, step_graphs: str = "auto") -> None:
         if not supports(model):
             raise ConfigError(f"the fast Llama path does not support model_type="
                               f"{getattr(model.config, 'model_type', None)!r} with this config; "
                               "use the transformers backend.")
+        if step_graphs not in STEP_GRAPHS:
+            raise ConfigError(f"step_graphs={step_graphs!r} is invalid: expected one of "
+                              f"{', '.join(STEP_GRAPHS)}.")
         width = output_width(model)
         vocab_size = width if vocab_size is None else vocab_size
         if not 1 <= vocab_size <= width:
@@ -126,6 +134,9 @@ class FastLlamaLM:
         self.layers = [_LayerWeights(layer, kernel.prepare) for layer in inner.layers]
         # the output head restricted to the vocabulary once, not per call: [V, E]
         self.head_weight = kernel.prepare(model.get_output_embeddings().weight[:vocab_size])
+        capture = self._device.type == "cuda" and step_graphs == "auto"
+        self.step_graphs = StepGraphs(self, capture) if capture or step_graphs == "static" else (
+            None)
 
     @property
     def device(self) -> torch.device:
@@ -333,12 +344,21 @@ class RotaryTable:
         """cos, signed sin [B, n, 1, D] for positions [B, n]; [1, n, 1, D] for start ..
         start + n - 1 when positions is None (uniform rows). ``used`` bounds every position
         (grows the table)."""
-        if used > self.cos.shape[0]:
-            self._grow(max(used, 2 * self.cos.shape[0], 256))
+        self.ensure(used)
         if positions is None:
             window = slice(start, start + num_new)
             return self.cos[window][None, :, None], self.sin[window][None, :, None]
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+    def ensure(self, size: int) -> None:
+        """Rows for positions 0 .. size - 1, doubling so that growth is amortized."""
+        if size > self.cos.shape[0]:
+            self._grow(max(size, 2 * self.cos.shape[0], 256))
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """Where the tables live (a captured step reads them: step_graphs.py)."""
+        return self.cos.data_ptr(), self.sin.data_ptr()
 
     def _grow(self, size: int) -> None:
         positions = torch.arange(size, device=self.inv_freq.device).float()

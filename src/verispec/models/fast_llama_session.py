@@ -189,6 +189,15 @@ class FastLlamaSession:
         if not self.lengths:  # no rows: nothing to compute
             return torch.empty((0, num_new if logits_at is None else 1, self.lm.vocab_size),
                                dtype=self.lm.dtype, device=self.lm.device)
+        graphs = self.lm.step_graphs
+        if graphs is not None and not self._joining and not self.cache.is_slice:
+            logits = graphs.forward(tokens, self.lengths, self.cache)  # [B, n, V]
+            if logits_at is None:
+                return logits
+            if isinstance(logits_at, int):
+                return logits[:, logits_at : logits_at + 1]
+            return logits[torch.arange(len(self.lengths), device=logits.device), logits_at][
+                :, None]
         start = self.lengths[0]
         used = max(self.lengths) + num_new
         positions = segments = None  # uniform rows

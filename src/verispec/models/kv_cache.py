@@ -30,12 +30,13 @@ class KVCache:
         self._head_shape = (lm.num_kv_heads, lm.head_dim)  # Hkv, D
         self._dtype, self._device = lm.dtype, lm.device
         self._num_layers = len(lm.layers)
-        self._is_slice = False  # a slots() view of another cache's storage: never regrown
+        self.is_slice = False  # a slots() view of another cache's storage: never regrown
         self.num_rows = num_rows
         self.capacity = capacity
         self._key_store = self._allocate(num_rows, capacity)
         self._value_store = self._allocate(num_rows, capacity)
         self._views(num_rows)
+        self._set_layout()
 
     @property
     def row_capacity(self) -> int:
@@ -45,6 +46,20 @@ class KVCache:
         shape = (num_rows, self._head_shape[0], capacity, self._head_shape[1])
         return [torch.zeros(shape, dtype=self._dtype, device=self._device)
                 for _ in range(self._num_layers)]
+
+    def _set_layout(self) -> None:
+        """``layout``: where the storage lives (every tensor's address) and its shape. A
+        captured step writes the storage it was captured over (step_graphs.py), so it may run
+        on any cache whose layout is this one, and on no other."""
+        self.layout = (tuple(store.data_ptr() for store in self._key_store + self._value_store),
+                       self.row_capacity, self.capacity)
+
+    def slot_views(self, num_rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of the first ``num_rows`` slots, live or free ([R, Hkv, T, D] per
+        layer; ensure_rows first): what a step padded to R rows writes (step_graphs.py)."""
+        assert num_rows <= self.row_capacity
+        return ([store[:num_rows] for store in self._key_store],
+                [store[:num_rows] for store in self._value_store])
 
     def _views(self, num_rows: int) -> None:
         self.num_rows = num_rows
@@ -58,10 +73,11 @@ class KVCache:
         part._head_shape, part._dtype, part._device = (self._head_shape, self._dtype,
                                                        self._device)
         part._num_layers, part.capacity = self._num_layers, self.capacity
-        part._is_slice = True
+        part.is_slice = True
         part._key_store = [store[first : first + num_rows] for store in self._key_store]
         part._value_store = [store[first : first + num_rows] for store in self._value_store]
         part._views(num_rows)
+        part._set_layout()
         return part
 
     def ensure(self, needed: int) -> None:
@@ -75,7 +91,7 @@ class KVCache:
             self._grow(max(needed, 2 * self.row_capacity), self.capacity)
 
     def _grow(self, num_slots: int, capacity: int) -> None:
-        assert not self._is_slice, "a slots() cache cannot grow: ensure the whole cache first"
+        assert not self.is_slice, "a slots() cache cannot grow: ensure the whole cache first"
         held_rows, held = self.num_rows, self.capacity
         for stores in (self._key_store, self._value_store):
             for i, old in enumerate(stores):
@@ -84,6 +100,7 @@ class KVCache:
                 stores[i] = new
         self.capacity = capacity
         self._views(held_rows)
+        self._set_layout()
 
     def add_rows(self, num_rows: int) -> None:
         """The next ``num_rows`` slots become live (ensure_rows first)."""

@@ -44,7 +44,7 @@ def load_decoder(settings: ServerSettings):
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings), verification=settings.verification,
                 hybrid=settings.hybrid, backend=settings.backend,
-                chat_template=settings.chat_template,
+                chat_template=settings.chat_template, cuda_graphs=not settings.no_cuda_graphs,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
                                                 context_size=settings.context_size))
 

@@ -80,6 +80,8 @@ class ServerSettings:
                             "llama.cpp (the llamacpp extra), 'fast' a flat Llama forward, "
                             "'transformers' the model's own; auto = llama.cpp for .gguf files "
                             "when installed, else fast where supported", choices=BACKENDS)
+    no_cuda_graphs: bool = _setting(False, "on a CUDA device, run decoding steps eagerly instead "
+                                    "of replaying them as captured CUDA graphs")
     context_size: int | None = _setting(
         None, "llama.cpp backend: KV-cache tokens per sequence (default: the model's trained "
         "context, at most 4096)", metavar="N", value_type=int)
@@ -243,7 +245,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "context_size", "num_draft_tokens", "adaptive",
+                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 

@@ -443,3 +443,35 @@ def test_a_row_at_the_end_of_its_context_is_not_fed_a_deeper_rows_draft(build):
     _run(batch, rows)
     alone = _alone(decoder, [1] * 24, end, seed=0)
     assert rows[0].token_ids == alone and len(alone) == end.max_new_tokens
+
+
+def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
+    # a CUDA graph's capture (models/step_graphs.py) is a one-off cost of the round that made
+    # it: that round reaches the policy untimed, like a first use. No GPU here: the static
+    # steps run eagerly, and every new step is counted as a capture. Control: the same rounds
+    # with no step new are timed
+    from verispec.models.fast_llama import FastLlamaLM
+    from verispec.models.step_graphs import StepGraphs
+
+    new_step = StepGraphs._new_step
+
+    def counted(self, *args):
+        self.num_captured += 1
+        return new_step(self, *args)
+
+    monkeypatch.setattr(StepGraphs, "_new_step", counted)
+    target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
+    decoder = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, step_graphs="static"),
+                                                  FastLlamaLM(draft, step_graphs="static"))
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=1,
+                              adaptive=verispec.GoodputPolicyConfig(min_num_draft_tokens=0))
+    batch = decoder.batch(policy=config.adaptive)
+    scripted = _ScriptedPolicy((1,) * 12)
+    batch._policies[1] = scripted  # the 1-row bucket's
+    (row,) = batch.add([[3, 5, 1, 2]], [config], [make_generator(0)])
+    for _ in range(4):
+        batch.step()
+    # round 1: the depth's first use; round 2 still runs a step shape of its own for the first
+    # time (a capture on a GPU); rounds 3-4 run steps already captured
+    assert [stats.timed for stats in scripted.seen] == [False, False, True, True]
+    assert decoder.target.num_captured > 0 and decoder.proposer.num_captured > 0

@@ -49,7 +49,7 @@ from .config import GenerationConfig
 from .constraints import ConstraintSet
 from .errors import EmptyPromptError, InputError, TokenOutOfRangeError
 from .metrics import MetricsRecorder
-from .models.base import LanguageModel, TargetScorer
+from .models.base import CapturesSteps, LanguageModel, TargetScorer
 from .proposers.base import DraftPlan, Proposer
 from .rows import Row
 from .verify_checks import check_stop_token_ids
@@ -102,6 +102,13 @@ class Batch:
         # (rows come and go) left most of its first rounds unpriced and drafted deep on its
         # defaults
         self._shapes_run: set[tuple[int, int]] = set()
+        # the models that capture steps as CUDA graphs: a round in which either captured one
+        # reaches the policy as a first use. A capture costs tens of steps, and a new cache
+        # layout or key bucket brings one long after a depth's first round; taken at full
+        # weight, such rounds priced drafting out of reach
+        self._capturers = [m for m in (target, proposer)
+                           if m is not None and isinstance(m, CapturesSteps)]
+        self._captures_before = 0  # their captures when this round started
 
     @property
     def speculative(self) -> bool:
@@ -188,6 +195,7 @@ class Batch:
             # start (5.8 ms against ~0.6 at one row) stayed so and held k at 0 for good
             self.proposer.catch_up()
             self._draft_lags = False
+        self._captures_before = self._num_captured()
         started = time.perf_counter()
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
         draft_tokens, draft_probs, num_draft = self._propose(wanted)
@@ -230,6 +238,9 @@ class Batch:
                      self._overhead(times), measuring)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
+
+    def _num_captured(self) -> int:
+        return sum(model.num_captured for model in self._capturers)
 
     def _measuring(self, policy: AdaptivePolicy | None, policy_k: int | None) -> bool:
         """Whether this round only measures drafting for the policy (AdaptivePolicy.measuring:
@@ -326,7 +337,8 @@ class Batch:
         shape = (bucket, width)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a
         # 16-prompt join charged to its depth drove a 16-row policy to k = 8 (0.76x plain)
-        timed = shape in self._shapes_run and not self._joins_ride
+        timed = (shape in self._shapes_run and not self._joins_ride
+                 and self._num_captured() == self._captures_before)
         self._shapes_run.add(shape)
         self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds

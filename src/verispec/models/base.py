@@ -48,6 +48,17 @@ class LMSession(Protocol):
 
 
 @runtime_checkable
+class CapturesSteps(Protocol):
+    """A model (or a proposer over one) that captures its steps as CUDA graphs
+    (models/step_graphs.py): ``num_captured`` counts the captures so far. A capture is a one-off
+    cost of the round that made it, which the depth policy must not take for the depth's
+    price (batch.Batch._record)."""
+
+    @property
+    def num_captured(self) -> int: ...
+
+
+@runtime_checkable
 class LanguageModel(Protocol):
     """A causal LM that can open sessions. ``vocab_size`` is the width V of its logits;
     ``device`` is where its logits live (the engine's generator is created there);

@@ -142,6 +142,11 @@ class FastLlamaLM:
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def num_captured(self) -> int:
+        """Steps captured as CUDA graphs so far (models.base.CapturesSteps)."""
+        return 0 if self.step_graphs is None else self.step_graphs.num_captured
+
     def new_session(self) -> FastLlamaSession:
         return FastLlamaSession(self)
 

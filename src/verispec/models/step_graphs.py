@@ -28,6 +28,7 @@ device (the CPU tests check it against the eager path).
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,8 +162,16 @@ class StepGraphs:
             step.eager(view)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread-local: a server's other threads may use the device while this one captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            step.logits = step.eager(view)
+        # thread-local: a server's other threads may use the device while this one captures.
+        # No garbage collection inside: it may free an unreachable model's graphs, and a graph
+        # cannot be destroyed while a stream captures (CUDA refuses, and the graph leaks)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                step.logits = step.eager(view)
+        finally:
+            if collecting:
+                gc.enable()
         step.graph = graph
         self.num_captured += 1

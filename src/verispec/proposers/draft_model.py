@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..models.base import LanguageModel, LMSession, as_ints
+from ..models.base import CapturesSteps, LanguageModel, LMSession, as_ints
 from ..sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
 from ..seeded import race
 from .base import DraftPlan, KeyedClocks, Proposal, RoundConstraint
@@ -41,6 +41,12 @@ class DraftModelProposer:
         self.vocab_size = model.vocab_size
         self.device = model.device  # where draft_probs live
         self.max_positions = model.max_positions
+
+    @property
+    def num_captured(self) -> int:
+        """The draft model's steps captured as CUDA graphs so far (CapturesSteps; 0 for a
+        model that captures none)."""
+        return self.model.num_captured if isinstance(self.model, CapturesSteps) else 0
 
     def start(self, prompts: Sequence[Sequence[int]]) -> DraftModelSession:
         return DraftModelSession(self.model.new_session(), prompts)

@@ -47,6 +47,11 @@ class HybridProposer:
         self.device = draft.device
         self.max_positions = draft.max_positions
 
+    @property
+    def num_captured(self) -> int:
+        """The draft model's captured steps (models.base.CapturesSteps)."""
+        return self.draft.num_captured
+
     def start(self, prompts: Sequence[Sequence[int]]) -> HybridSession:
         return HybridSession(self.draft.start(prompts), NgramSession(prompts, self.config))
 

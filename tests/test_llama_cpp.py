@@ -116,6 +116,50 @@ def test_rewind_equals_a_fresh_decode(tiny):
     assert torch.equal(logits.argmax(-1), expected[:, 1:].argmax(-1))
 
 
+def test_prompts_prefilled_through_their_last_token_go_on_as_if_it_was_extended(tiny):
+    """start_through (models.base.PrefillsThroughLastToken): each prompt's last token goes in
+    the prompt's own pass, held as not fed; the next extend begins with it and returns the
+    prefill's logits at that column. From there the session is the one that fed the token
+    with the extend: the same logits up to the rounding of a pass of another shape (F32 here;
+    the argmax equal), lengths, rewinds and later extends. Five rows of 110 tokens: the
+    prefill spans two llama_decode chunks."""
+    lm, reference = (LlamaCppLM(LlamaCppModel(tiny["target"])) for _ in range(2))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, lm.vocab_size, (n,), generator=generator).tolist()
+               for n in (110, 110, 110, 110, 110, 1)] + [[7, 8]]
+    session, fresh = lm.new_session(), reference.new_session()
+    session.start_through(prompts)
+    fresh.start([p[:-1] for p in prompts])
+    assert session.lengths == fresh.lengths == [len(p) - 1 for p in prompts]
+    tokens = torch.cat([torch.tensor([[p[-1]] for p in prompts]),
+                        torch.randint(0, lm.vocab_size, (len(prompts), 2), generator=generator)],
+                       dim=1)
+    logits, expected = session.extend(tokens), fresh.extend(tokens)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=2e-3)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    for s in (session, fresh):
+        s.rewind([1, 2, 0, 3, 1, 1, 2])
+    probe = torch.randint(0, lm.vocab_size, (len(prompts), 2), generator=generator)
+    torch.testing.assert_close(session.extend(probe), fresh.extend(probe), rtol=1e-4, atol=2e-3)
+    assert session.lengths == fresh.lengths
+
+
+def test_a_held_token_that_is_not_fed_next_leaves_the_context(tiny):
+    lm, reference = (LlamaCppLM(LlamaCppModel(tiny["target"])) for _ in range(2))
+    session, fresh = lm.new_session(), reference.new_session()
+    session.start_through([[1, 2, 3], [4, 5]])
+    session.add_rows_through([[6, 7]])
+    fresh.start([[1, 2], [4], [6]])
+    tokens = torch.tensor([[9, 10], [5, 11], [12, 13]])  # rows 0 and 2 do not begin with theirs
+    torch.testing.assert_close(session.extend(tokens), fresh.extend(tokens), rtol=1e-4,
+                               atol=2e-3)
+    session.start_through([[1, 2, 3]])
+    session.rewind([0])  # a rewind (or a feed) drops the held token first
+    assert session.lengths == [2]
+    with pytest.raises(verispec.errors.ShapeError, match="at least one token"):
+        session.add_rows_through([[]])
+
+
 def test_logits_at_one_column_a_row_are_those_of_a_full_extend(tiny):
     """LMSession.extend's logits_at on llama.cpp: row b's logits at column logits_at[b], [B, V],
     as a full extend of the same tokens returns them there."""

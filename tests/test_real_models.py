@@ -218,16 +218,15 @@ PROMPTS = {
 NUM_NEW_TOKENS = 48
 GREEDY_CASES = [(model, prompt, k) for model in (SMOLLM2, GEMMA) for prompt in PROMPTS
                 for k in (1, 2, 4, 8)
-                # Left out, measured: Gemma 3 270M Q4_K_M's logits on llama.cpp's CPU kernels
-                # depend on the shape of the pass. From the same cache, a pass of several
-                # tokens gives some of its positions logits up to about 1.6 away (max over the
-                # vocabulary) from 1-token passes over the same tokens (which positions changes
-                # with the width and the positions, not with the thread count). Here new token
-                # 28 is a near tie in 1-token passes (" div" 13.047 over " mod" 12.965) and the
-                # last column of a 9-token pass reverses it (-0.030), so k = 8 emits " mod"
-                # where plain decoding emits " div". SmolLM2 Q4_1's logits are bit-identical
-                # for any pass width.
-                if (model, prompt, k) != (GEMMA, "code", 8)]
+                # Left out, measured (dev/LOG.md): Gemma 3 270M Q4_K_M's logits on llama.cpp's
+                # CPU kernels depend on the shape of the pass. From the same cache, a pass of
+                # several tokens gives some of its positions logits up to about 1.6 away (max
+                # over the vocabulary) from 1-token passes over the same tokens (which
+                # positions changes with the width and the positions, not with the thread
+                # count). Here new token 28 is a near tie between " mod" and " div" in 1-token
+                # passes, and the 5- and 9-token passes of k = 4 and 8 reverse it. SmolLM2
+                # Q4_1's logits are bit-identical for any pass width.
+                if (model, prompt) != (GEMMA, "code") or k < 4]
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,23 @@ class LMSession(Protocol):
 
 
 @runtime_checkable
+class PrefillsThroughLastToken(Protocol):
+    """A session that can prefill whole prompts, each last token in the prompt's own pass with
+    its logits kept, while counting that token as not yet fed: the next ``extend`` begins with
+    it and returns the kept logits at its column instead of computing them in a pass of
+    another shape. Where a backend's numbers depend on a pass's shape (llama.cpp's quantized
+    kernels), this is what makes the first token the one a server decoding the prompt in one
+    batch (llama-server) gets. TargetScorer uses it where a session has it."""
+
+    def start_through(self, prompts: Sequence[Sequence[int]]) -> None:
+        """``start`` over whole prompts (>= 1 token each), each last token held."""
+
+    def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
+        """``add_rows`` over whole prompts, each last token held; returns whether they
+        ride the next pass."""
+
+
+@runtime_checkable
 class CapturesSteps(Protocol):
     """A model (or a proposer over one) that captures its steps as CUDA graphs
     (models/step_graphs.py): ``num_captured`` counts the captures so far. A capture is a one-off
@@ -120,7 +137,8 @@ class TargetScorer:
     """The target side of speculative decoding over an :class:`LMSession`.
 
     Invariant between rounds: the cache holds every committed token but the last, which is
-    ``pending``. Scoring feeds [pending, d_1 .. d_k] in ONE call and returns k+1 next-token
+    ``pending`` (a session that prefills through the last prompt token holds that one as not
+    yet fed until the first score: PrefillsThroughLastToken). Scoring feeds [pending, d_1 .. d_k] in ONE call and returns k+1 next-token
     logits (for d_1 .. d_k and the bonus). Committing n accepted tokens rewinds the k - n
     rejected ones and makes the recovered/bonus token the new ``pending``.
 
@@ -132,7 +150,13 @@ class TargetScorer:
 
     def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]]) -> None:
         self.session = session
-        session.start([list(p[:-1]) for p in prompts])
+        # a session that prefills through each prompt's last token (the pending one) takes it
+        # in the prompt's own pass; others get it with the first score
+        self._through = isinstance(session, PrefillsThroughLastToken)
+        if self._through:
+            session.start_through([list(p) for p in prompts])
+        else:
+            session.start([list(p[:-1]) for p in prompts])
         self.pending = _pending(prompts)  # [B, 1]
         self._num_scored = 0  # draft tokens fed by the last score() call
 
@@ -140,7 +164,8 @@ class TargetScorer:
         """Rows joining between rounds, each with its prompt (>= 1 token). Returns whether
         their prefill rides the next score's pass (a backend that can: FastLlamaSession), which
         then costs what it does plus that prefill."""
-        riding = self.session.add_rows([list(p[:-1]) for p in prompts], ride=True)
+        riding = (self.session.add_rows_through([list(p) for p in prompts]) if self._through
+                  else self.session.add_rows([list(p[:-1]) for p in prompts], ride=True))
         self.pending = torch.cat([self.pending, _pending(prompts)])
         return riding
 

@@ -288,14 +288,16 @@ class _Context:
         bindings().llama_memory_clear(self.memory, True)
 
     def decode(self, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-               logits: bool) -> torch.Tensor | None:
+               logits: bool | np.ndarray) -> torch.Tensor | None:
         """Decode one batch: rows, tokens, positions [N] (N <= capacity). Returns the logits
-        [N, num_logits] fp32 (a copy) when ``logits``, else None."""
+        [N, num_logits] fp32 (a copy) when ``logits`` is True, [M, num_logits] at the M
+        positions where a mask ``logits`` [N] bool is set (in order), else None."""
         llama_cpp = bindings()
         count = len(tokens)
         self.tokens[:count] = tokens
         self.positions[:count] = positions
-        self.wants_logits[:count] = 1 if logits else 0
+        self.wants_logits[:count] = logits if isinstance(logits, np.ndarray) else (
+            1 if logits else 0)
         changed = np.nonzero(self._seq_rows[:count] != rows)[0]
         for slot in changed.tolist():  # seq ids live behind per-token pointers
             self.batch.seq_id[slot][0] = int(rows[slot])
@@ -309,10 +311,12 @@ class _Context:
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status} on a batch of "
                                f"{count} tokens.")
-        if not logits:
+        num_outputs = int(np.count_nonzero(logits)) if isinstance(logits, np.ndarray) else (
+            count if logits else 0)
+        if not num_outputs:
             return None
         pointer = llama_cpp.llama_get_logits(self.handle)
-        array = np.ctypeslib.as_array(pointer, shape=(count, self.num_logits))
+        array = np.ctypeslib.as_array(pointer, shape=(num_outputs, self.num_logits))
         return torch.from_numpy(array.copy())
 
     def remove(self, row: int, start: int) -> None:

@@ -6,7 +6,12 @@ What it is: the LMSession protocol (models/base.py) over a llama_context
 (models/llama_cpp.py): ``extend`` decodes every row's new tokens as one llama_batch with logits
 at every fed position, ``feed`` and prefills decode packed (sequence, token, position) triples
 without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
-free sequence ids. What it is not: loading, the context's lifetime or the llama.cpp bindings
+free sequence ids. Prompts can also be prefilled through their last token
+(``start_through``, ``add_rows_through``: models.base.PrefillsThroughLastToken), as
+llama-server decodes a prompt: the last token goes in the prompt's own batch with logits, and
+is held as not yet fed until the next ``extend``, which begins with it and takes its logits
+from the prefill instead of decoding it again in a batch of another shape (llama.cpp's
+quantized kernels round by batch shape). What it is not: loading, the context's lifetime or the llama.cpp bindings
 (models/llama_cpp.py).
 """
 
@@ -41,17 +46,43 @@ class LlamaCppSession:
         self.lm = lm
         self.lengths: list[int] = []  # tokens fed per row (positions 0 .. length - 1)
         self.seq_ids: list[int] = []  # each row's sequence id in the context
-        self._histories: list[list[int]] = []  # each row's fed tokens, to re-prefill on growth
+        # each row's tokens in the context, to re-prefill on growth (a held token included)
+        self._histories: list[list[int]] = []
+        # per row, a prompt's last token in the context but not yet fed (start_through), and
+        # its logits [num_logits] from the prefill; None for the other rows
+        self._held: list[tuple[int, torch.Tensor] | None] = []
         self._context: _Context | None = None
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        self._reset()
+        self.add_rows(prompts)
+
+    def start_through(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Reset and prefill whole prompts (>= 1 token each), each last token held as not
+        yet fed (the module docstring)."""
+        self._reset()
+        self.add_rows_through(prompts)
+
+    def _reset(self) -> None:
         self.lm.check_live(self)
         self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
-        self.add_rows(prompts)
+        self._held = []
 
     def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
         """Rows joining at the end, each prefilled with its prompt under a free sequence id.
         Never rides (FastLlamaSession.add_rows): returns False."""
+        self._add_rows(prompts, hold_last=False)
+        return False
+
+    def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
+        """Rows joining, their whole prompts (>= 1 token each) prefilled and each last token
+        held as not yet fed (the module docstring). Never rides: returns False."""
+        if not all(prompts):
+            raise ShapeError("add_rows_through needs prompts of at least one token each.")
+        self._add_rows(prompts, hold_last=True)
+        return False
+
+    def _add_rows(self, prompts: Sequence[Sequence[int]], hold_last: bool) -> None:
         self.lm.check_live(self)
         self._check_room(max((len(p) for p in prompts), default=0))
         needed = len(self.seq_ids) + len(prompts)
@@ -63,11 +94,13 @@ class LlamaCppSession:
         free = sorted(set(range(self._context.num_rows if self._context else 0))
                       - set(self.seq_ids))
         joining = free[: len(prompts)]
-        self._prefill(joining, [list(p) for p in prompts])
+        last_logits = self._decode_packed(joining, [list(p) for p in prompts],
+                                          [0] * len(prompts), keep_last=hold_last)
         self.seq_ids += joining
         self._histories += [list(p) for p in prompts]
-        self.lengths += [len(p) for p in prompts]
-        return False
+        self.lengths += [len(p) - hold_last for p in prompts]
+        self._held += ([(p[-1], logits) for p, logits in zip(prompts, last_logits)]
+                       if hold_last else [None] * len(prompts))
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order; the others' sequences are cleared."""
@@ -81,26 +114,43 @@ class LlamaCppSession:
         self.seq_ids = [self.seq_ids[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
         self._histories = [self._histories[r] for r in rows]
+        self._held = [self._held[r] for r in rows]
 
     def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
         """Feed each sequence its tokens from position 0, without logits, in chunks."""
-        self._decode_without_logits(seq_ids, token_lists, [0] * len(seq_ids))
+        self._decode_packed(seq_ids, token_lists, [0] * len(seq_ids))
 
-    def _decode_without_logits(self, seq_ids: list[int], token_lists: list[list[int]],
-                               starts: list[int]) -> None:
-        """Feed sequence seq_ids[i] token_lists[i] from position starts[i], without logits:
-        packed (sequence id, token, position) triples, in chunks of a batch."""
+    def _decode_packed(self, seq_ids: list[int], token_lists: list[list[int]],
+                       starts: list[int], keep_last: bool = False) -> list[torch.Tensor]:
+        """Feed sequence seq_ids[i] token_lists[i] from position starts[i]: packed (sequence
+        id, token, position) triples, in chunks of a batch, without logits, or with
+        ``keep_last`` the logits [num_logits] at each list's last token (lists >= 1 token)."""
         if not any(token_lists):
-            return
+            return []
         flat_rows = np.array([s for s, p in zip(seq_ids, token_lists) for _ in p],
                              dtype=np.int64)
         flat_tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
         flat_positions = np.array([start + i for start, p in zip(starts, token_lists)
                                    for i in range(len(p))], dtype=np.int32)
+        last = np.zeros(len(flat_tokens), dtype=bool)
+        if keep_last:
+            last[np.cumsum([len(p) for p in token_lists]) - 1] = True
+        pieces = []
         for begin in range(0, len(flat_tokens), self._context.capacity):
             end = begin + self._context.capacity
-            self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
-                                 flat_positions[begin:end], logits=False)
+            piece = self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
+                                         flat_positions[begin:end],
+                                         logits=last[begin:end] if keep_last else False)
+            if piece is not None:
+                pieces.append(piece)
+        return list(torch.cat(pieces)) if pieces else []
+
+    def _release(self, row: int) -> None:
+        """Row ``row``'s held token leaves the context: the row holds what it counts."""
+        if self._held[row] is not None:
+            self._context.remove(self.seq_ids[row], self.lengths[row])
+            del self._histories[row][self.lengths[row]:]
+            self._held[row] = None
 
     def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
                ) -> torch.Tensor:
@@ -112,20 +162,31 @@ class LlamaCppSession:
         if width == 0 or num_rows == 0:
             return logits_columns(torch.empty((num_rows, width, self.lm.vocab_size)), logits_at)
         self._check_room(max(self.lengths) + width)
+        rows_tokens = tokens.tolist()
+        for row, held in enumerate(self._held):  # a held token not fed now leaves the context
+            if held is not None and rows_tokens[row][0] != held[0]:
+                self._release(row)
+        held_rows = [row for row, held in enumerate(self._held) if held is not None]
+        fed = np.ones((num_rows, width), dtype=bool)  # [B, n]: the positions decoded now
+        fed[held_rows, 0] = False  # a held token's logits come from its prefill
         lengths = np.array(self.lengths, dtype=np.int32)
-        rows = np.repeat(np.array(self.seq_ids, dtype=np.int64), width)  # [B*n] sequence ids
-        positions = (lengths[:, None] + np.arange(width, dtype=np.int32)[None, :]).reshape(-1)
-        flat_tokens = tokens.to(torch.int32).reshape(-1).numpy()
+        rows = np.repeat(np.array(self.seq_ids, dtype=np.int64), width)[fed.reshape(-1)]
+        positions = (lengths[:, None] + np.arange(width, dtype=np.int32)[None, :])[fed]
+        flat_tokens = tokens.to(torch.int32).numpy()[fed]
         capacity = self._context.capacity
         pieces = [self._context.decode(rows[b:b + capacity], flat_tokens[b:b + capacity],
                                        positions[b:b + capacity], logits=True)
                   for b in range(0, len(flat_tokens), capacity)]
-        logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [B*n, num_logits]
+        logits = torch.empty((num_rows, width, self._context.num_logits))  # [B, n, num_logits]
+        if pieces:
+            logits[torch.from_numpy(fed)] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        for row in held_rows:
+            logits[row, 0] = self._held[row][1]
+            self._held[row] = None
         self.lengths = [length + width for length in self.lengths]
-        for history, row in zip(self._histories, tokens.tolist()):
-            history.extend(row)
-        return logits_columns(logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size],
-                              logits_at)
+        for history, row, skip in zip(self._histories, rows_tokens, (~fed[:, 0]).tolist()):
+            history.extend(row[skip:])
+        return logits_columns(logits[:, :, : self.lm.vocab_size], logits_at)
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
@@ -134,14 +195,18 @@ class LlamaCppSession:
         rows = feed_rows(rows, len(self.lengths))
         if not any(rows):
             return
+        for row in range(len(self._held)):  # a feed never begins with a held token
+            self._release(row)
         self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
-        self._decode_without_logits(self.seq_ids, rows, self.lengths)
+        self._decode_packed(self.seq_ids, rows, self.lengths)
         for history, row in zip(self._histories, rows):
             history.extend(row)
         self.lengths = [length + len(row) for length, row in zip(self.lengths, rows)]
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
         self.lm.check_live(self)
+        for row in range(len(self._held)):  # the held tokens count as not fed
+            self._release(row)
         for row, count in enumerate(as_ints(num_tokens)):
             if count < 0 or count > self.lengths[row]:
                 raise ConfigError(f"rewind of {count} tokens on row {row} is invalid: it holds "

@@ -116,3 +116,16 @@ def test_an_unknown_step_graphs_mode_names_the_choices(target):
     with pytest.raises(ConfigError, match="step_graphs='always' is invalid: expected one of "
                                           "auto, off, static"):
         FastLlamaLM(target, step_graphs="always")
+
+
+def test_the_least_recently_used_steps_go_beyond_the_bound(target, monkeypatch):
+    from verispec.models import step_graphs
+
+    monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 3)
+    lm = FastLlamaLM(target, step_graphs="static")
+    session = lm.new_session()
+    session.start([[1, 2, 3]])
+    for width in (1, 2, 3, 1, 4, 5):  # five shapes; width 1 used again before 4 and 5 come
+        session.extend(torch.full((1, width), 7))
+    kept = [key[3] for key in lm.step_graphs._steps]  # tokens a row of each kept step
+    assert kept == [1, 4, 5]

@@ -160,6 +160,37 @@ def test_a_held_token_that_is_not_fed_next_leaves_the_context(tiny):
         session.add_rows_through([[]])
 
 
+def test_joining_prompts_ride_the_next_extend_in_its_batch(tiny, monkeypatch):
+    """add_rows(ride=True): the joining prompts go into the next extend's llama_decode batch
+    (no pass of their own) and the rows go on as if prefilled on joining; a feed or a rewind
+    prefills them first; a riding row that leaves is never decoded."""
+    lm, reference = (LlamaCppLM(LlamaCppModel(tiny["target"])) for _ in range(2))
+    session, fresh = lm.new_session(), reference.new_session()
+    for s in (session, fresh):  # a context with room for two more rows: no regrowth
+        s.start([[1, 2, 3], [30], [31]])
+        s.keep_rows([0])
+    decodes = []
+    decode = type(session._context).decode
+    monkeypatch.setattr(type(session._context), "decode", lambda self, *a, **k: (
+        self is session._context and decodes.append(len(a[1]))) or decode(self, *a, **k))
+    assert session.add_rows([[4, 5, 6, 7], [8, 9]], ride=True)
+    assert decodes == []  # nothing decoded on joining
+    fresh.add_rows([[4, 5, 6, 7], [8, 9]])
+    tokens = torch.tensor([[10, 11], [12, 13], [14, 15]])
+    logits, expected = session.extend(tokens), fresh.extend(tokens)
+    assert decodes == [6 + 6], decodes  # one batch: both prompts, then every row's two tokens
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=2e-3)
+    assert session.lengths == fresh.lengths == [5, 6, 4]
+    session.add_rows([[16, 17, 18]], ride=True)
+    fresh.add_rows([[16, 17, 18]])
+    for s in (session, fresh):
+        s.rewind([1, 0, 2, 0])  # prefills the riding prompt before dropping anything
+        s.add_rows([[19, 20]], ride=s is session)
+        s.keep_rows([0, 1, 3])  # the riding row leaves undecoded
+    probe = torch.tensor([[21], [22], [23]])
+    torch.testing.assert_close(session.extend(probe), fresh.extend(probe), rtol=1e-4, atol=2e-3)
+
+
 def test_logits_at_one_column_a_row_are_those_of_a_full_extend(tiny):
     """LMSession.extend's logits_at on llama.cpp: row b's logits at column logits_at[b], [B, V],
     as a full extend of the same tokens returns them there."""

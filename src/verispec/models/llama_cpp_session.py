@@ -8,10 +8,14 @@ at every fed position, ``feed`` and prefills decode packed (sequence, token, pos
 without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
 free sequence ids. Prompts can also be prefilled through their last token
 (``start_through``, ``add_rows_through``: models.base.PrefillsThroughLastToken), as
-llama-server decodes a prompt: the last token goes in the prompt's own batch with logits, and
-is held as not yet fed until the next ``extend``, which begins with it and takes its logits
-from the prefill instead of decoding it again in a batch of another shape (llama.cpp's
-quantized kernels round by batch shape). What it is not: loading, the context's lifetime or the llama.cpp bindings
+llama-server decodes a prompt, so that the last token is computed in the prompt's own batch
+(llama.cpp's quantized kernels round by batch shape): ``start_through`` decodes the prompts
+now, the last token with logits, and holds it as not yet fed until the next ``extend``, which
+begins with it and takes its logits from the prefill; joining rows (``add_rows`` with ``ride``,
+which ``add_rows_through`` uses) ride the next ``extend``: their prompts go into its batch
+without logits, before the rows' own tokens. A join then costs no pass of its own, in which
+every other row would wait (on a 2-core CPU a 50-token prompt costs about what five 8-row
+decoding rounds do; dev/LOG.md). What it is not: loading, the context's lifetime or the llama.cpp bindings
 (models/llama_cpp.py).
 """
 
@@ -51,6 +55,8 @@ class LlamaCppSession:
         # per row, a prompt's last token in the context but not yet fed (start_through), and
         # its logits [num_logits] from the prefill; None for the other rows
         self._held: list[tuple[int, torch.Tensor] | None] = []
+        # per row, whether its tokens (a joining prompt) ride the next extend, not yet decoded
+        self._riding: list[bool] = []
         self._context: _Context | None = None
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -66,23 +72,25 @@ class LlamaCppSession:
     def _reset(self) -> None:
         self.lm.check_live(self)
         self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
-        self._held = []
+        self._held, self._riding = [], []
 
     def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
-        """Rows joining at the end, each prefilled with its prompt under a free sequence id.
-        Never rides (FastLlamaSession.add_rows): returns False."""
-        self._add_rows(prompts, hold_last=False)
-        return False
+        """Rows joining at the end, each with its prompt under a free sequence id, prefilled
+        now, or with ``ride`` in the next extend's batch (a feed or a rewind prefills them
+        first). Returns whether the prompts ride."""
+        self._add_rows(prompts, hold_last=False, ride=ride)
+        return ride and any(prompts)
 
     def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
-        """Rows joining, their whole prompts (>= 1 token each) prefilled and each last token
-        held as not yet fed (the module docstring). Never rides: returns False."""
+        """Rows joining with whole prompts (>= 1 token each): all but each last token ride
+        the next extend, which begins with the last, so the prompt is decoded in one batch
+        (the module docstring). Returns True."""
         if not all(prompts):
             raise ShapeError("add_rows_through needs prompts of at least one token each.")
-        self._add_rows(prompts, hold_last=True)
-        return False
+        return self.add_rows([list(p[:-1]) for p in prompts], ride=True) or bool(prompts)
 
-    def _add_rows(self, prompts: Sequence[Sequence[int]], hold_last: bool) -> None:
+    def _add_rows(self, prompts: Sequence[Sequence[int]], hold_last: bool,
+                  ride: bool = False) -> None:
         self.lm.check_live(self)
         self._check_room(max((len(p) for p in prompts), default=0))
         needed = len(self.seq_ids) + len(prompts)
@@ -91,16 +99,18 @@ class LlamaCppSession:
             self._context = self.lm.context(self, size)  # emptied: the rows here re-prefill
             self.seq_ids = list(range(len(self.seq_ids)))
             self._prefill(self.seq_ids, self._histories)
+            self._riding = [False] * len(self.seq_ids)  # their prompts went in with the rest
         free = sorted(set(range(self._context.num_rows if self._context else 0))
                       - set(self.seq_ids))
         joining = free[: len(prompts)]
-        last_logits = self._decode_packed(joining, [list(p) for p in prompts],
-                                          [0] * len(prompts), keep_last=hold_last)
+        last_logits = [] if ride else self._decode_packed(
+            joining, [list(p) for p in prompts], [0] * len(prompts), keep_last=hold_last)
         self.seq_ids += joining
         self._histories += [list(p) for p in prompts]
         self.lengths += [len(p) - hold_last for p in prompts]
         self._held += ([(p[-1], logits) for p, logits in zip(prompts, last_logits)]
                        if hold_last else [None] * len(prompts))
+        self._riding += [ride and bool(p) for p in prompts]
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order; the others' sequences are cleared."""
@@ -115,6 +125,7 @@ class LlamaCppSession:
         self.lengths = [self.lengths[r] for r in rows]
         self._histories = [self._histories[r] for r in rows]
         self._held = [self._held[r] for r in rows]
+        self._riding = [self._riding[r] for r in rows]
 
     def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
         """Feed each sequence its tokens from position 0, without logits, in chunks."""
@@ -145,6 +156,14 @@ class LlamaCppSession:
                 pieces.append(piece)
         return list(torch.cat(pieces)) if pieces else []
 
+    def _prefill_riding(self) -> None:
+        """The riding prompts go in now, in one packed pass (before a feed or a rewind)."""
+        rows = [row for row, riding in enumerate(self._riding) if riding]
+        self._decode_packed([self.seq_ids[row] for row in rows],
+                            [self._histories[row][: self.lengths[row]] for row in rows],
+                            [0] * len(rows))
+        self._riding = [False] * len(self._riding)
+
     def _release(self, row: int) -> None:
         """Row ``row``'s held token leaves the context: the row holds what it counts."""
         if self._held[row] is not None:
@@ -173,10 +192,24 @@ class LlamaCppSession:
         rows = np.repeat(np.array(self.seq_ids, dtype=np.int64), width)[fed.reshape(-1)]
         positions = (lengths[:, None] + np.arange(width, dtype=np.int32)[None, :])[fed]
         flat_tokens = tokens.to(torch.int32).numpy()[fed]
+        wants = np.ones(len(flat_tokens), dtype=bool)  # logits at every fed position
+        riding = [row for row, flag in enumerate(self._riding) if flag]
+        if riding:  # joining prompts first, without logits: [prompts | the rows' tokens]
+            prompts = [self._histories[row][: self.lengths[row]] for row in riding]
+            rows = np.concatenate([np.repeat(np.array([self.seq_ids[r] for r in riding],
+                                                      dtype=np.int64), [len(p) for p in prompts]),
+                                   rows])
+            positions = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts]
+                                       + [positions])
+            flat_tokens = np.concatenate([np.array(p, dtype=np.int32) for p in prompts]
+                                         + [flat_tokens])
+            wants = np.concatenate([np.zeros(sum(map(len, prompts)), dtype=bool), wants])
+            self._riding = [False] * num_rows
         capacity = self._context.capacity
         pieces = [self._context.decode(rows[b:b + capacity], flat_tokens[b:b + capacity],
-                                       positions[b:b + capacity], logits=True)
+                                       positions[b:b + capacity], logits=wants[b:b + capacity])
                   for b in range(0, len(flat_tokens), capacity)]
+        pieces = [piece for piece in pieces if piece is not None]
         logits = torch.empty((num_rows, width, self._context.num_logits))  # [B, n, num_logits]
         if pieces:
             logits[torch.from_numpy(fed)] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -197,6 +230,8 @@ class LlamaCppSession:
             return
         for row in range(len(self._held)):  # a feed never begins with a held token
             self._release(row)
+        if any(self._riding):
+            self._prefill_riding()
         self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
         self._decode_packed(self.seq_ids, rows, self.lengths)
         for history, row in zip(self._histories, rows):
@@ -207,6 +242,8 @@ class LlamaCppSession:
         self.lm.check_live(self)
         for row in range(len(self._held)):  # the held tokens count as not fed
             self._release(row)
+        if any(self._riding):
+            self._prefill_riding()
         for row, count in enumerate(as_ints(num_tokens)):
             if count < 0 or count > self.lengths[row]:
                 raise ConfigError(f"rewind of {count} tokens on row {row} is invalid: it holds "

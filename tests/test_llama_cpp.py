@@ -117,12 +117,12 @@ def test_rewind_equals_a_fresh_decode(tiny):
 
 
 def test_prompts_prefilled_through_their_last_token_go_on_as_if_it_was_extended(tiny):
-    """start_through (models.base.PrefillsThroughLastToken): each prompt's last token goes in
-    the prompt's own pass, held as not fed; the next extend begins with it and returns the
-    prefill's logits at that column. From there the session is the one that fed the token
-    with the extend: the same logits up to the rounding of a pass of another shape (F32 here;
-    the argmax equal), lengths, rewinds and later extends. Five rows of 110 tokens: the
-    prefill spans two llama_decode chunks."""
+    """start_through (models.base.PrefillsThroughLastToken): the rows hold all but each
+    prompt's last token, and the next extend, which begins with it, decodes the prompt in its
+    own batch. From there the session is the one that prefilled p[:-1] and fed the token with
+    the extend: the same logits up to the rounding of a pass of another shape (F32 here; the
+    argmax equal), lengths, rewinds and later extends. Five rows of 110 tokens: that extend
+    spans two llama_decode chunks."""
     lm, reference = (LlamaCppLM(LlamaCppModel(tiny["target"])) for _ in range(2))
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, lm.vocab_size, (n,), generator=generator).tolist()
@@ -144,17 +144,17 @@ def test_prompts_prefilled_through_their_last_token_go_on_as_if_it_was_extended(
     assert session.lengths == fresh.lengths
 
 
-def test_a_held_token_that_is_not_fed_next_leaves_the_context(tiny):
+def test_rows_started_through_their_prompts_take_whatever_token_comes_next(tiny):
     lm, reference = (LlamaCppLM(LlamaCppModel(tiny["target"])) for _ in range(2))
     session, fresh = lm.new_session(), reference.new_session()
     session.start_through([[1, 2, 3], [4, 5]])
     session.add_rows_through([[6, 7]])
     fresh.start([[1, 2], [4], [6]])
-    tokens = torch.tensor([[9, 10], [5, 11], [12, 13]])  # rows 0 and 2 do not begin with theirs
+    tokens = torch.tensor([[9, 10], [5, 11], [12, 13]])  # rows 0, 2 do not begin with p[-1]
     torch.testing.assert_close(session.extend(tokens), fresh.extend(tokens), rtol=1e-4,
                                atol=2e-3)
     session.start_through([[1, 2, 3]])
-    session.rewind([0])  # a rewind (or a feed) drops the held token first
+    session.rewind([0])  # a rewind (or a feed) prefills the riding prompt first
     assert session.lengths == [2]
     with pytest.raises(verispec.errors.ShapeError, match="at least one token"):
         session.add_rows_through([[]])

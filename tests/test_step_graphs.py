@@ -1,13 +1,19 @@
 """The fast path's static-shape steps (models/step_graphs.py) on the CPU: what a CUDA graph
 replays, run eagerly, must give the reference's logits and the eager path's tokens. The capture
 itself needs a GPU (tests/test_gpu.py)."""
+# ruff: noqa: F811 (the tests take test_fast_llama's module fixtures target and draft by name)
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fast_llama import PROMPTS, VOCAB, check_logits_after_random_extend_and_rewind
-from tiny_models import tiny_llama
+from test_fast_llama import (  # noqa: F401 (draft, target: its module fixtures)
+    PROMPTS,
+    VOCAB,
+    check_logits_after_random_extend_and_rewind,
+    draft,
+    target,
+)
 
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.errors import ConfigError
@@ -15,16 +21,6 @@ from verispec.models.fast_llama import FastLlamaLM
 from verispec.models.step_graphs import MIN_KEYS, bucket_keys, bucket_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(VOCAB, seed=11, hidden=64, layers=3)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(VOCAB, seed=12, hidden=32, layers=1)
 
 
 def test_buckets_are_powers_of_two_and_keys_stay_inside_the_context():

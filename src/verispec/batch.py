@@ -108,7 +108,6 @@ class Batch:
         # weight, such rounds priced drafting out of reach
         self._capturers = [m for m in (target, proposer)
                            if m is not None and isinstance(m, CapturesSteps)]
-        self._captures_before = 0  # their captures when this round started
 
     @property
     def speculative(self) -> bool:
@@ -195,7 +194,7 @@ class Batch:
             # start (5.8 ms against ~0.6 at one row) stayed so and held k at 0 for good
             self.proposer.catch_up()
             self._draft_lags = False
-        self._captures_before = self._num_captured()
+        captures = self._num_captured()
         started = time.perf_counter()
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
         draft_tokens, draft_probs, num_draft = self._propose(wanted)
@@ -235,7 +234,7 @@ class Batch:
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
         self._record(draft_tokens.shape[1], num_draft, measured, emitted, times, policy,
-                     self._overhead(times), measuring)
+                     self._overhead(times), measuring, self._num_captured() > captures)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
 
@@ -310,11 +309,13 @@ class Batch:
 
     def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
                 emitted: list[tuple[Row, list[int]]], times: dict[str, float],
-                policy: AdaptivePolicy | None, other_time: float, measuring: bool) -> None:
+                policy: AdaptivePolicy | None, other_time: float, measuring: bool,
+                captured: bool) -> None:
         """Add the round to the batch's and each row's metrics; give the policy its stats.
         num_accepted: what verification found. In a measuring round (_measuring) each row's
         metrics count a plain round (it kept no draft token); the batch's and the policy's
-        count what was verified."""
+        count what was verified. ``captured``: a model captured a step graph this round (its
+        timings then weigh like a first use)."""
         reached, accepted_at = [0] * width, [0] * width
         for (row, new), k, n in zip(emitted, num_draft, num_accepted):
             row_reached = [1 if n >= j else 0 for j in range(k)]  # position j tested
@@ -337,8 +338,7 @@ class Batch:
         shape = (bucket, width)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a
         # 16-prompt join charged to its depth drove a 16-row policy to k = 8 (0.76x plain)
-        timed = (shape in self._shapes_run and not self._joins_ride
-                 and self._num_captured() == self._captures_before)
+        timed = shape in self._shapes_run and not self._joins_ride and not captured
         self._shapes_run.add(shape)
         self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds

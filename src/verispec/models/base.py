@@ -49,19 +49,19 @@ class LMSession(Protocol):
 
 @runtime_checkable
 class PrefillsThroughLastToken(Protocol):
-    """A session that can prefill whole prompts, each last token in the prompt's own pass with
-    its logits kept, while counting that token as not yet fed: the next ``extend`` begins with
-    it and returns the kept logits at its column instead of computing them in a pass of
-    another shape. Where a backend's numbers depend on a pass's shape (llama.cpp's quantized
-    kernels), this is what makes the first token the one a server decoding the prompt in one
-    batch (llama-server) gets. TargetScorer uses it where a session has it."""
+    """A session that takes whole prompts and decodes each in one batch with its last token:
+    the rows hold all but the last token (as ``start`` of p[:-1] would), and the next
+    ``extend``, which begins with the last, decodes the prompt together with it. Where a
+    backend's numbers depend on a pass's shape (llama.cpp's quantized kernels), this is what
+    makes the first token the one a server decoding the prompt in one batch (llama-server)
+    gets. TargetScorer uses it where a session has it."""
 
     def start_through(self, prompts: Sequence[Sequence[int]]) -> None:
-        """``start`` over whole prompts (>= 1 token each), each last token held."""
+        """``start`` over whole prompts (>= 1 token each), decoded with the next extend."""
 
     def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
-        """``add_rows`` over whole prompts, each last token held; returns whether they
-        ride the next pass."""
+        """``add_rows`` over whole prompts, decoded with the next extend; returns whether
+        they ride the next pass."""
 
 
 @runtime_checkable
@@ -137,10 +137,11 @@ class TargetScorer:
     """The target side of speculative decoding over an :class:`LMSession`.
 
     Invariant between rounds: the cache holds every committed token but the last, which is
-    ``pending`` (a session that prefills through the last prompt token holds that one as not
-    yet fed until the first score: PrefillsThroughLastToken). Scoring feeds [pending, d_1 .. d_k] in ONE call and returns k+1 next-token
-    logits (for d_1 .. d_k and the bonus). Committing n accepted tokens rewinds the k - n
-    rejected ones and makes the recovered/bonus token the new ``pending``.
+    ``pending`` (a session that decodes prompts through their last token defers the prompt
+    itself to the first score: PrefillsThroughLastToken). Scoring feeds [pending, d_1 .. d_k]
+    in ONE call and returns k+1 next-token logits (for d_1 .. d_k and the bonus). Committing n
+    accepted tokens rewinds the k - n rejected ones and makes the recovered/bonus token the new
+    ``pending``.
 
     Worked example (prompt "a b c", k = 3, draft "x y z", 1 accepted, recovered "w"):
       start:  cache [a b]        pending c
@@ -150,8 +151,8 @@ class TargetScorer:
 
     def __init__(self, session: LMSession, prompts: Sequence[Sequence[int]]) -> None:
         self.session = session
-        # a session that prefills through each prompt's last token (the pending one) takes it
-        # in the prompt's own pass; others get it with the first score
+        # a session that decodes each prompt with its last token (the pending one) gets the
+        # whole prompts; others get all but the last now
         self._through = isinstance(session, PrefillsThroughLastToken)
         if self._through:
             session.start_through([list(p) for p in prompts])
@@ -162,8 +163,8 @@ class TargetScorer:
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> bool:
         """Rows joining between rounds, each with its prompt (>= 1 token). Returns whether
-        their prefill rides the next score's pass (a backend that can: FastLlamaSession), which
-        then costs what it does plus that prefill."""
+        their prefill rides the next score's pass (a backend that can: FastLlamaSession,
+        LlamaCppSession), which then costs what it does plus that prefill."""
         riding = (self.session.add_rows_through([list(p) for p in prompts]) if self._through
                   else self.session.add_rows([list(p[:-1]) for p in prompts], ride=True))
         self.pending = torch.cat([self.pending, _pending(prompts)])

@@ -288,16 +288,15 @@ class _Context:
         bindings().llama_memory_clear(self.memory, True)
 
     def decode(self, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-               logits: bool | np.ndarray) -> torch.Tensor | None:
+               logits: np.ndarray) -> torch.Tensor | None:
         """Decode one batch: rows, tokens, positions [N] (N <= capacity). Returns the logits
-        [N, num_logits] fp32 (a copy) when ``logits`` is True, [M, num_logits] at the M
-        positions where a mask ``logits`` [N] bool is set (in order), else None."""
+        [M, num_logits] fp32 (a copy) at the M positions the mask ``logits`` [N] bool sets, in
+        order; None where it sets none."""
         llama_cpp = bindings()
         count = len(tokens)
         self.tokens[:count] = tokens
         self.positions[:count] = positions
-        self.wants_logits[:count] = logits if isinstance(logits, np.ndarray) else (
-            1 if logits else 0)
+        self.wants_logits[:count] = logits
         changed = np.nonzero(self._seq_rows[:count] != rows)[0]
         for slot in changed.tolist():  # seq ids live behind per-token pointers
             self.batch.seq_id[slot][0] = int(rows[slot])
@@ -311,8 +310,7 @@ class _Context:
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status} on a batch of "
                                f"{count} tokens.")
-        num_outputs = int(np.count_nonzero(logits)) if isinstance(logits, np.ndarray) else (
-            count if logits else 0)
+        num_outputs = int(np.count_nonzero(logits))
         if not num_outputs:
             return None
         pointer = llama_cpp.llama_get_logits(self.handle)

@@ -6,16 +6,14 @@ What it is: the LMSession protocol (models/base.py) over a llama_context
 (models/llama_cpp.py): ``extend`` decodes every row's new tokens as one llama_batch with logits
 at every fed position, ``feed`` and prefills decode packed (sequence, token, position) triples
 without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
-free sequence ids. Prompts can also be prefilled through their last token
-(``start_through``, ``add_rows_through``: models.base.PrefillsThroughLastToken), as
-llama-server decodes a prompt, so that the last token is computed in the prompt's own batch
-(llama.cpp's quantized kernels round by batch shape): ``start_through`` decodes the prompts
-now, the last token with logits, and holds it as not yet fed until the next ``extend``, which
-begins with it and takes its logits from the prefill; joining rows (``add_rows`` with ``ride``,
-which ``add_rows_through`` uses) ride the next ``extend``: their prompts go into its batch
-without logits, before the rows' own tokens. A join then costs no pass of its own, in which
-every other row would wait (on a 2-core CPU a 50-token prompt costs about what five 8-row
-decoding rounds do; dev/LOG.md). What it is not: loading, the context's lifetime or the llama.cpp bindings
+free sequence ids. Rows joining with ``ride`` (``add_rows``) ride the next ``extend``: their
+prompts go into its llama_batch without logits, before the rows' own tokens, so a join costs
+no pass of its own in which every other row would wait (on a 2-core CPU a 50-token prompt
+costs about what five 8-row decoding rounds do; dev/LOG.md). ``start_through`` and
+``add_rows_through`` (models.base.PrefillsThroughLastToken) take whole prompts and let all but
+each last token ride, so that the next ``extend``, which begins with the last, decodes the
+prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape).
+What it is not: loading, the context's lifetime or the llama.cpp bindings
 (models/llama_cpp.py).
 """
 
@@ -50,11 +48,7 @@ class LlamaCppSession:
         self.lm = lm
         self.lengths: list[int] = []  # tokens fed per row (positions 0 .. length - 1)
         self.seq_ids: list[int] = []  # each row's sequence id in the context
-        # each row's tokens in the context, to re-prefill on growth (a held token included)
-        self._histories: list[list[int]] = []
-        # per row, a prompt's last token in the context but not yet fed (start_through), and
-        # its logits [num_logits] from the prefill; None for the other rows
-        self._held: list[tuple[int, torch.Tensor] | None] = []
+        self._histories: list[list[int]] = []  # each row's fed tokens, to re-prefill on growth
         # per row, whether its tokens (a joining prompt) ride the next extend, not yet decoded
         self._riding: list[bool] = []
         self._context: _Context | None = None
@@ -64,33 +58,20 @@ class LlamaCppSession:
         self.add_rows(prompts)
 
     def start_through(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Reset and prefill whole prompts (>= 1 token each), each last token held as not
-        yet fed (the module docstring)."""
+        """Reset with rows over whole prompts (>= 1 token each), all but each last token
+        riding the next extend (the module docstring)."""
         self._reset()
         self.add_rows_through(prompts)
 
     def _reset(self) -> None:
         self.lm.check_live(self)
         self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
-        self._held, self._riding = [], []
+        self._riding = []
 
     def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
         """Rows joining at the end, each with its prompt under a free sequence id, prefilled
         now, or with ``ride`` in the next extend's batch (a feed or a rewind prefills them
         first). Returns whether the prompts ride."""
-        self._add_rows(prompts, hold_last=False, ride=ride)
-        return ride and any(prompts)
-
-    def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
-        """Rows joining with whole prompts (>= 1 token each): all but each last token ride
-        the next extend, which begins with the last, so the prompt is decoded in one batch
-        (the module docstring). Returns True."""
-        if not all(prompts):
-            raise ShapeError("add_rows_through needs prompts of at least one token each.")
-        return self.add_rows([list(p[:-1]) for p in prompts], ride=True) or bool(prompts)
-
-    def _add_rows(self, prompts: Sequence[Sequence[int]], hold_last: bool,
-                  ride: bool = False) -> None:
         self.lm.check_live(self)
         self._check_room(max((len(p) for p in prompts), default=0))
         needed = len(self.seq_ids) + len(prompts)
@@ -103,14 +84,22 @@ class LlamaCppSession:
         free = sorted(set(range(self._context.num_rows if self._context else 0))
                       - set(self.seq_ids))
         joining = free[: len(prompts)]
-        last_logits = [] if ride else self._decode_packed(
-            joining, [list(p) for p in prompts], [0] * len(prompts), keep_last=hold_last)
+        if not ride:
+            self._prefill(joining, [list(p) for p in prompts])
         self.seq_ids += joining
         self._histories += [list(p) for p in prompts]
-        self.lengths += [len(p) - hold_last for p in prompts]
-        self._held += ([(p[-1], logits) for p, logits in zip(prompts, last_logits)]
-                       if hold_last else [None] * len(prompts))
+        self.lengths += [len(p) for p in prompts]
         self._riding += [ride and bool(p) for p in prompts]
+        return ride and any(prompts)
+
+    def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
+        """Rows joining with whole prompts (>= 1 token each): all but each last token ride
+        the next extend, which begins with the last, so the prompt is decoded in one batch
+        (the module docstring). Returns True."""
+        if not all(prompts):
+            raise ShapeError("add_rows_through needs prompts of at least one token each.")
+        self.add_rows([list(p[:-1]) for p in prompts], ride=True)
+        return bool(prompts)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order; the others' sequences are cleared."""
@@ -124,7 +113,6 @@ class LlamaCppSession:
         self.seq_ids = [self.seq_ids[r] for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
         self._histories = [self._histories[r] for r in rows]
-        self._held = [self._held[r] for r in rows]
         self._riding = [self._riding[r] for r in rows]
 
     def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
@@ -132,49 +120,34 @@ class LlamaCppSession:
         self._decode_packed(seq_ids, token_lists, [0] * len(seq_ids))
 
     def _decode_packed(self, seq_ids: list[int], token_lists: list[list[int]],
-                       starts: list[int], keep_last: bool = False) -> list[torch.Tensor]:
-        """Feed sequence seq_ids[i] token_lists[i] from position starts[i]: packed (sequence
-        id, token, position) triples, in chunks of a batch, without logits, or with
-        ``keep_last`` the logits [num_logits] at each list's last token (lists >= 1 token)."""
-        if not any(token_lists):
-            return []
-        flat_rows = np.array([s for s, p in zip(seq_ids, token_lists) for _ in p],
-                             dtype=np.int64)
-        flat_tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
-        flat_positions = np.array([start + i for start, p in zip(starts, token_lists)
-                                   for i in range(len(p))], dtype=np.int32)
-        last = np.zeros(len(flat_tokens), dtype=bool)
-        if keep_last:
-            last[np.cumsum([len(p) for p in token_lists]) - 1] = True
-        pieces = []
-        for begin in range(0, len(flat_tokens), self._context.capacity):
-            end = begin + self._context.capacity
-            piece = self._context.decode(flat_rows[begin:end], flat_tokens[begin:end],
-                                         flat_positions[begin:end],
-                                         logits=last[begin:end] if keep_last else False)
-            if piece is not None:
-                pieces.append(piece)
-        return list(torch.cat(pieces)) if pieces else []
+                       starts: list[int]) -> None:
+        """Feed sequence seq_ids[i] token_lists[i] from position starts[i], without logits:
+        packed (sequence id, token, position) triples, in chunks of a batch."""
+        if any(token_lists):
+            rows, tokens, positions = _packed(seq_ids, token_lists, starts)
+            self._decode(rows, tokens, positions, np.zeros(len(tokens), dtype=bool))
+
+    def _decode(self, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                wants: np.ndarray) -> torch.Tensor | None:
+        """Decode (sequence id, token, position) triples [N] in chunks of a batch -> the
+        logits [M, num_logits] at the M positions ``wants`` [N] marks, in order (None: M = 0)."""
+        capacity = self._context.capacity
+        pieces = [self._context.decode(rows[b:b + capacity], tokens[b:b + capacity],
+                                       positions[b:b + capacity], logits=wants[b:b + capacity])
+                  for b in range(0, len(tokens), capacity)]
+        pieces = [piece for piece in pieces if piece is not None]
+        return None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _prefill_riding(self) -> None:
         """The riding prompts go in now, in one packed pass (before a feed or a rewind)."""
         rows = [row for row, riding in enumerate(self._riding) if riding]
-        self._decode_packed([self.seq_ids[row] for row in rows],
-                            [self._histories[row][: self.lengths[row]] for row in rows],
-                            [0] * len(rows))
+        self._prefill([self.seq_ids[row] for row in rows], [self._histories[row] for row in rows])
         self._riding = [False] * len(self._riding)
-
-    def _release(self, row: int) -> None:
-        """Row ``row``'s held token leaves the context: the row holds what it counts."""
-        if self._held[row] is not None:
-            self._context.remove(self.seq_ids[row], self.lengths[row])
-            del self._histories[row][self.lengths[row]:]
-            self._held[row] = None
 
     def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
                ) -> torch.Tensor:
         """tokens [B, n] int64 -> logits [B, n, V] fp32 (every fed position; [B, V] at
-        logits_at's columns: LMSession.extend)."""
+        logits_at's columns: LMSession.extend). Riding prompts go first in the same batch."""
         self.lm.check_live(self)
         num_rows, width = tokens.shape
         assert num_rows == len(self.lengths)
@@ -182,44 +155,21 @@ class LlamaCppSession:
             return logits_columns(torch.empty((num_rows, width, self.lm.vocab_size)), logits_at)
         self._check_room(max(self.lengths) + width)
         rows_tokens = tokens.tolist()
-        for row, held in enumerate(self._held):  # a held token not fed now leaves the context
-            if held is not None and rows_tokens[row][0] != held[0]:
-                self._release(row)
-        held_rows = [row for row, held in enumerate(self._held) if held is not None]
-        fed = np.ones((num_rows, width), dtype=bool)  # [B, n]: the positions decoded now
-        fed[held_rows, 0] = False  # a held token's logits come from its prefill
-        lengths = np.array(self.lengths, dtype=np.int32)
-        rows = np.repeat(np.array(self.seq_ids, dtype=np.int64), width)[fed.reshape(-1)]
-        positions = (lengths[:, None] + np.arange(width, dtype=np.int32)[None, :])[fed]
-        flat_tokens = tokens.to(torch.int32).numpy()[fed]
-        wants = np.ones(len(flat_tokens), dtype=bool)  # logits at every fed position
         riding = [row for row, flag in enumerate(self._riding) if flag]
-        if riding:  # joining prompts first, without logits: [prompts | the rows' tokens]
-            prompts = [self._histories[row][: self.lengths[row]] for row in riding]
-            rows = np.concatenate([np.repeat(np.array([self.seq_ids[r] for r in riding],
-                                                      dtype=np.int64), [len(p) for p in prompts]),
-                                   rows])
-            positions = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts]
-                                       + [positions])
-            flat_tokens = np.concatenate([np.array(p, dtype=np.int32) for p in prompts]
-                                         + [flat_tokens])
-            wants = np.concatenate([np.zeros(sum(map(len, prompts)), dtype=bool), wants])
-            self._riding = [False] * num_rows
-        capacity = self._context.capacity
-        pieces = [self._context.decode(rows[b:b + capacity], flat_tokens[b:b + capacity],
-                                       positions[b:b + capacity], logits=wants[b:b + capacity])
-                  for b in range(0, len(flat_tokens), capacity)]
-        pieces = [piece for piece in pieces if piece is not None]
-        logits = torch.empty((num_rows, width, self._context.num_logits))  # [B, n, num_logits]
-        if pieces:
-            logits[torch.from_numpy(fed)] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        for row in held_rows:
-            logits[row, 0] = self._held[row][1]
-            self._held[row] = None
+        # [riding prompts, no logits | every row's tokens, logits]
+        rows, flat_tokens, positions = _packed(
+            [self.seq_ids[row] for row in riding] + self.seq_ids,
+            [self._histories[row] for row in riding] + rows_tokens,
+            [0] * len(riding) + self.lengths)
+        wants = np.ones(len(flat_tokens), dtype=bool)
+        wants[: len(flat_tokens) - num_rows * width] = False
+        self._riding = [False] * num_rows
+        logits = self._decode(rows, flat_tokens, positions, wants)  # [B*n, num_logits]
         self.lengths = [length + width for length in self.lengths]
-        for history, row, skip in zip(self._histories, rows_tokens, (~fed[:, 0]).tolist()):
-            history.extend(row[skip:])
-        return logits_columns(logits[:, :, : self.lm.vocab_size], logits_at)
+        for history, row in zip(self._histories, rows_tokens):
+            history.extend(row)
+        return logits_columns(logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size],
+                              logits_at)
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
@@ -228,8 +178,6 @@ class LlamaCppSession:
         rows = feed_rows(rows, len(self.lengths))
         if not any(rows):
             return
-        for row in range(len(self._held)):  # a feed never begins with a held token
-            self._release(row)
         if any(self._riding):
             self._prefill_riding()
         self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
@@ -240,8 +188,6 @@ class LlamaCppSession:
 
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
         self.lm.check_live(self)
-        for row in range(len(self._held)):  # the held tokens count as not fed
-            self._release(row)
         if any(self._riding):
             self._prefill_riding()
         for row, count in enumerate(as_ints(num_tokens)):
@@ -259,3 +205,14 @@ class LlamaCppSession:
                 f"a row would hold {length} tokens, more than the llama.cpp context of "
                 f"{self.lm.max_positions} tokens per sequence; raise context_size "
                 "(LlamaCppConfig, --context-size) or shorten the request.")
+
+
+def _packed(seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
+            starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token lists as packed llama_batch triples: sequence ids [N] int64, tokens [N] and
+    positions [N] int32, list i at seq_ids[i] from position starts[i]."""
+    rows = np.array([s for s, p in zip(seq_ids, token_lists) for _ in p], dtype=np.int64)
+    tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
+    positions = np.array([start + i for start, p in zip(starts, token_lists)
+                          for i in range(len(p))], dtype=np.int32)
+    return rows, tokens, positions

@@ -17,7 +17,7 @@ import torch
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.adaptive import AdaptivePolicy
-from verispec.batch import fill_from_the_end
+from verispec.batch import _policy_evidence, fill_from_the_end
 from verispec.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
@@ -475,3 +475,40 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
     # time (a capture on a GPU); rounds 3-4 run steps already captured
     assert [stats.timed for stats in scripted.seen] == [False, False, True, True]
     assert decoder.target.num_captured > 0 and decoder.proposer.num_captured > 0
+
+
+def test_policy_evidence_counts_a_missing_draft_position_as_rejected():
+    # a lookup that finds fewer tokens than asked gains nothing at the first position it
+    # lacks: the depth policy sees it tested and rejected there (batch._policy_evidence)
+    assert _policy_evidence([4, 4], [2, 0], [2, 0]) == (4, [2, 1, 1, 0], [1, 1, 0, 0])
+    assert _policy_evidence([3], [3], [1]) == (3, [1, 1, 0], [1, 0, 0])  # a draft model's
+    assert _policy_evidence([0, 0], [0, 0], [0, 0]) == (0, [], [])
+
+
+def test_a_lookup_round_reaches_the_policy_at_the_depth_it_asked():
+    # four rows asked for k = 3 by the policy; only the row whose prompt repeats finds an
+    # n-gram draft. The policy's stats price the round at k = 3 and count the three rows
+    # without a draft as rejected at position 0: a draft in one row of four is not the gain
+    # of four. The greedy text is the target's own (control: the n-gram changes no token)
+    from verispec.proposers.ngram import NgramProposer
+
+    target = MarkovLM.random(VOCAB_SIZE, torch.Generator().manual_seed(5), order=2)
+    decoder = SpeculativeDecoder(target, NgramProposer(VOCAB_SIZE))
+    adaptive = verispec.GoodputPolicyConfig(min_num_draft_tokens=0)
+    config = GenerationConfig(max_new_tokens=6, sampling=GREEDY, num_draft_tokens=3,
+                              adaptive=adaptive)
+    batch = decoder.batch(policy=adaptive)
+    scripted = _ScriptedPolicy((3,) * 8)
+    batch._policies[4] = scripted  # the 3-4-row bucket's
+    repeating = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    prompts = [repeating, [1, 2], [3, 4], [0, 1]]
+    rows = batch.add(prompts, [config] * 4, [make_generator(0)] * 4)
+    batch.step()
+    assert batch.last_num_draft_tokens == 3  # the repeating row's draft; the others found none
+    stats = scripted.seen[0]
+    assert stats.num_draft_tokens == 3 and stats.num_rows == 4
+    assert stats.num_reached[0] == 4  # every row tested at position 0, drafted or not
+    assert stats.num_accepted_at[0] <= 1  # at most the repeating row kept a draft token
+    _run(batch, rows)
+    for row, prompt in zip(rows, prompts):
+        assert row.token_ids == _alone(decoder, prompt, config, seed=0)

@@ -229,6 +229,36 @@ def test_feed_packs_ragged_rows_and_equals_extending_them(tiny):
         session.feed([[1]])
 
 
+def test_ragged_extend_feeds_each_row_its_own_tokens(tiny):
+    """extend_ragged (models.base.ExtendsRagged): row b is fed only its first n_b tokens, its
+    logits there are a full extend's, its columns past n_b repeat its last; the cache then
+    holds just the fed tokens (the next pass equals a fresh session's over each history)."""
+    lm = LlamaCppLM(LlamaCppModel(tiny["target"]))
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    tokens = torch.tensor([[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]])
+    counts = [4, 1, 2]
+    session = lm.new_session()
+    session.start(prompts)
+    logits = session.extend_ragged(tokens, counts)
+    assert logits.shape == (3, 4, lm.vocab_size) and session.lengths == [8, 3, 5]
+    full = LlamaCppLM(LlamaCppModel(tiny["target"])).new_session()
+    full.start(prompts)
+    expected = full.extend(tokens)
+    for row, count in enumerate(counts):
+        torch.testing.assert_close(logits[row, :count], expected[row, :count],
+                                   rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits[row, count:], logits[row, count - 1].expand(4 - count, -1))
+    probe = torch.tensor([[30], [31], [32]])
+    after = session.extend(probe)
+    history = [p + t[:c] for p, t, c in zip(prompts, tokens.tolist(), counts)]
+    fresh = LlamaCppLM(LlamaCppModel(tiny["target"])).new_session()
+    fresh.start([row[:-1] for row in history])
+    reference = fresh.extend(torch.cat([torch.tensor([[row[-1]] for row in history]), probe], 1))
+    torch.testing.assert_close(after, reference[:, 1:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(verispec.errors.ShapeError, match="extend_ragged"):
+        session.extend_ragged(tokens, [0, 1, 1])
+
+
 def test_a_new_session_replaces_the_old_one(tiny):
     lm = LlamaCppLM(LlamaCppModel(tiny["target"]))
     old = lm.new_session()

@@ -209,7 +209,8 @@ class Batch:
         draft_time = _synced_elapsed(started, draft_tokens)
         # 2. score: one target pass over each row's pending token and the K draft tokens
         target_started = time.perf_counter()
-        target_logits = ban_early_stops(self.rows, self.target.score(draft_tokens))  # [B, K+1, V]
+        # [B, K+1, V]; row b's columns past k_b are not read (verify_batch)
+        target_logits = ban_early_stops(self.rows, self.target.score(draft_tokens, num_draft))
         target_out = target_outputs(self.rows, target_logits, allowed)
         target_time = _synced_elapsed(target_started, target_logits)
         # 3. verify each row on its first k_b tokens
@@ -234,7 +235,7 @@ class Batch:
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
         self._record(draft_tokens.shape[1], num_draft, measured, emitted, times, policy,
-                     self._overhead(times), measuring, self._num_captured() > captures)
+                     self._overhead(times), measuring, self._num_captured() > captures, wanted)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
 
@@ -310,12 +311,13 @@ class Batch:
     def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
                 emitted: list[tuple[Row, list[int]]], times: dict[str, float],
                 policy: AdaptivePolicy | None, other_time: float, measuring: bool,
-                captured: bool) -> None:
+                captured: bool, asked: list[int]) -> None:
         """Add the round to the batch's and each row's metrics; give the policy its stats.
         num_accepted: what verification found. In a measuring round (_measuring) each row's
         metrics count a plain round (it kept no draft token); the batch's and the policy's
         count what was verified. ``captured``: a model captured a step graph this round (its
-        timings then weigh like a first use)."""
+        timings then weigh like a first use). ``asked``: the depth each row was asked to draft
+        (num_draft: what its proposer found, no more)."""
         reached, accepted_at = [0] * width, [0] * width
         for (row, new), k, n in zip(emitted, num_draft, num_accepted):
             row_reached = [1 if n >= j else 0 for j in range(k)]  # position j tested
@@ -334,15 +336,16 @@ class Batch:
         self.last_num_draft_tokens = width
         draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
         self._draft_lags = width == 0 and self.proposer is not None
+        depth, reached, accepted_at = _policy_evidence(asked, num_draft, num_accepted)
         bucket = self._bucket()
-        shape = (bucket, width)  # per bucket: rows come and go within one
+        shape = (bucket, depth)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a
         # 16-prompt join charged to its depth drove a 16-row policy to k = 8 (0.76x plain)
         timed = shape in self._shapes_run and not self._joins_ride and not captured
         self._shapes_run.add(shape)
         self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
-            stats = RoundStats(width, tuple(reached), tuple(accepted_at), times["draft_time"],
+            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times["draft_time"],
                                times["target_time"], other_time, draft_timed, len(emitted),
                                self._join_time, self._join_tokens, timed)
             self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
@@ -364,6 +367,28 @@ class Batch:
         if self.constraints is not None:
             self.constraints.keep_rows(indices)
         self.rows = [self.rows[i] for i in indices]
+
+
+def _policy_evidence(asked: list[int], num_draft: list[int], num_accepted: list[int]
+                     ) -> tuple[int, list[int], list[int]]:
+    """(depth, reached [depth], accepted_at [depth]): what a round tells the depth policy,
+    priced at the depth it asked for. A row asked for k_b tokens whose proposer found fewer
+    (a lookup without a long enough match) counts its first missing position as tested and
+    rejected: it yields no token there. So the rates are tokens gained per position asked, and
+    T(k) the mean cost of rounds run at depth k, whatever the proposer found; counting only
+    the positions drafted, a batch where one row of eight drafted, nearly always kept, looked
+    as if every row would, and the policy drafted deep for a fraction of the gain it priced.
+
+    Example: asked [4, 4], found [2, 0], accepted [2, 0] -> depth 4, reached [2, 1, 1, 0],
+    accepted_at [1, 1, 0, 0]."""
+    depth = max(asked, default=0)
+    reached, accepted_at = [0] * depth, [0] * depth
+    for k, found, n in zip(asked, num_draft, num_accepted):
+        assert n <= found <= k
+        for j in range(k):
+            reached[j] += n >= j
+            accepted_at[j] += n > j
+    return depth, reached, accepted_at
 
 
 def fill_from_the_end(kept: list[int]) -> list[int]:

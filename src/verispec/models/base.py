@@ -65,6 +65,20 @@ class PrefillsThroughLastToken(Protocol):
 
 
 @runtime_checkable
+class ExtendsRagged(Protocol):
+    """A session whose pass takes each row's own number of tokens (llama.cpp's packed batch),
+    so a row that drafted fewer tokens than the round's widest costs only what it fed. Where a
+    pass costs about its token count (quantized kernels on a CPU), padding the rows that found
+    no draft to the widest one's width made a round of 8 rows with one long draft cost several
+    plain rounds. TargetScorer uses it where a session has it."""
+
+    def extend_ragged(self, tokens: torch.Tensor, num_tokens: Sequence[int]) -> torch.Tensor:
+        """Feed row b the first num_tokens[b] (1 <= n_b <= n) of tokens [B, n] int64 -> logits
+        [B, n, V] fp32: row b's columns below n_b as ``extend`` gives them, its columns from
+        n_b on copies of its column n_b - 1 (never fed: nothing reads them as a prediction)."""
+
+
+@runtime_checkable
 class CapturesSteps(Protocol):
     """A model (or a proposer over one) that captures its steps as CUDA graphs
     (models/step_graphs.py): ``num_captured`` counts the captures so far. A capture is a one-off
@@ -141,7 +155,8 @@ class TargetScorer:
     itself to the first score: PrefillsThroughLastToken). Scoring feeds [pending, d_1 .. d_k]
     in ONE call and returns k+1 next-token logits (for d_1 .. d_k and the bonus). Committing n
     accepted tokens rewinds the k - n rejected ones and makes the recovered/bonus token the new
-    ``pending``.
+    ``pending``. Rows with fewer draft tokens than the widest (k_b < K) feed only their own
+    k_b where the session takes ragged rows (ExtendsRagged), else they are padded to K.
 
     Worked example (prompt "a b c", k = 3, draft "x y z", 1 accepted, recovered "w"):
       start:  cache [a b]        pending c
@@ -159,7 +174,8 @@ class TargetScorer:
         else:
             session.start([list(p[:-1]) for p in prompts])
         self.pending = _pending(prompts)  # [B, 1]
-        self._num_scored = 0  # draft tokens fed by the last score() call
+        self._num_scored: list[int] = []  # draft tokens each row fed in the last score() call
+        self._ragged = session if isinstance(session, ExtendsRagged) else None
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> bool:
         """Rows joining between rounds, each with its prompt (>= 1 token). Returns whether
@@ -183,17 +199,27 @@ class TargetScorer:
         self.session.keep_rows(rows)
         self.pending = self.pending[torch.tensor(list(rows), dtype=torch.int64)]
 
-    def score(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Draft tokens [B, K] (K may be 0) -> target logits [B, K+1, V]."""
-        self._num_scored = draft_tokens.shape[1]
-        pending = self.pending.to(draft_tokens.device)
-        return self.session.extend(torch.cat([pending, draft_tokens], dim=1))
+    def score(self, draft_tokens: torch.Tensor, num_draft: Sequence[int] | None = None
+              ) -> torch.Tensor:
+        """Draft tokens [B, K] (K may be 0), of which row b holds num_draft[b] <= K (default:
+        all K) -> target logits [B, K+1, V]; row b's columns past num_draft[b] are not
+        predictions of its draft and must not be read as such."""
+        num_rows, width = draft_tokens.shape
+        counts = [width] * num_rows if num_draft is None else as_ints(num_draft)
+        assert len(counts) == num_rows and all(0 <= k <= width for k in counts)
+        tokens = torch.cat([self.pending.to(draft_tokens.device), draft_tokens], dim=1)
+        if self._ragged is not None and any(k < width for k in counts):
+            self._num_scored = counts
+            return self._ragged.extend_ragged(tokens, [k + 1 for k in counts])
+        self._num_scored = [width] * num_rows
+        return self.session.extend(tokens)
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         """Keep the accepted prefix of the last scored draft; next_tokens [B] becomes pending.
         Both are host ints, one per row (a list or a 1-D tensor)."""
         num_accepted, next_tokens = as_ints(num_accepted), as_ints(next_tokens)
-        self.session.rewind([self._num_scored - n for n in num_accepted])
+        assert all(n <= k for n, k in zip(num_accepted, self._num_scored))
+        self.session.rewind([k - n for k, n in zip(self._num_scored, num_accepted)])
         self.pending = torch.tensor(next_tokens, dtype=torch.int64)[:, None]  # [B, 1]
 
 

@@ -153,23 +153,47 @@ class LlamaCppSession:
         assert num_rows == len(self.lengths)
         if width == 0 or num_rows == 0:
             return logits_columns(torch.empty((num_rows, width, self.lm.vocab_size)), logits_at)
-        self._check_room(max(self.lengths) + width)
-        rows_tokens = tokens.tolist()
+        logits = self._extend_rows(tokens.tolist())  # [B*n, V]
+        return logits_columns(logits.view(num_rows, width, -1), logits_at)
+
+    def extend_ragged(self, tokens: torch.Tensor, num_tokens: Sequence[int]) -> torch.Tensor:
+        """Feed row b the first num_tokens[b] of tokens [B, n], packed -> logits [B, n, V],
+        columns past a row's own repeating its last (models.base.ExtendsRagged)."""
+        self.lm.check_live(self)
+        num_rows, width = tokens.shape
+        counts = as_ints(num_tokens)
+        if len(counts) != num_rows or num_rows != len(self.lengths) or not all(
+                1 <= count <= width for count in counts):
+            raise ShapeError(f"extend_ragged expects one count in [1, {width}] for each of the "
+                             f"{len(self.lengths)} rows; got {counts}.")
+        logits = self._extend_rows([row[:count] for row, count in
+                                    zip(tokens.tolist(), counts)])  # [sum(counts), V]
+        # row b, column j -> packed position start_b + min(j, count_b - 1)
+        starts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)  # [B]
+        columns = torch.minimum(torch.arange(width)[None, :],
+                                torch.tensor(counts)[:, None] - 1)  # [B, n]
+        return logits[starts[:, None] + columns]
+
+    def _extend_rows(self, rows_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed row b rows_tokens[b] (>= 1 token each) in one batch after the riding prompts ->
+        the logits at every fed position, packed row after row [sum of lengths, V] fp32."""
+        self._check_room(max(length + len(row) for length, row in
+                             zip(self.lengths, rows_tokens)))
         riding = [row for row, flag in enumerate(self._riding) if flag]
         # [riding prompts, no logits | every row's tokens, logits]
         rows, flat_tokens, positions = _packed(
             [self.seq_ids[row] for row in riding] + self.seq_ids,
             [self._histories[row] for row in riding] + rows_tokens,
             [0] * len(riding) + self.lengths)
+        num_fed = sum(len(row) for row in rows_tokens)
         wants = np.ones(len(flat_tokens), dtype=bool)
-        wants[: len(flat_tokens) - num_rows * width] = False
-        self._riding = [False] * num_rows
-        logits = self._decode(rows, flat_tokens, positions, wants)  # [B*n, num_logits]
-        self.lengths = [length + width for length in self.lengths]
+        wants[: len(flat_tokens) - num_fed] = False
+        self._riding = [False] * len(self._riding)
+        logits = self._decode(rows, flat_tokens, positions, wants)  # [num_fed, num_logits]
+        self.lengths = [length + len(row) for length, row in zip(self.lengths, rows_tokens)]
         for history, row in zip(self._histories, rows_tokens):
             history.extend(row)
-        return logits_columns(logits.view(num_rows, width, -1)[:, :, : self.lm.vocab_size],
-                              logits_at)
+        return logits[:, : self.lm.vocab_size]
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take

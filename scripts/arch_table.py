@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,12 +29,21 @@ def readme_block() -> str:
     by_reason: dict[str, list[str]] = {}
     for refused in REFUSED:
         by_reason.setdefault(refused.why, []).append(refused.name)
-    refusals = "; ".join(f"{', '.join(names_)} ({why})" for why, names_ in by_reason.items())
-    return (f"Exact (tested, see below) on {len(names)} transformers architectures: "
-            f"{', '.join(names)}; sliding windows (also mixed local and global layers), chunked "
-            "attention, ALiBi, partial rotary, multi-query and latent attention included. "
-            f"Refused at load with `UnsupportedModelError`, never run inexactly: {refusals}. "
-            "What each case exercises: [docs/architectures.md](docs/architectures.md).")
+    exact = (f"Exact (tested, see below) on {len(names)} transformers architectures: "
+             f"{', '.join(names)}; sliding windows (also mixed local and global layers), chunked "
+             "attention, ALiBi, partial rotary, multi-query and latent attention included.")
+    refusals = [f"- {', '.join(names_)} ({why})" for why, names_ in by_reason.items()]
+    return "\n".join([
+        wrap(exact), "",
+        "Refused at load with `UnsupportedModelError`, never run inexactly:", "",
+        *(wrap(line, indent="  ") for line in refusals), "",
+        "What each case exercises: [docs/architectures.md](docs/architectures.md)."])
+
+
+def wrap(text: str, indent: str = "") -> str:
+    """One paragraph or list item in lines of at most 100 characters."""
+    return textwrap.fill(text, 100, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def docs_block() -> str:

@@ -163,7 +163,7 @@ class ConstraintSet:
         for grammar in grammars:
             if grammar is None:
                 self.matchers.append(None)
-            elif grammar in compiled:  # a copy is ~100x cheaper than compiling again
+            elif grammar in compiled:  # a copy is far cheaper than compiling again
                 self.matchers.append(compiled[grammar].deep_copy())
             else:
                 compiled[grammar] = index.matcher(grammar)

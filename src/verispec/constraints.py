@@ -18,7 +18,7 @@ over the allowed tokens; speculative decoding stays exact for it when:
   * the grammar rolls back to the accepted prefix, as the KV caches do, and takes the
     recovered or bonus token.
 
-One round with this module (see engine.DecodingRun._round):
+One round with this module (see batch.Batch.step):
 
     constraints.start_round()
     propose: for each draft step, allowed() -> mask, sample, advance(tokens)

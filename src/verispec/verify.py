@@ -24,9 +24,10 @@ Edge cases, made explicit:
     is never resampled in exact arithmetic; if rounding rejects anyway we draw from p.
   * NaN or inf in any probability -> NonFiniteError; never a silent sample.
 
-Not here: models, caches, sampling settings (see sampling.py), the decoding loop (engine.py),
-the temperature-0 forms that need no random numbers (verify_greedy.py), the input checks
-(verify_checks.py), and the formulas for expected acceptance and speedup (diagnostics.py).
+Not here: models, caches, sampling settings (see sampling.py), the decoding loop (batch.py;
+its verification step over a batch's rows is batch_verify.py), the temperature-0 forms that
+need no random numbers (verify_greedy.py), the input checks (verify_checks.py), and the
+formulas for expected acceptance and speedup (diagnostics.py).
 """
 
 from __future__ import annotations

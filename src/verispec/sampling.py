@@ -118,7 +118,7 @@ def greedy_tokens(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> 
     # finite logit, and its index is the first maximal one (the lowest id), as argmax's is
     best_logits, tokens = logits.max(dim=-1)
     # checked on the host: one read of B floats costs less than isfinite + all + a sync, right
-    # after a model's pass (measured in place: dev/LOG.md, host checks)
+    # after a model's pass (measured in place, dev/LOG.md: host checks)
     if not all(map(math.isfinite, best_logits.reshape(-1).tolist())):
         raise NonFiniteError(_NON_FINITE_LOGITS)
     return tokens

@@ -123,7 +123,7 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     Random numbers come from ``generator`` in a fixed order: uniforms [B, K] fp32 for the
     acceptance tests, then next_uniforms [B] float64 for the recovered/bonus draw;
     :func:`verify_with_randomness` takes them explicitly. One uniform per row replaces V
-    exponentials: at batch 1 over a large vocabulary that saves time every round (dev/LOG.md,
+    exponentials: at batch 1 over a large vocabulary that saves time every round (dev/LOG.md:
     host checks).
     """
     uniforms, next_uniforms = _draw_uniforms(draft_tokens, generator, target_probs.device)

@@ -5,7 +5,7 @@ length is 1 for a plain step and k + 1 for a verification pass), and on CUDA in 
 torch's default choice, cuDNN attention, builds an execution plan the first time it sees a shape.
 That first call at each new key length costs far more than the other kernels' first call, and
 than many steady-state steps, so a fresh process paid several steps' time per generated token
-until every length had been seen once (measurements: dev/LOG.md, attention kernels).
+until every length had been seen once (dev/LOG.md: attention kernels).
 
 Memory-efficient attention has no per-shape planning, and it is the one kernel used for every
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
@@ -19,7 +19,7 @@ On a CPU in float32, :func:`attend` computes batched passes of several queries a
 single-query steps, small batches and prefills (packed.py) to scaled_dot_product_attention.
 torch's CPU flash kernel splits a few-query pass into blocks that each pay a fixed cost, so on
 many rows a pass of two or more queries is cheaper as matmuls, while a 1-query step is as fast
-or faster in the flash kernel, and so are 1-row passes and packed prefills (dev/LOG.md,
+or faster in the flash kernel, and so are 1-row passes and packed prefills (dev/LOG.md:
 attention kernels). Neither path
 is bit for bit invariant to the padded key length or to the number of queries (they differ from
 each other by ~2e-7, as the flash kernel differs from itself between 1 and 2 queries); greedy

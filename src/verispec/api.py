@@ -136,8 +136,8 @@ class Decoder:
             proposer = HybridProposer(proposer, hybrid)
         self.engine = SpeculativeDecoder(self.target, proposer)
         # the depth of calls that name none; None: the device's default (see config)
-        # packed oneDNN weights (models/matmul.py), and llama.cpp, whose 5-token passes measured
-        # ~1.8 one-token ones on a 2-core EPYC, where k = 3-5 tied and k = 5 led sampled
+        # a pass over a few tokens costs far less than as many one-token passes on packed
+        # oneDNN weights (models/matmul.py) and on llama.cpp: the deeper default (config)
         flat_verify = self.target.matmul in ("onednn", "llama.cpp")
         # a suffix drafter's own rule sets each row's depth (as deep as its match): k only caps it
         self.num_draft_tokens = (num_draft_tokens if num_draft_tokens is not None else

@@ -95,12 +95,11 @@ class Batch:
         self._join_time = 0.0  # the draft's prefill of rows joining since the last round
         self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
         # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
-        # policy with timed=False, and its timings weigh FIRST_USE_WEIGHT. On an H200 a server's
-        # first drafting round took 44 ms against ~5.5 for the next ones at its depth; priced
-        # from it, a 1-row goodput policy ran plain rounds through three levels where drafting
-        # measured 1.5x them. Keyed by exact row counts and skipped outright, a 9-16-row policy
-        # (rows come and go) left most of its first rounds unpriced and drafted deep on its
-        # defaults
+        # policy with timed=False, and its timings weigh FIRST_USE_WEIGHT: a first round pays
+        # one-off costs that, priced in full, hold a policy in plain rounds where drafting pays.
+        # Keyed by bucket rather than exact row counts, and weighed rather than skipped, because
+        # rows come and go: otherwise most first rounds go unpriced and the policy drafts deep
+        # on its defaults
         self._shapes_run: set[tuple[int, int]] = set()
         # the models that capture steps as CUDA graphs: a round in which either captured one
         # reaches the policy as a first use. A capture costs tens of steps, and a new cache
@@ -191,7 +190,7 @@ class Batch:
             # the work plain rounds left the proposer is done before the clock starts, so
             # that this round's draft time prices its steps. Timed with them, such rounds
             # went unpriced (RoundStats.draft_timed), and a draft step priced high by a cold
-            # start (5.8 ms against ~0.6 at one row) stayed so and held k at 0 for good
+            # start stayed so and held k at 0 for good
             self.proposer.catch_up()
             self._draft_lags = False
         captures = self._num_captured()
@@ -249,9 +248,7 @@ class Batch:
         round's first token alone has the target's law, and at temperature 0 it is the
         target's argmax), so that rows which advanced together still do. Kept, a probe's
         accepted tokens moved most rows one token ahead of the others; the rows then finished
-        in different rounds and rejoined in small groups, each a prefill pass of its own
-        (in-process, 16 clients, nine passes each: 19-27 joins a pass with measuring probes,
-        31-39 without, 8 for the plain batch)."""
+        in different rounds and rejoined in small groups, each a prefill pass of its own."""
         return (policy is not None and policy_k is not None and len(self.rows) > 1
                 and policy.measuring(policy_k))
 
@@ -340,7 +337,8 @@ class Batch:
         bucket = self._bucket()
         shape = (bucket, depth)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a
-        # 16-prompt join charged to its depth drove a 16-row policy to k = 8 (0.76x plain)
+        # large join charged to its depth misprices it, and drove a policy to a depth that
+        # lost to plain rounds
         timed = shape in self._shapes_run and not self._joins_ride and not captured
         self._shapes_run.add(shape)
         self._joins_ride = False

@@ -275,8 +275,9 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     metrics = {m.name: GenerationMetrics() for m in methods}
     outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
     # warm-up: one prompt per method on a CPU; every prompt on CUDA, where kernels are planned
-    # per input shape on first sight (transformers' bf16 attention there picks cuDNN, 50-450 ms
-    # per new sequence length, models/attention.py), which must not land in one method's runs
+    # per input shape on first sight (transformers' bf16 attention there picks cuDNN, which
+    # plans each new sequence length: models/attention.py), which must not land in one
+    # method's runs
     warmup = prompts if decoder.target.device.type == "cuda" else prompts[:1]
     for method in methods:
         for i, prompt in enumerate(warmup):
@@ -356,9 +357,9 @@ def environment(device: torch.device | None = None) -> dict[str, object]:
 
 def cpu_label() -> str:
     """The CPU as a benchmark records it: its name and, where /proc/cpuinfo has them, its family,
-    model and widest vector instructions, e.g. "AMD EPYC (family 25 model 1, AVX2)". A VM often
-    names every AMD generation "AMD EPYC", and two of them (Zen 3 and Zen 4) gave the demo
-    pair's load benchmark different verdicts (docs/server.md)."""
+    model and widest vector instructions, e.g. "<model name> (family 25 model 1, AVX2)". A VM
+    often gives every generation of a vendor's server CPUs one name, and two generations gave
+    the demo pair's load benchmark different verdicts (dev/LOG.md)."""
     name = cpuinfo("model name") or platform.processor() or "unknown"
     family, model, flags = cpuinfo("cpu family"), cpuinfo("model"), cpuinfo("flags").split()
     details = [f"family {family} model {model}"] if family and model else []

@@ -2,14 +2,14 @@
 running rows do not wait for all of it at once.
 
 Between two rounds the server prefills at most a budget of prompt tokens (``--prefill-budget``).
-A prompt longer than that used to be prefilled whole in one gap: on the demo target over 2
-cores a 1,000-token prompt stalled every running row for ~0.16 s; on a model 50 times larger,
-for seconds. A :class:`ChunkedPrefill` instead feeds the prompt into a cache of its own, a
-budget's worth of tokens per gap (:meth:`advance`), while the batch goes on running rounds;
-once all of it is in, the row joins (``Batch.add(prefilled=...)``) and the batch's target
-session copies that cache into a free slot (``LMSession.adopt_rows``), a copy rather than a
-pass. The draft, when there is one, prefills the prompt at the join as for any row (it is
-the small model, and a batch running plain rounds defers even that).
+A prompt longer than that used to be prefilled whole in one gap, stalling every running row for
+the whole prompt's pass (on a large model, for seconds). A :class:`ChunkedPrefill` instead feeds
+the prompt into a cache of its own, a budget's worth of tokens per gap (:meth:`advance`), while
+the batch goes on running rounds; once all of it is in, the row joins
+(``Batch.add(prefilled=...)``) and the batch's target session copies that cache into a free slot
+(``LMSession.adopt_rows``), a copy rather than a pass. The draft, when there is one, prefills
+the prompt at the join as for any row (it is the small model, and a batch running plain rounds
+defers even that).
 
 What it is not: a way to start decoding before the prompt is in, or a split of the prompt's
 attention. Feeding a prompt in pieces leaves exactly the cache one pass would have (the

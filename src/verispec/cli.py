@@ -311,7 +311,7 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
     """Time COMPARE_REPEATS speculative and plain generations of the prompt, interleaved (the
     order alternates pair by pair, so drift on a busy machine lands on both alike; the streamed
     run before warmed both up). Same settings and seed. The speedup is the median of the
-    pairs' ratios, with their range: one pair alone moves by 10-20% on a shared CPU. Tokens are
+    pairs' ratios, with their range: one pair alone moves a lot on a shared CPU. Tokens are
     compared at temperature 0 and with a seed, where they must be identical (unseeded sampled
     runs draw different, equally distributed tokens)."""
     import statistics

@@ -17,13 +17,11 @@ from .goodput import GoodputPolicyConfig
 
 MAX_NUM_DRAFT_TOKENS = 32
 # The depth a loaded decoder uses when none is given, by the device type its target runs on. On
-# a CPU with MKL (Intel) a verification pass over k + 1 tokens costs 1.05-1.3 plain steps for
-# k = 1-2 but 1.6 and more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose: the
-# demo pair measured 1.11-1.14x plain at k = 2 and 0.90-0.93x at k = 4 (README, Benchmark: the
-# 11:39 and 18:59 runs). With packed oneDNN weights (the fast path's kernel on AMD and other
-# non-Intel x86 CPUs) a pass over 2-9 tokens costs about one step, so the depth is chosen as on
-# an accelerator: k = 4 led there (1.50x against k = 2's 1.42x, the 2026-11-23 12:22 run). On
-# an accelerator the pass costs about one step and k = 4 is the usual choice.
+# a CPU with MKL (Intel) a verification pass over k + 1 tokens costs little more than a plain
+# step for k = 1-2 but far more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose
+# and k = 2 is the default. With packed oneDNN weights (the fast path's kernel on AMD and other
+# non-Intel x86 CPUs) and on an accelerator a pass over a few tokens costs about one step, so
+# the depth is 4, the usual choice on accelerators (dev/LOG.md, 2026-11-27, default depth).
 DEFAULT_NUM_DRAFT_TOKENS = {"cpu": 2}
 DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY = 4
 

@@ -18,7 +18,7 @@ over the allowed tokens; speculative decoding stays exact for it when:
   * the grammar rolls back to the accepted prefix, as the KV caches do, and takes the
     recovered or bonus token.
 
-One round with this module (see engine.DecodingRun._round):
+One round with this module (see batch.Batch.step):
 
     constraints.start_round()
     propose: for each draft step, allowed() -> mask, sample, advance(tokens)
@@ -163,7 +163,7 @@ class ConstraintSet:
         for grammar in grammars:
             if grammar is None:
                 self.matchers.append(None)
-            elif grammar in compiled:  # a copy is ~100x cheaper than compiling again
+            elif grammar in compiled:  # a copy is far cheaper than compiling again
                 self.matchers.append(compiled[grammar].deep_copy())
             else:
                 compiled[grammar] = index.matcher(grammar)

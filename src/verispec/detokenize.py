@@ -1,7 +1,7 @@
 """Incremental detokenisation: the text that each round's new tokens add to a generation.
 
-Decoding the whole output every round costs O(n) per round, O(n^2) per generation (at 512
-tokens of the demo pair the whole-output decodes took ~4% of the time). This decodes a window
+Decoding the whole output every round costs O(n) per round, O(n^2) per generation, a share of
+the time that grows with the output. This decodes a window
 instead, the previous step's new tokens plus this step's, and keeps the text after the
 previous step's part: the method of Hugging Face's text-generation-inference and vLLM. Keeping
 the previous tokens in the window makes tokenizers whose decoding depends on the left

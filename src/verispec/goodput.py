@@ -5,7 +5,7 @@ expected tokens per unit of cost, E(k) = 1 + sum_{i<k} prod_{j<=i} a_j over the 
 (Leviathan et al. 2023, section 3.4, with per-position rates instead of one i.i.d. a). With a
 given cost ratio c the cost is k c + 1 target calls. Otherwise it is measured: k draft steps plus
 the target call at depth k, T(k), because a pass over k + 1 tokens is not free on every device
-(on a 2-core CPU T(4) is ~1.8 T(0)), plus the round's fixed overhead (verification and
+(on a small CPU it grows with k), plus the round's fixed overhead (verification and
 bookkeeping: it favours deeper rounds where it is large against T), plus the draft's prefill of
 joining rows spread over the tokens they may emit (GoodputPolicy.join_cost; it weighs on every
 drafting round in proportion to the tokens it emits); T is the measured mean at each depth used
@@ -46,7 +46,7 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         batch.Batch.add), so rare probes are what lets a loaded server run at the plain
         server's speed. Only drafting held for probe_every rounds starts the interval afresh:
         a probe's timing that tips the model to drafting for a round or two, and back, must
-        not bring back frequent probes (at 16 rows each cost a 5-37 ms catch-up).
+        not bring back frequent probes (each costs a catch-up that grows with the rows).
     min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
     call T(0), and the policy falls back to it while no depth's expected goodput beats it by
     PLAIN_MARGIN (a draft that rarely agrees, or a machine where the target's pass costs more
@@ -87,39 +87,39 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
 PLAIN_PROBE_BACKOFF = 16
 
 # while a policy that may choose plain rounds drafts, every this many probes one is a plain
-# round, so that T(0) is measured afresh. Measured once, at the first probe, a plain round that
-# came out slow (8.9 ms against 7.2-7.3 for the plain server's 16-row rounds) priced plain
-# rounds for good: the speculative server drafted at k ~3 through its 16-row rounds, which
-# cost what plain ones did, and lost its joins' draft prefills (0.88x the plain server)
+# round, so that T(0) is measured afresh: measured once, one slow plain round prices plain
+# rounds for good, and the server drafts through rounds that cost what plain ones do and pays
+# its joins' draft prefills for nothing (dev/LOG.md, 2026-11-27, PLAIN_REPROBE)
 PLAIN_REPROBE = 3
 
 # how much more goodput than plain rounds drafting must promise to be chosen over them: a
 # round that drafts after plain ones first makes the draft catch up on their tokens, and the
-# rows that joined meanwhile, outside the priced round (batch.Batch.step). At 16 rows on
-# 2 cores the model put k = 1 within 4% of plain rounds, and a server that took it whenever
-# it came out ahead ran at 0.92x the plain server (five paired passes)
+# rows that joined meanwhile, outside the priced round (batch.Batch.step). Leaving plain
+# rounds costs that unpriced catch-up, so drafting must promise 10% more (a near tie taken
+# whenever drafting came out ahead lost to plain rounds: dev/LOG.md, 2026-11-27, PLAIN_MARGIN)
 PLAIN_MARGIN = 1.1
 
 # a policy in plain rounds whose acceptance estimates rest on fewer tested draft positions than
 # THIN_EVIDENCE (decayed sums) probes at its first depth every probe_every rounds, without
 # backing off, up to THIN_PROBES times (a draft that is never accepted tests one position a
 # probe, and must not be probed at that rate for good). At one row a probe of k = 1 tests one
-# position: on an H200 a 1-row policy whose first round (cold, nothing accepted) sent it to
-# plain rounds learned so slowly between backed-off probes that it ran plain through three
-# load levels, where its own k = 3 rounds made 1.57x the tokens a second of its plain ones
+# position: a policy that a cold first round (nothing accepted) sends to plain rounds would
+# learn too slowly between backed-off probes to leave them where drafting pays
+# (dev/LOG.md, 2026-11-27, THIN_EVIDENCE)
 THIN_EVIDENCE = 16.0
 THIN_PROBES = 4
 
 # the weight of a round's timings when it was the first at its depth in its batch-size bucket
-# (RoundStats.timed False): one-off costs (on an H200 the first drafting round of a server took
-# 44 ms against ~5.5 ms warm) must not price the depth, yet a fresh policy needs some price
+# (RoundStats.timed False): one-off costs (a server's first drafting round can cost several
+# warm ones) must not price the depth, yet a fresh policy needs some price
+# (dev/LOG.md, 2026-11-27, FIRST_USE_WEIGHT)
 FIRST_USE_WEIGHT = 0.01
 
 # a round's timing counts at most this many times its kind's running mean (once that mean
-# rests on a round's weight): in a loaded server a round that the event loop or the clients
-# preempt (a plain 16-row round of 16.8 or 19.3 ms among rounds of 7-9) moved T(0) by 10-20%
-# at decay 0.9, more than PLAIN_MARGIN, and sent the 9-16-row policy drafting for a stretch
-# that left its rows out of step. A real change of cost still passes, by up to 2.5% a round
+# rests on a round's weight): in a loaded server one round that the event loop or the clients
+# preempt, at a multiple of its kind's cost, moves T(0) at decay 0.9 by more than PLAIN_MARGIN
+# and sends the policy drafting for a stretch that leaves its rows out of step. A real change
+# of cost still passes, by up to 2.5% a round (dev/LOG.md, 2026-11-27, OUTLIER_CAP)
 OUTLIER_CAP = 1.25
 
 
@@ -176,9 +176,8 @@ class GoodputPolicy(AdaptivePolicy):
     def join_cost(self) -> float:
         """Seconds of the draft's prefill per token a joined row may emit (0 until a join's
         draft prefill is timed): the per-request cost of drafting, spread over the row's
-        tokens. On the demo pair at 16 rows on 2 cores: 1.2-1.4 ms a joining row in-process
-        (~0.03 ms a token of a 48-token request, 6% of a 16-row round's cost a token), while
-        drafting and plain rounds cost within 5-7% of each other a token."""
+        tokens. Small a token, it is still of the order of the gap between drafting and plain
+        rounds' cost a token, so it takes part in choosing between them."""
         return self._join_time / self._join_tokens if self._join_tokens > 0 else 0.0
 
     def round_costs(self) -> list[float] | None:
@@ -206,8 +205,8 @@ class GoodputPolicy(AdaptivePolicy):
         recent, slope = model
         overhead = self._other_time / self._other_rounds if self._other_rounds > 1e-9 else 0.0
         # a plain round as plain rounds measured it: priced flat from the lowest drafting depth
-        # instead (T(3) 14.9 ms against a measured T(0) of 7.3 at 16 rows), plain rounds looked
-        # 2x dearer than they were and a 16-row policy that started drafting never stopped
+        # instead, plain rounds look as dear as a drafting round's target call, and a policy
+        # that starts drafting never stops
         plain = overhead + (self._plain_time / self._plain_rounds if self._plain_rounds > 1e-9
                             else _piecewise(recent, 0, slope))
         if self._draft_steps <= 1e-9:
@@ -318,9 +317,9 @@ class GoodputPolicy(AdaptivePolicy):
             return best_k
         if self._plain_probe_due:
             # a policy that may choose plain rounds times one second (unless its first was
-            # one): a fresh 9-16-row bucket that drafted at its starting depth until its first
-            # probe (16 rounds) broke a server's rows into cohorts that finish in different
-            # rounds and join in small groups, for the rest of the level
+            # one): a fresh bucket that drafts at its starting depth until its first probe
+            # breaks a server's rows into cohorts that finish in different rounds and join in
+            # small groups, for as long as the load lasts
             self._plain_probe_due = False
             if self._plain_rounds == 0 and best_k > 0:
                 self._since_probe = 0
@@ -354,13 +353,13 @@ def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
     """Decayed sums (seconds, weight) of timings a plain round does not measure (drafting
     depths, whose weight counts rounds, and draft steps, whose weight counts steps). They fade
     as any round's do, but once they rest on a weight of one they stay there, so the mean
-    stands: faded out, a 16-row bucket's drafting timings fell below any weight ~200 plain
-    rounds after its last probe (0.9^200), its model went back to a flat T(k) = T(0), and it
-    drafted k = 4-5 rounds for a promised 1.7x: 30 ms rounds, a catch-up, and rows out of step
-    for the rest of the level. Held at one round's weight, the next probe still counts as much
-    as everything before it. Weights below one (first uses alone, FIRST_USE_WEIGHT) fade out
-    as before: an 8-row bucket's cold first round (63 ms at k = 4 against 7 plain) otherwise
-    set its T(k) slope alone for good and held it in plain rounds where drafting pays."""
+    stands: faded out, a bucket's drafting timings fall below any weight a few hundred plain
+    rounds after its last probe (0.9^200), its model goes back to a flat T(k) = T(0), and it
+    drafts deep rounds for a promised gain that costly rounds, a catch-up and rows out of step
+    take back. Held at one round's weight, the next probe still counts as much as everything
+    before it. Weights below one (first uses alone, FIRST_USE_WEIGHT) fade out as before: a
+    bucket's cold first round would otherwise set its T(k) slope alone for good and hold it in
+    plain rounds where drafting pays (dev/LOG.md: goodput._faded)."""
     if count < 1.0:
         return total * decay, count * decay
     factor = max(decay, 1.0 / count)

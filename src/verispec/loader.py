@@ -68,7 +68,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     ``num_draft_tokens``: the default depth k of every generation; None picks one for the
     device: 4 on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and
     other non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs
-    (with MKL on Intel verifying 4 or more tokens costs 1.6 plain steps and up). ``adaptive``: the
+    (with MKL on Intel verifying 4 or more tokens costs well over one step). ``adaptive``: the
     default depth policy of every generation (GoodputPolicyConfig() measures which k is fastest
     on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
     None: a fixed k. ``verification``: the default rule of unseeded sampled rows with a draft

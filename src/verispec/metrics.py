@@ -103,8 +103,8 @@ class GenerationMetrics:
         """Tokens per target call / (k c + 1): Leviathan et al.'s model with the measured rates.
 
         Its unit is one target call, so it assumes verifying k + 1 tokens costs what one plain
-        step does. True on a GPU at small k; on a CPU a (k+1)-token pass costs more (see the
-        README's benchmark, column v), and this overstates the speedup. ``verispec bench`` and
+        step does. True on a GPU at small k; on a CPU a (k+1)-token pass costs more (see
+        docs/benchmarks.md, column v), and this overstates the speedup. ``verispec bench`` and
         ``verispec generate --compare`` measure it.
         """
         c = self.fixed_cost_ratio if self.fixed_cost_ratio is not None else self.cost_ratio

@@ -1,10 +1,10 @@
 """One sequence of a batch: its settings, its random numbers, what it has emitted, its metrics.
 
-A :class:`Row` is what the engine's :class:`verispec.engine.Batch` keeps per sequence, and what
+A :class:`Row` is what the engine's :class:`verispec.batch.Batch` keeps per sequence, and what
 a caller holds to read a generation's progress: rows join a batch with their own
 GenerationConfig (sampling, stop tokens, max_new_tokens, min_new_tokens, depth) and their own
 torch.Generator, and leave it when they finish or are removed. What this is not: the round
-(engine.py) or text (text_stream.py).
+(batch.py) or text (text_stream.py).
 """
 
 from __future__ import annotations

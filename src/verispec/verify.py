@@ -24,9 +24,10 @@ Edge cases, made explicit:
     is never resampled in exact arithmetic; if rounding rejects anyway we draw from p.
   * NaN or inf in any probability -> NonFiniteError; never a silent sample.
 
-Not here: models, caches, sampling settings (see sampling.py), the decoding loop (engine.py),
-the temperature-0 forms that need no random numbers (verify_greedy.py), the input checks
-(verify_checks.py), and the formulas for expected acceptance and speedup (diagnostics.py).
+Not here: models, caches, sampling settings (see sampling.py), the decoding loop (batch.py;
+its verification step over a batch's rows is batch_verify.py), the temperature-0 forms that
+need no random numbers (verify_greedy.py), the input checks (verify_checks.py), and the
+formulas for expected acceptance and speedup (diagnostics.py).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     Random numbers come from ``generator`` in a fixed order: uniforms [B, K] fp32 for the
     acceptance tests, then next_uniforms [B] float64 for the recovered/bonus draw;
     :func:`verify_with_randomness` takes them explicitly. One uniform per row replaces V
-    exponentials: at batch 1 over an 8192-token vocabulary that saves ~0.2 ms a round.
+    exponentials: at batch 1 over a large vocabulary that saves time every round (dev/LOG.md:
+    host checks).
     """
     uniforms, next_uniforms = _draw_uniforms(draft_tokens, generator, target_probs.device)
     return verify_with_randomness(draft_tokens, draft_probs, target_probs, uniforms,

@@ -88,8 +88,8 @@ def verify_greedy_rows(draft_tokens: list[list[int]], target_tokens: list[list[i
     each position). Returns (num_accepted [B], output_tokens [B][K+1]): the same values as
     ``verify_greedy_tokens(...).num_accepted.tolist()`` and ``.output_tokens.tolist()``.
     Why a second form: at batch 1 the tensor form is ~25 tiny ops, each run cold right after a
-    target pass has streamed the weights through the cache (~0.15 ms a round on a CPU); a loop over
-    K+1 ints is ~10 us. tests/test_verify.py checks the two agree.
+    target pass has streamed the weights through the cache; a loop over K+1 ints costs a small
+    fraction of that (dev/LOG.md: host checks). tests/test_verify.py checks the two agree.
 
     Example: draft [[7, 8, 9]], target [[7, 5, 9, 2]] -> ([1], [[7, 5, PAD, PAD]]).
     """

@@ -3,14 +3,9 @@
 Why: decoding feeds a new attention shape at almost every step (one more cached key; the query
 length is 1 for a plain step and k + 1 for a verification pass), and on CUDA in half precision
 torch's default choice, cuDNN attention, builds an execution plan the first time it sees a shape.
-Measured on an H100 with torch 2.11 (bf16, 8 heads of 64, 300-360 keys), the first call at each
-new key length cost:
-
-    cuDNN (the default)   51-450 ms     flash or memory-efficient   2.7-3.8 ms
-    steady state          0.03-0.04 ms  flash or memory-efficient   0.03-0.05 ms
-
-so a fresh process paid ~8 ms per generated token on top of a ~2 ms step until every length had
-been seen once (a cold 64-token generation of the demo pair: 16 ms per token instead of 2).
+That first call at each new key length costs far more than the other kernels' first call, and
+than many steady-state steps, so a fresh process paid several steps' time per generated token
+until every length had been seen once (dev/LOG.md: attention kernels).
 
 Memory-efficient attention has no per-shape planning, and it is the one kernel used for every
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
@@ -22,21 +17,20 @@ grouped-query heads: still exact, slower on long contexts).
 On a CPU in float32, :func:`attend` computes batched passes of several queries a row
 (verification passes of 8 rows or more) as two batched matmuls around a softmax, and leaves
 single-query steps, small batches and prefills (packed.py) to scaled_dot_product_attention.
-torch's CPU flash kernel splits a few-query pass into blocks that each pay a fixed cost: on the
-2-core EPYC, 16 rows x 8 heads of 64 against ~130 cached keys, a 2-query pass took 0.90 ms a
-layer in the flash kernel and 0.69 ms as matmuls, while a 1-query step is as fast or faster in
-the flash kernel (0.17 against 0.24 ms with the keys in cache), and so are 1-row passes and
-packed prefills (16 prompts into the demo target: 82.9 ms flash, 81.8 ms matmuls). Neither path
+torch's CPU flash kernel splits a few-query pass into blocks that each pay a fixed cost, so on
+many rows a pass of two or more queries is cheaper as matmuls, while a 1-query step is as fast
+or faster in the flash kernel, and so are 1-row passes and packed prefills (dev/LOG.md:
+attention kernels). Neither path
 is bit for bit invariant to the padded key length or to the number of queries (they differ from
 each other by ~2e-7, as the flash kernel differs from itself between 1 and 2 queries); greedy
 equality with plain decoding and with each request alone is what the tests check.
 
 Rows of different lengths (a batch whose rows joined at different times, or one long prompt
 among short ones) attend in contiguous ranges of rows, each over its own longest row's keys
-(:func:`segments_by_length`, :func:`attend_segments`), not all over the batch's longest: on the
-demo target one 900-token row among 15 of 40-85 made every row of a 1-token pass read 900 keys
-a layer, 16.6 ms a pass (7.7 ms split) against 6.6 for 16 short rows. Rows whose lengths differ
-less stay one range (SEGMENT_CALL_BYTES).
+(:func:`segments_by_length`, :func:`attend_segments`), not all over the batch's longest: one
+long row among short ones would make every row of a pass read the long row's keys, and the pass
+cost a multiple of the short rows' alone. Rows whose lengths differ less stay one range
+(SEGMENT_CALL_BYTES).
 
 Not here: the layers around attention (fast_llama.py, packed.py).
 """
@@ -52,15 +46,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # the matmul path's fewest rows: below it, its four ops' fixed costs outweigh what it saves
-# (16-row 2 / 3 / 4-token passes of the demo target 11.6 / 16.5 / 19.0 -> 10.8 / 14.9 / 17.4 ms,
-# 8 rows 6.9 / 10.1 -> 6.7 / 9.6 ms, 4 rows even, 1 row 3.5 -> 3.9 ms)
+# (dev/LOG.md, 2026-11-27, MATMUL_MIN_ROWS)
 MATMUL_MIN_ROWS = 8
 
 # what one more range of rows costs, as the bytes of cached keys and values a split must save
-# to pay for it. Measured on the demo target (2-core EPYC, 1-token passes over 16 rows): at
-# 256 KB, rows of the held-out prompts (30-87 keys) split into 3-4 ranges and the pass took 5-7%
-# longer (slicing the mask, joining the outputs, smaller calls); at 4 MB they stay one range,
-# while one row of 400 keys among them is split off (9.7 -> 7.7 ms)
+# to pay for it: a lower bar splits rows of ordinary prompts into ranges that cost more than
+# they save (slicing the mask, joining the outputs, smaller calls), while at this one a single
+# long row among them is still split off (dev/LOG.md, 2026-11-27, SEGMENT_CALL_BYTES)
 SEGMENT_CALL_BYTES = 4 << 20
 
 # one kernel for 1-token steps and masked verification passes alike; math as the fallback

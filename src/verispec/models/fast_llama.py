@@ -15,8 +15,8 @@ rewind, ragged rows; prefills and a draft's catch-ups lay their rows end to end,
 models/packed.py; the session holding the rows is models/fast_llama_session.py). Per step it
 issues about 20 ops a layer; at batch 1 on a CPU each costs a few microseconds whatever its
 size, which is what bounds a small draft's step.
-torch.compile was measured and does not pay here: the demo draft's step went 0.89 -> 0.74 ms
-after a 12 s compile per shape, with logits that differ from the eager ones by ~3e-6.
+torch.compile was measured and does not pay here: a small gain a step costs a long compile per
+shape, and its logits differ from the eager ones (dev/LOG.md: fast path sessions).
 
 It is a fast path with a reference: tests/test_fast_llama.py checks its logits against the
 transformers forward and its greedy output against ``generate()``. ``supports()`` admits only

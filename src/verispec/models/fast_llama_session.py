@@ -62,7 +62,7 @@ class FastLlamaSession:
         rows' caches are neither read nor copied). Prefilled now in one packed pass
         (:meth:`feed` on empty rows), or with ``ride`` by the next pass: an ``extend`` lays
         them beside the rows' own tokens (models/packed.py), so the join pays no pass of its
-        own (~3.4 ms on the demo target on 2 cores, every weight read once more); a ``feed``
+        own (in which every weight is read once more); a ``feed``
         puts each before its row's tokens, a ``rewind`` prefills them first, and a row that
         leaves before then is never prefilled. Returns whether the prompts ride."""
         if not prompts:
@@ -110,8 +110,8 @@ class FastLlamaSession:
     def _room(self, longest: int) -> int:
         """Positions to hold for rows whose longest holds ``longest`` tokens: room to generate
         as much again, but no more than the model's context (every slot gets that capacity,
-        and fresh memory is paid for when first touched: growing 16 slots of the demo target
-        to 1,798 positions for a 900-token prompt took 188 ms)."""
+        and fresh memory is paid for when first touched, so growing every slot to a long
+        prompt's room is a pause the rows feel; dev/LOG.md: fast path sessions)."""
         room = max(128, 2 * longest)
         return room if self.lm.max_positions is None else max(
             longest, min(room, self.lm.max_positions))
@@ -157,10 +157,9 @@ class FastLlamaSession:
         """Append rows[b] to row b with no logits (a draft catching up, LMSession.feed; joining
         prompts, :meth:`add_rows`), every row's tokens packed end to end in one pass
         (models/packed.py): the projections see only real tokens, attention runs row by row.
-        Rows with nothing to feed take no part. Against right-padded passes in groups of near
-        widths, on a 2-core EPYC: 16 joining prompts of 6-63 tokens 94 -> 79 ms on the demo
-        target and 18.5 -> 12.6 ms on its draft; a draft catching up 14 rows by one token and
-        2 prompts 5.1 -> 3.4 ms.
+        Rows with nothing to feed take no part. Packed, it is faster than right-padded passes
+        in groups of near widths, for a target and for its draft (dev/LOG.md: fast path
+        sessions).
         """
         rows = feed_rows(rows, self.num_rows)
         widths = [len(row) for row in rows]

@@ -119,7 +119,7 @@ class KVCache:
         """Keep these live rows, in this order: row rows[i] moves to slot i (only the rows whose
         slot changes are copied, and of each only its first ``lengths[row]`` positions when
         given: a moved row's tail beyond them is stale, and copying the whole capacity made a
-        leave cost up to ~2.5x what its row held)."""
+        leave cost a multiple of what its row held)."""
         moved = [(slot, row) for slot, row in enumerate(rows) if slot != row]
         if moved:
             device = self._device

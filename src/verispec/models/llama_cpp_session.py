@@ -8,8 +8,8 @@ at every fed position, ``feed`` and prefills decode packed (sequence, token, pos
 without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
 free sequence ids. Rows joining with ``ride`` (``add_rows``) ride the next ``extend``: their
 prompts go into its llama_batch without logits, before the rows' own tokens, so a join costs
-no pass of its own in which every other row would wait (on a 2-core CPU a 50-token prompt
-costs about what five 8-row decoding rounds do; dev/LOG.md). ``start_through`` and
+no pass of its own in which every other row would wait (on a CPU a short prompt costs about
+what several decoding rounds do; dev/LOG.md). ``start_through`` and
 ``add_rows_through`` (models.base.PrefillsThroughLastToken) take whole prompts and let all but
 each last token ride, so that the next ``extend``, which begins with the last, decodes the
 prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape).

@@ -4,53 +4,36 @@ oneDNN's inner product.
 Legend: n rows fed in one pass (batch x tokens), E input width, O output width.
 
 Why a choice at all: on x86 CPUs that are not Intel's, MKL (which ATen's fp32 ``F.linear`` calls
-on a CPU) takes slow generic code paths. Measured on a 2-core AMD EPYC (Zen 4) VM with
-torch 2.13.0, on the demo target's layers with weights read cold from memory, as in decoding:
+on a CPU) takes slow generic code paths: there oneDNN's product is much faster on a large
+weight, and a whole target pass is faster with it (dev/LOG.md: matmul kernels).
 
-    8192 x 512 output layer      MKL 2.07 / 4.37 / 6.85 ms    oneDNN 1.07 / 1.29 / 1.36 ms
-    (1 / 2 / 3 rows)
-    whole 1-token target pass    MKL 8-10 ms                  oneDNN 5.4-6.0 ms
-
-oneDNN picks its kernels by instruction set, not by vendor, so it runs the AVX-512 code there;
-its cost also grows far more slowly with the number of rows, which is what a verification pass
-over k + 1 tokens needs. On Intel CPUs MKL is already fast (the demo target's pass measured
-~2 ms, 1-3 rows costing about the same), so "auto" keeps ATen there; it keeps ATen on GPUs and
-for half precisions too, where ATen already dispatches well.
+oneDNN picks its kernels by instruction set, not by vendor, so it runs the CPU's widest vector
+code; its cost also grows far more slowly with the number of rows, which is what a verification
+pass over k + 1 tokens needs. On Intel CPUs MKL is already fast (a pass over 1-3 rows costs
+about what one row does), so "auto" keeps ATen there; it keeps ATen on GPUs and for half
+precisions too, where ATen already dispatches well.
 
 oneDNN's weights are packed once (``prepare``): reordered into the blocked layout its matrix
 kernels read, a copy held beside the model's own weights (which the transformers forward still
 uses), so the projections' memory is held twice. Unpacked, every call over 2 or more rows
-packs the weight again, which is why a 3-token pass cost ~1.2-1.5 plain steps here; packed, a
-pass over 1-9 rows costs about what 1 row does (all the demo target's projections, medians of
-40: 2.9-3.1 ms over 1, 2, 4 and 9 rows, against 3.6 / 4.7 / 4.6 / 5.5 ms unpacked), and
-decoding got faster end to end (one-process A/B, 12 prompts x 64 tokens, greedy: plain 1.11x,
-speculative at k = 3 1.40x the unpacked code, with identical tokens).
+packs the weight again, so a few-token pass costs well over a plain step; packed, a pass over
+1-9 rows costs about what 1 row does, and decoding, plain and speculative, gets faster end to
+end with identical tokens (dev/LOG.md: matmul kernels).
 
-Small weights stay with ATen even under "onednn". oneDNN pays a fixed ~25 us a call, which is
-more than a small product's whole time with MKL at one row (the demo draft's projections, warm,
-medians of 3000, us):
-
-    weight          1 row: MKL / oneDNN     2 rows         5 rows
-    576 x 192        9.6 / 29.2            28.7 / 28.7    32.9 / 34.1
-    1024 x 192      19.8 / 36.3            51.0 / 36.5    55.0 / 45.0
-    192 x 512       12.5 / 27.7            24.0 / 27.2    29.4 / 32.8
-    512 x 512       21.5 / 32.5            43.5 / 24.6    58.4 / 30.3
-    1536 x 512      68.1 / 40.8           129.5 / 49.0   188.1 / 59.4
-    8192 x 192     222.4 / 89.8           325.4 / 82.8   323.2 / 102.5
-
-so a weight under SMALL_WEIGHT_ELEMENTS (2^18) is left dense and multiplied by ATen, whatever
-the number of rows: the kernel is fixed per weight, so plain steps and verification passes use
-the same one. That covers a small draft's layers (which run one row at a time; the demo
-draft's step went from ~1.0 to ~0.84 ms) and none of the demo target's projections, which keep
-oneDNN's flat cost over k + 1 rows.
+Small weights stay with ATen even under "onednn". oneDNN pays a fixed cost a call, which is
+more than a small product's whole time with MKL at one row (the measured table: dev/LOG.md,
+SMALL_WEIGHT_ELEMENTS), so a weight under SMALL_WEIGHT_ELEMENTS (2^18) is left dense and
+multiplied by ATen, whatever the number of rows: the kernel is fixed per weight, so plain steps
+and verification passes use the same one. That covers a small draft's layers (which run one row
+at a time, and so step faster) and none of the demo target's projections, which keep oneDNN's
+flat cost over k + 1 rows.
 
 A draft may take both (``linear_kernel(name, by_rows=True)``): its small weights are also packed,
 and each call picks oneDNN over 2 or more rows and ATen over one. A draft's numbers need not be
 the same at every batch size: exactness needs only that the probabilities it reports are those
 it drew from, which holds whatever kernel computed them (a target's kernel is fixed per weight,
-see below). On the 2-core EPYC (interleaved, medians of 8) the demo draft's step over 16 rows
-went 1.97 -> 1.91 ms (1 token a row) and 2.10 -> 1.97 ms (2 tokens a row), over 4 rows 2-3%
-faster, its 1-row step unchanged (ATen).
+see below). Over several rows the demo draft's step is a little faster so; its 1-row step is
+unchanged (ATen) (dev/LOG.md: matmul kernels).
 
 Both kernels compute the same products in a different summation order, so logits agree to
 ~1e-6 relative, not bit for bit; within one kernel a given input always gives the same output.
@@ -76,8 +59,8 @@ MATMULS = ("auto", "aten", "onednn")
 # x [..., E], weight (as prepared) [O, E], bias [O] or None -> [..., O]
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
-# the number of rows oneDNN's packed layout is chosen for; measured on the demo target's
-# projections, passes over 1-9 rows all cost about one row's time with it (see the docstring)
+# the number of rows oneDNN's packed layout is chosen for: with it, passes over 1-9 rows all
+# cost about one row's time (dev/LOG.md, 2026-11-27, PACK_ROWS)
 PACK_ROWS = 4
 
 # under "onednn", weights with fewer elements than this stay dense, for ATen (see the docstring)
@@ -85,7 +68,8 @@ SMALL_WEIGHT_ELEMENTS = 1 << 18
 
 
 # how many compiled products oneDNN's primitive cache and ideep's (torch's oneDNN wrapper) keep,
-# unless the environment says otherwise (bound_onednn_caches)
+# unless the environment says otherwise: enough for a server's usual shapes, few enough that
+# its memory stays flat (bound_onednn_caches; dev/LOG.md: ONEDNN_CACHE_CAPACITY)
 ONEDNN_CACHE_CAPACITY = 256
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -160,13 +144,12 @@ def bound_onednn_caches() -> None:
     before any weight is packed.
 
     Why: each cache keeps a compiled product per shape, (rows, weight) here, by default 1024 of
-    them, ~0.6 MB each with its kernels (the demo target's projections, any number of rows),
-    and a primitive that ideep still holds stays alive when oneDNN's own cache drops it. A
-    server under varied traffic meets a new number of rows in most passes that carry prompts,
-    so its memory grew for many minutes: the demo pair's soak (16 varied clients, 2-core EPYC)
-    grew 40% in 10 minutes on default capacities, 12% with only oneDNN's capped, and stayed
-    flat with both at 256, at the same request rate (docs/server.md, Soak). A product met again
-    after its primitive was dropped is compiled afresh (~0.2 ms).
+    them, each with its kernels, and a primitive that ideep still holds stays alive when
+    oneDNN's own cache drops it. A server under varied traffic meets a new number of rows in
+    most passes that carry prompts, so its memory grew for many minutes on default capacities,
+    still grew with only oneDNN's capped, and stayed flat with both capped, at the same request
+    rate (dev/LOG.md: ONEDNN_CACHE_CAPACITY). A product met again after its primitive was
+    dropped is compiled afresh, a small cost against that growth.
     """
     for variable in ONEDNN_CACHE_VARIABLES:
         os.environ.setdefault(variable, str(ONEDNN_CACHE_CAPACITY))

@@ -13,7 +13,7 @@ row anyway, runs row by row: each segment's queries against its own row's cached
 
 Packed tokens also ride a decoding pass (FastLlamaLM.forward's ``packed``): the prompts of a
 target's rows that joined since the last round go through that round's pass, so a join pays
-no pass of its own (every weight read once more: ~3.4 ms on the demo target on 2 cores).
+no pass of its own (in which every weight would be read once more).
 
 What it is not: a pass that returns logits for packed tokens (nothing fed here needs them: a
 joining row's last prompt token and a draft's last unfed token are fed by the next round), or

@@ -63,8 +63,8 @@ class DraftModelSession:
         """Rows join: their prompts are prefilled now, or with ``defer`` held as unfed tokens
         for the next propose. A batch that runs plain rounds (under load, where verifying
         draft tokens costs more than it gains) may not propose for hundreds of rounds, and a
-        row that leaves before then never costs the draft anything; eager prefills and
-        catch-ups cost the speculative server ~5-8% against the plain one at 16 clients."""
+        row that leaves before then never costs the draft anything, while eager prefills and
+        catch-ups leave a loaded speculative server behind the plain one."""
         assert self._proposal is None, "rows join between rounds"
         if defer:
             self.session.add_rows([[] for _ in prompts])
@@ -126,8 +126,8 @@ class DraftModelSession:
     def _feed_unfed(self) -> torch.Tensor:
         """Feed every row's unfed tokens in one pass; the logits after each row's last [B, V],
         asked of the session at that column only (LMSession.extend's logits_at): after a
-        fully accepted round most rows feed two tokens, and over [16, 2] rows the demo
-        draft's output layer at both positions was a third of the pass (0.77 ms of 2.3).
+        fully accepted round most rows feed two tokens, and a small draft's output layer at
+        both positions is a large share of its pass.
 
         Rows with fewer unfed tokens are padded on the right with copies of their last one, and
         the padding is rewound at once (the cache is then exactly the committed sequence).

@@ -30,10 +30,8 @@ from .ngram import NgramDraft, NgramSession
 
 
 # A suffix of 2-3 tokens, not 1: a lone repeated token is a weak hint where a draft model is
-# at hand. Measured on the demo pair (20 held-out prompts x 64 tokens, k = 2, one run): greedy
-# 1.32x / 1.33x / 1.34x over plain decoding with min_ngram 1 / 2 / 3 (the draft model alone
-# 1.20x, n-grams alone 1.25x); at T = 1, 0.99x / 1.05x / 1.05x (the draft model alone 1.08x),
-# because 1-token matches are accepted less often than the draft model's tokens.
+# at hand, accepted less often than the draft model's tokens, which costs most when sampling
+# (dev/LOG.md: HYBRID_LOOKUP).
 HYBRID_LOOKUP = NgramDraft(min_ngram=2, max_ngram=3)
 
 

@@ -69,7 +69,7 @@ def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="verispec", version=__version__, lifespan=lifespan)
     app.state.worker = worker
     app.state.settings = settings
-    app.state.drain = service.drain  # called by run.VerispecServer on SIGTERM / Ctrl-C
+    app.state.drain = service.drain  # called by http.VerispecServer on SIGTERM / Ctrl-C
     install_error_handlers(app)
     app.include_router(_openai_routes(service, settings),
                        dependencies=[Depends(_api_key_check(settings.api_key))])

@@ -256,8 +256,7 @@ class GenerationWorker:
         it when no row is running: nobody waits); a cancelled one is dropped. Returns the
         tokens fed and the prefills that join now (taken off the list): while rows run, a
         prefill joins in the gap after its last chunk, a gap of its own, since its join grows
-        every slot of the batch's cache to hold it (on the demo target, 16 slots to 1,024
-        positions: ~0.1 s)."""
+        every slot of the batch's cache to hold it, a pause of its own."""
         fed, ready = 0, []
         for entry in list(self._prefilling):
             job, _, chunked = entry

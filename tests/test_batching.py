@@ -17,7 +17,8 @@ import torch
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.adaptive import AdaptivePolicy
-from verispec.batch import _policy_evidence, fill_from_the_end
+from verispec.batch import fill_from_the_end
+from verispec.scheduler import policy_evidence
 from verispec.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
@@ -379,7 +380,7 @@ def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
                                   min_num_draft_tokens=0))
     batch = decoder.batch(policy=config.adaptive)
     scripted = _ScriptedPolicy((1,) * 12)
-    batch._policies[2] = scripted  # the 2-row bucket's
+    batch.scheduler.policies[2] = scripted  # the 2-row bucket's
     prompts = [[3, 5, 1, 2], [3, 5], [5, 1, 6, 2, 7]]
     first, second = batch.add(prompts[:2], [config] * 2, [make_generator(i) for i in (0, 1)])
     batch.step()
@@ -407,7 +408,7 @@ def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
                               adaptive=GoodputPolicyConfig(min_num_draft_tokens=0))
     batch = decoder.batch(policy=config.adaptive)
     scripted = _ScriptedPolicy((0, 0, 0, 0, 2, 2, 3, 3, 2, 2, 2, 2, 2, 2))
-    batch._policies[1] = batch._policies[2] = scripted  # buckets of 1 and 2 rows
+    batch.scheduler.policies[1] = batch.scheduler.policies[2] = scripted  # buckets of 1 and 2 rows
     (first,) = batch.add([PROMPT], [config], [make_generator(0)])
     batch.step()
     batch.step()
@@ -467,7 +468,7 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
                               adaptive=verispec.GoodputPolicyConfig(min_num_draft_tokens=0))
     batch = decoder.batch(policy=config.adaptive)
     scripted = _ScriptedPolicy((1,) * 12)
-    batch._policies[1] = scripted  # the 1-row bucket's
+    batch.scheduler.policies[1] = scripted  # the 1-row bucket's
     (row,) = batch.add([[3, 5, 1, 2]], [config], [make_generator(0)])
     for _ in range(4):
         batch.step()
@@ -479,10 +480,10 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
 
 def test_policy_evidence_counts_a_missing_draft_position_as_rejected():
     # a lookup that finds fewer tokens than asked gains nothing at the first position it
-    # lacks: the depth policy sees it tested and rejected there (batch._policy_evidence)
-    assert _policy_evidence([4, 4], [2, 0], [2, 0]) == (4, [2, 1, 1, 0], [1, 1, 0, 0])
-    assert _policy_evidence([3], [3], [1]) == (3, [1, 1, 0], [1, 0, 0])  # a draft model's
-    assert _policy_evidence([0, 0], [0, 0], [0, 0]) == (0, [], [])
+    # lacks: the depth policy sees it tested and rejected there (scheduler.policy_evidence)
+    assert policy_evidence([4, 4], [2, 0], [2, 0]) == (4, [2, 1, 1, 0], [1, 1, 0, 0])
+    assert policy_evidence([3], [3], [1]) == (3, [1, 1, 0], [1, 0, 0])  # a draft model's
+    assert policy_evidence([0, 0], [0, 0], [0, 0]) == (0, [], [])
 
 
 def test_a_lookup_round_reaches_the_policy_at_the_depth_it_asked():
@@ -499,7 +500,7 @@ def test_a_lookup_round_reaches_the_policy_at_the_depth_it_asked():
                               adaptive=adaptive)
     batch = decoder.batch(policy=adaptive)
     scripted = _ScriptedPolicy((3,) * 8)
-    batch._policies[4] = scripted  # the 3-4-row bucket's
+    batch.scheduler.policies[4] = scripted  # the 3-4-row bucket's
     repeating = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
     prompts = [repeating, [1, 2], [3, 4], [0, 1]]
     rows = batch.add(prompts, [config] * 4, [make_generator(0)] * 4)

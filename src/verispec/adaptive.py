@@ -43,7 +43,8 @@ class RoundStats:
     num_rows: rows in the round.
     join_time, join_tokens: seconds the draft spent prefilling the prompts of rows that joined
         since the previous round, and those rows' max_new_tokens summed: a cost drafting pays
-        per request, which a batch running plain rounds defers (batch.Batch.add).
+        per request, which a batch running plain rounds defers
+        (scheduler.Scheduler.defers_draft).
     timed: False when the round's timings measure a first use rather than a round: the batch
         had not yet run a round at this depth in this batch-size bucket, whose first call pays
         one-off costs (kernel and primitive set-up, first-touch memory), or its target pass
@@ -79,7 +80,7 @@ class AdaptivePolicy:
     def measuring(self, k: int) -> bool:
         """Whether a round at depth k (the one this policy returned) only measures drafting:
         a probe while the policy's own choice is plain rounds. Such a round need not keep its
-        accepted draft tokens (batch.Batch._measuring)."""
+        accepted draft tokens (scheduler.Scheduler._measuring)."""
         return False
 
 

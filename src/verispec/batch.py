@@ -16,7 +16,7 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
               batch_verify.py);
   4. commit:  both sides rewind each row to its accepted prefix and append the new token (a
               round that only measures drafting for the depth policy keeps the first token
-              of every row: Batch._measuring);
+              of every row: scheduler.Scheduler._measuring);
   5. emit:    each row's new tokens, cut at its first stop token and at its max_new_tokens;
               finished rows leave the batch.
 Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
@@ -27,9 +27,10 @@ numbers, so its output law is the target's whatever the other rows do. A seeded 
 are the target's samples at their positions on clocks keyed by its seed, so they are the same
 whatever k, proposer, policy or batch mates (they could differ only where batched arithmetic
 rounds its logits differently enough to flip a race).
-Depth: rows follow the batch's adaptive policy (adaptive.py) or keep a fixed k (rows.Row); the
-policy is one per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
-depends on how many rows it carries, and may choose k = 0: a plain round for the whole batch.
+Depth: before each round the scheduler (scheduler.py) plans each row's k, from the batch's
+adaptive policy (adaptive.py; one per batch-size bucket, and it may choose k = 0: a plain
+round for the whole batch) or the row's own fixed k (rows.Row); after it, the round is
+reported back to it.
 
 The loop knows nothing about tokenisers, HTTP or printing; it sees token ids and the protocols
 in models/base.py and proposers/base.py.
@@ -42,7 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .adaptive import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .adaptive import AdaptivePolicy, AdaptivePolicyConfig
 from .batch_verify import ban_early_stops, target_outputs, verify_batch
 from .chunked_prefill import ChunkedPrefill
 from .config import GenerationConfig
@@ -52,6 +53,7 @@ from .metrics import MetricsRecorder
 from .models.base import CapturesSteps, LanguageModel, TargetScorer
 from .proposers.base import DraftPlan, Proposer
 from .rows import Row
+from .scheduler import RoundReport, Scheduler
 from .verify_checks import check_stop_token_ids
 
 
@@ -68,45 +70,36 @@ class Batch:
                  policy: AdaptivePolicyConfig | None = None, initial_num_draft_tokens: int = 1,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None = None,
                  cost_ratio: float | None = None) -> None:
-        self.device = target.device  # where the target's logits, and verification, live
-        self.vocab_size = target.vocab_size
-        self._target_model = target
+        self._target_model = target  # where the target's logits, and verification, live
         self.target = TargetScorer(target.new_session(), [])
         self.proposer = None if proposer is None else proposer.start([])
-        self.policy_config = policy if proposer is not None else None
-        self.initial_num_draft_tokens = initial_num_draft_tokens
-        self._policies: dict[int, AdaptivePolicy] = {}  # batch-size bucket -> its policy
-        self._policy_k: dict[int, int] = {}  # bucket -> the k its policy returned for next round
-        self._carried = carried
-        self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
-        self.last_num_draft_tokens = 0  # the depth of the latest round (0: plain)
-        # the longest sequence every model takes (None: no limit): a round feeds each row the
-        # batch's largest k + 1 tokens, so k is capped by the room of the row nearest its end
-        windows = [lm.max_positions for lm in (target, proposer) if lm is not None
-                   and lm.max_positions is not None]
-        self.max_positions = min(windows) if windows else None
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
         self.recorder = MetricsRecorder(cost_ratio)
-        self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
-        # the target's next pass also prefills rows that joined since the last round (their
-        # prompts ride it: TargetScorer.add_rows), so its timing is not a round's alone
-        self._joins_ride = False
-        self._join_time = 0.0  # the draft's prefill of rows joining since the last round
-        self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
-        # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
-        # policy with timed=False, and its timings weigh FIRST_USE_WEIGHT: a first round pays
-        # one-off costs that, priced in full, hold a policy in plain rounds where drafting pays.
-        # Keyed by bucket rather than exact row counts, and weighed rather than skipped, because
-        # rows come and go: otherwise most first rounds go unpriced and the policy drafts deep
-        # on its defaults
-        self._shapes_run: set[tuple[int, int]] = set()
-        # the models that capture steps as CUDA graphs: a round in which either captured one
-        # reaches the policy as a first use. A capture costs tens of steps, and a new cache
-        # layout or key bucket brings one long after a depth's first round; taken at full
-        # weight, such rounds priced drafting out of reach
-        self._capturers = [m for m in (target, proposer)
-                           if m is not None and isinstance(m, CapturesSteps)]
+        windows = [lm.max_positions for lm in (target, proposer) if lm is not None
+                   and lm.max_positions is not None]
+        self.scheduler = Scheduler(
+            policy, initial_num_draft_tokens, carried, proposer is not None,
+            min(windows) if windows else None,
+            [m for m in (target, proposer) if m is not None and isinstance(m, CapturesSteps)])
+
+    @property
+    def device(self) -> torch.device:
+        return self._target_model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self._target_model.vocab_size
+
+    @property
+    def last_policy(self) -> AdaptivePolicy | None:
+        """The depth policy of the latest round (None: the rows' own k)."""
+        return self.scheduler.last_policy
+
+    @property
+    def last_num_draft_tokens(self) -> int:
+        """The width of the latest round (0: plain)."""
+        return self.scheduler.last_num_draft_tokens
 
     @property
     def speculative(self) -> bool:
@@ -129,27 +122,24 @@ class Batch:
             check_stop_token_ids(config.stop_token_ids, self.vocab_size)
         lanes = [0] * len(prompts) if lanes is None else list(lanes)
         rows = [Row(prompt, config, generator,
-                    follows_policy=self.policy_config is not None and config.adaptive is not None,
+                    follows_policy=self.scheduler.follows_policy(config),
                     lane=lane)
                 for prompt, config, generator, lane in zip(prompts, configs, generators, lanes)]
         if prefilled is None:
-            self._joins_ride |= self.target.add_rows(prompts)
+            self.scheduler.target_joined(self.target.add_rows(prompts))
         else:
             assert len(prefilled) == len(prompts) and all(
                 p.done and p.prompt_ids == list(prompt) for p, prompt in zip(prefilled, prompts))
             self.target.adopt_rows([p.session for p in prefilled], prompts)
         if self.proposer is not None:
-            # rows joining a batch that runs plain rounds leave their draft work for the next
-            # proposal (proposers.base.ProposerSession.add_rows); a row with a fixed k drafts
-            # in the next round anyway
-            defer = self._draft_lags and all(row.follows_policy for row in rows)
+            defer = self.scheduler.defers_draft(rows)
             started = time.perf_counter()
             self.proposer.add_rows(prompts, defer=defer)
             if not defer:  # the policy prices it as a cost of drafting
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                self._join_time += time.perf_counter() - started
-                self._join_tokens += sum(config.max_new_tokens for config in configs)
+                self.scheduler.draft_joined(time.perf_counter() - started,
+                                            sum(config.max_new_tokens for config in configs))
         joining = constraints if constraints is not None and constraints.active else None
         if self.constraints is None and joining is not None:
             self.constraints = ConstraintSet(joining.index, [None] * len(self.rows))
@@ -177,114 +167,67 @@ class Batch:
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round over every row: [(row, its new tokens)]; rows that finish leave."""
         assert self.rows, "a round needs at least one row"
-        policy = self._policy()
-        # the k the policy returned last (a probe of a neighbouring depth included), else its own
-        policy_k = None if policy is None else self._policy_k.get(self._bucket(),
-                                                                  policy.num_draft_tokens)
-        wanted = [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in self.rows]
-        if self.max_positions is not None and max(wanted) > 0:
-            room = min(self.max_positions - len(row.prompt) - row.num_generated
-                       for row in self.rows)
-            wanted = [min(k, max(room, 0)) for k in wanted]
-        if self._draft_lags and max(wanted) > 0:
-            # the work plain rounds left the proposer is done before the clock starts, so
-            # that this round's draft time prices its steps. Timed with them, such rounds
-            # went unpriced (RoundStats.draft_timed), and a draft step priced high by a cold
-            # start stayed so and held k at 0 for good
+        plan = self.scheduler.plan(self.rows)
+        if plan.catch_up:  # the tokens of plain rounds, before the round's clock starts
             self.proposer.catch_up()
-            self._draft_lags = False
-        captures = self._num_captured()
+        captures = self.scheduler.num_captured()
         started = time.perf_counter()
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
-        draft_tokens, draft_probs, num_draft = self._propose(wanted)
-        allowed = None  # the grammar's masks for the target's K + 1 positions [B, K+1, V]
-        constraints = self._active_constraints()
-        if constraints is not None:  # a deterministic proposal is cut where it leaves it
-            kept = constraints.cover(draft_tokens)
-            draft_tokens = draft_tokens[:, :kept]
-            draft_probs = None if draft_probs is None else draft_probs[:, :kept]
-            num_draft = [min(k, kept) for k in num_draft]
-            allowed = constraints.round_masks()
+        draft_tokens, draft_probs, num_draft, allowed = self._propose(plan.num_draft_tokens)
         draft_time = _synced_elapsed(started, draft_tokens)
-        # 2. score: one target pass over each row's pending token and the K draft tokens
+        # 2. score: one target pass over each row's pending token and its k_b draft tokens
         target_started = time.perf_counter()
-        # [B, K+1, V]; row b's columns past k_b are not read (verify_batch)
         target_logits = ban_early_stops(self.rows, self.target.score(draft_tokens, num_draft))
-        target_out = target_outputs(self.rows, target_logits, allowed)
+        target_out = target_outputs(self.rows, target_logits, allowed)  # [B, K+1, V] each
         target_time = _synced_elapsed(target_started, target_logits)
         # 3. verify each row on its first k_b tokens
         verify_started = time.perf_counter()
-        num_accepted, output_tokens = verify_batch(self.rows, draft_tokens, draft_probs,
-                                                   num_draft, target_out, self.vocab_size)
-        measured = num_accepted  # what verification found: the policy's evidence
-        measuring = self._measuring(policy, policy_k)
-        if measuring:  # each row keeps its first token only: rows in step stay in step
-            num_accepted = [0] * len(self.rows)
-        next_tokens = [row[n] for row, n in zip(output_tokens, num_accepted)]  # recovered/bonus
+        measured, output_tokens = verify_batch(self.rows, draft_tokens, draft_probs, num_draft,
+                                               target_out, self.vocab_size)
+        # a round that only measures drafting keeps each row's first token: rows in step stay so
+        num_accepted = [0] * len(self.rows) if plan.measuring else measured
         # 4. commit / rewind both sides (and the grammar) to the accepted prefix + the new token
-        self.target.commit(num_accepted, next_tokens)
-        if self.proposer is not None:
-            self.proposer.commit(num_accepted, next_tokens)
-        if self.constraints is not None:
-            self.constraints.commit(num_accepted, next_tokens)
+        self._commit(num_accepted, [row[n] for row, n in zip(output_tokens, num_accepted)])
         # 5. emit
         emitted = [(row, row.emit(tokens[: n + 1]))
                    for row, tokens, n in zip(self.rows, output_tokens, num_accepted)]
         times = {"draft_time": draft_time, "target_time": target_time,
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
-        self._record(draft_tokens.shape[1], num_draft, measured, emitted, times, policy,
-                     self._overhead(times), measuring, self._num_captured() > captures, wanted)
+        self._record(RoundReport(draft_tokens.shape[1], plan.num_draft_tokens, num_draft,
+                                 measured, times, self.scheduler.num_captured() > captures),
+                     emitted, plan.measuring)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
 
-    def _num_captured(self) -> int:
-        return sum(model.num_captured for model in self._capturers)
-
-    def _measuring(self, policy: AdaptivePolicy | None, policy_k: int | None) -> bool:
-        """Whether this round only measures drafting for the policy (AdaptivePolicy.measuring:
-        a probe while its choice is plain rounds) over more than one row.
-        Such a round commits one token a row: its accepted draft tokens are dropped (exact: a
-        round's first token alone has the target's law, and at temperature 0 it is the
-        target's argmax), so that rows which advanced together still do. Kept, a probe's
-        accepted tokens moved most rows one token ahead of the others; the rows then finished
-        in different rounds and rejoined in small groups, each a prefill pass of its own."""
-        return (policy is not None and policy_k is not None and len(self.rows) > 1
-                and policy.measuring(policy_k))
-
-    @staticmethod
-    def _overhead(times: dict[str, float]) -> float:
-        """Seconds of this round outside drafting and scoring (verification, bookkeeping). The
-        caller's time between rounds is left out: under a server's load it is mostly waiting
-        for the GIL and the CPU, noise that pushed the policy to depths that measured slower."""
-        return times["wall_time"] - times["draft_time"] - times["target_time"]
-
-    def _policy(self) -> AdaptivePolicy | None:
-        """The policy of the current batch size's bucket, built on first use; None below the
-        config's min_rows (the rows' own k then)."""
-        if self.policy_config is None or len(self.rows) < self.policy_config.min_rows or not any(
-                row.follows_policy for row in self.rows):
-            return None
-        bucket = self._bucket()
-        if bucket not in self._policies:
-            previous = None if not self.policy_config.carry_over or self._carried is None else (
-                self._carried.get(self._carry_key(bucket)))
-            self._policies[bucket] = self.policy_config.build(self.initial_num_draft_tokens,
-                                                              previous)
-        return self._policies[bucket]
-
-    def _bucket(self) -> int:
-        return 1 << (len(self.rows) - 1).bit_length()  # 1, 2, 4, 8, ...
-
-    def _carry_key(self, bucket: int) -> tuple[object, ...]:
-        return (self.policy_config, bucket)
+    def _commit(self, num_accepted: list[int], next_tokens: list[int]) -> None:
+        """Each side keeps its row's accepted prefix, then the recovered or bonus token."""
+        self.target.commit(num_accepted, next_tokens)
+        if self.proposer is not None:
+            self.proposer.commit(num_accepted, next_tokens)
+        if self.constraints is not None:
+            self.constraints.commit(num_accepted, next_tokens)
 
     def _active_constraints(self) -> ConstraintSet | None:
         return self.constraints if self.constraints is not None and (
             self.constraints.active) else None
 
-    def _propose(self, num_draft: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def _propose(self, num_draft: list[int]) -> tuple[
+            torch.Tensor, torch.Tensor | None, list[int], torch.Tensor | None]:
+        """Step 1 -> draft_tokens [B, K], draft_probs [B, K, V] or None, each row's k_b <= K,
+        and the grammar's masks for the target's K + 1 positions [B, K+1, V] (None: free
+        rows). A deterministic proposal is cut where it leaves the grammar."""
+        draft_tokens, draft_probs, num_draft = self._draft(num_draft)
+        constraints = self._active_constraints()
+        if constraints is None:
+            return draft_tokens, draft_probs, num_draft, None
+        kept = constraints.cover(draft_tokens)
+        draft_probs = None if draft_probs is None else draft_probs[:, :kept]
+        return (draft_tokens[:, :kept], draft_probs, [min(k, kept) for k in num_draft],
+                constraints.round_masks())
+
+    def _draft(self, num_draft: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """-> draft_tokens [B, K], draft_probs [B, K, V] or None, each row's k_b <= K (a
         proposer may find fewer than asked: an n-gram lookup)."""
         constraints = self._active_constraints()
@@ -305,18 +248,14 @@ class Batch:
         # the draft's probs are on the draft's device, which load() makes the target's)
         return proposal.draft_tokens.to(self.device), proposal.draft_probs, num_draft
 
-    def _record(self, width: int, num_draft: list[int], num_accepted: list[int],
-                emitted: list[tuple[Row, list[int]]], times: dict[str, float],
-                policy: AdaptivePolicy | None, other_time: float, measuring: bool,
-                captured: bool, asked: list[int]) -> None:
-        """Add the round to the batch's and each row's metrics; give the policy its stats.
-        num_accepted: what verification found. In a measuring round (_measuring) each row's
-        metrics count a plain round (it kept no draft token); the batch's and the policy's
-        count what was verified. ``captured``: a model captured a step graph this round (its
-        timings then weigh like a first use). ``asked``: the depth each row was asked to draft
-        (num_draft: what its proposer found, no more)."""
+    def _record(self, report: RoundReport, emitted: list[tuple[Row, list[int]]],
+                measuring: bool) -> None:
+        """Add the round to the batch's and each row's metrics, and report it to the scheduler.
+        In a measuring round each row's metrics count a plain round (it kept no draft token);
+        the batch's and the policy's count what was verified."""
+        width, times = report.width, report.times
         reached, accepted_at = [0] * width, [0] * width
-        for (row, new), k, n in zip(emitted, num_draft, num_accepted):
+        for (row, new), k, n in zip(emitted, report.num_draft, report.num_accepted):
             row_reached = [1 if n >= j else 0 for j in range(k)]  # position j tested
             row_accepted = [1 if n > j else 0 for j in range(k)]
             if measuring:
@@ -326,31 +265,10 @@ class Batch:
             for j in range(k):
                 reached[j] += row_reached[j]
                 accepted_at[j] += row_accepted[j]
-        self.recorder.record_round(width, len(emitted), sum(num_accepted),
+        self.recorder.record_round(width, len(emitted), sum(report.num_accepted),
                                    sum(len(new) for _, new in emitted), reached, accepted_at,
-                                   times, num_drafted=sum(num_draft))
-        self.last_policy = policy
-        self.last_num_draft_tokens = width
-        draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
-        self._draft_lags = width == 0 and self.proposer is not None
-        depth, reached, accepted_at = _policy_evidence(asked, num_draft, num_accepted)
-        bucket = self._bucket()
-        shape = (bucket, depth)  # per bucket: rows come and go within one
-        # a round whose target pass also prefilled joining rows weighs like a first use: a
-        # large join charged to its depth misprices it, and drove a policy to a depth that
-        # lost to plain rounds
-        timed = shape in self._shapes_run and not self._joins_ride and not captured
-        self._shapes_run.add(shape)
-        self._joins_ride = False
-        if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
-            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times["draft_time"],
-                               times["target_time"], other_time, draft_timed, len(emitted),
-                               self._join_time, self._join_tokens, timed)
-            self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
-            if self.policy_config is not None and self.policy_config.carry_over and (
-                    self._carried is not None):
-                self._carried[self._carry_key(bucket)] = policy
-        self._join_time, self._join_tokens = 0.0, 0
+                                   times, num_drafted=sum(report.num_draft))
+        self.scheduler.report(report, len(emitted))
 
     def _keep(self, indices: list[int]) -> None:
         """Keep these rows on every side; the others leave. The rows that stay keep their places
@@ -365,28 +283,6 @@ class Batch:
         if self.constraints is not None:
             self.constraints.keep_rows(indices)
         self.rows = [self.rows[i] for i in indices]
-
-
-def _policy_evidence(asked: list[int], num_draft: list[int], num_accepted: list[int]
-                     ) -> tuple[int, list[int], list[int]]:
-    """(depth, reached [depth], accepted_at [depth]): what a round tells the depth policy,
-    priced at the depth it asked for. A row asked for k_b tokens whose proposer found fewer
-    (a lookup without a long enough match) counts its first missing position as tested and
-    rejected: it yields no token there. So the rates are tokens gained per position asked, and
-    T(k) the mean cost of rounds run at depth k, whatever the proposer found; counting only
-    the positions drafted, a batch where one row of eight drafted, nearly always kept, looked
-    as if every row would, and the policy drafted deep for a fraction of the gain it priced.
-
-    Example: asked [4, 4], found [2, 0], accepted [2, 0] -> depth 4, reached [2, 1, 1, 0],
-    accepted_at [1, 1, 0, 0]."""
-    depth = max(asked, default=0)
-    reached, accepted_at = [0] * depth, [0] * depth
-    for k, found, n in zip(asked, num_draft, num_accepted):
-        assert n <= found <= k
-        for j in range(k):
-            reached[j] += n >= j
-            accepted_at[j] += n > j
-    return depth, reached, accepted_at
 
 
 def fill_from_the_end(kept: list[int]) -> list[int]:

@@ -83,7 +83,7 @@ class CapturesSteps(Protocol):
     """A model (or a proposer over one) that captures its steps as CUDA graphs
     (models/step_graphs.py): ``num_captured`` counts the captures so far. A capture is a one-off
     cost of the round that made it, which the depth policy must not take for the depth's
-    price (batch.Batch._record)."""
+    price (scheduler.Scheduler.report)."""
 
     @property
     def num_captured(self) -> int: ...

@@ -21,9 +21,9 @@ import time
 from collections import deque
 
 import verispec
-from verispec.bench import environment
+from verispec.bench.run import environment
 from verispec.config import named_policy
-from verispec.demo import heldout_prompts
+from verispec.text.demo import heldout_prompts
 
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "point", "schema": {
     "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},

@@ -25,8 +25,8 @@ from test_real_losslessness import accept_every_draft_token
 from test_real_losslessness import first_two_tokens as real_first_two_tokens
 
 from verispec import SamplingConfig, SpeculativeDecoder, to_probs
-from verispec.models.masks import MaskPlan
-from verispec.models.transformers import TransformersLM
+from verispec.models.hf.masks import MaskPlan
+from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
 

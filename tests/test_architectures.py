@@ -26,7 +26,7 @@ from tiny_models import build_tokenizer, save_model
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, UnsupportedModelError
-from verispec.models.transformers import TransformersLM
+from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -159,7 +159,7 @@ def test_a_mixed_window_model_gets_one_mask_per_layer_kind():
     lm = TransformersLM(gemma2.build(2))
     assert lm.mask_plan.per_layer_type
     assert set(lm.mask_plan.layer_types) == {"sliding_attention", "full_attention"}
-    from verispec.models.masks import build_masks
+    from verispec.models.hf.masks import build_masks
 
     positions = torch.tensor([[3 * WINDOW]])  # one query far past the window
     masks = build_masks(lm.mask_plan, positions, 3 * WINDOW + 1, torch.float32)

@@ -16,13 +16,13 @@ import torch
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.adaptive import AdaptivePolicy
-from verispec.batch import _policy_evidence, fill_from_the_end
-from verispec.demo import heldout_prompts
+from verispec.policy.base import AdaptivePolicy
+from verispec.engine.batch import _policy_evidence, fill_from_the_end
+from verispec.text.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
-from verispec.models.transformers import TransformersLM
-from verispec.sampling import make_generator
+from verispec.models.hf.adapter import TransformersLM
+from verispec.spec.sampling import make_generator
 
 from test_losslessness import (
     PROMPT,
@@ -369,7 +369,7 @@ def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
     # (RoundStats.timed False), the round after it is timed again, and the rows' greedy text
     # is the target's own. Control: the transformers backend prefills a join in a pass of
     # its own, so the same round is timed
-    from verispec.api import wrap_model
+    from verispec.text.decoder import wrap_model
 
     target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
     decoder = SpeculativeDecoder.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),
@@ -400,7 +400,7 @@ def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
     # plain rounds, a row joining during them (its draft prefill deferred), then drafting:
     # the draft catches up before the round's clock starts, so that round's draft time is
     # priced (draft_timed), and every row's greedy text is still the target's own
-    from verispec.goodput import GoodputPolicyConfig
+    from verispec.policy.goodput import GoodputPolicyConfig
 
     decoder = _fixture_decoder()
     config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,
@@ -450,8 +450,8 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
     # it: that round reaches the policy untimed, like a first use. No GPU here: the static
     # steps run eagerly, and every new step is counted as a capture. Control: the same rounds
     # with no step new are timed
-    from verispec.models.fast_llama import FastLlamaLM
-    from verispec.models.step_graphs import StepGraphs
+    from verispec.models.fast_llama.model import FastLlamaLM
+    from verispec.models.fast_llama.step_graphs import StepGraphs
 
     new_step = StepGraphs._new_step
 

@@ -18,7 +18,7 @@ import torch
 from tiny_models import save_untied_pair
 
 from verispec import cli
-from verispec.diagnostics import theoretical_speedup
+from verispec.spec.theory import theoretical_speedup
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -141,8 +141,8 @@ def test_speedup_is_the_median_of_paired_per_repeat_ratios():
     # the baseline in four repeats out of five, by 1.11-1.22x, but the medians of the two time
     # lists come from different repeats and their ratio is 0.99. The reported speedup pairs
     # each repeat with itself.
-    from verispec.bench import MethodResult, _summarise
-    from verispec.metrics import GenerationMetrics
+    from verispec.bench.run import MethodResult, _summarise
+    from verispec.engine.metrics import GenerationMetrics
 
     baseline = [3.3, 3.9, 4.5, 3.1, 3.35]
     result = MethodResult("m", "verispec", 1, seconds=[2.9, 3.4, 3.7, 2.8, 3.45])
@@ -249,8 +249,8 @@ flags\t\t: fpu avx fma avx2 bmi2
 def test_cpuinfo_reads_whole_keys_and_the_label_names_the_generation(tmp_path, monkeypatch):
     # "model" is its own key, not the start of "model name"; the label tells two VMs that both
     # call themselves "AMD EPYC" apart by family, model and vector width
-    from verispec import bench
-    from verispec.models.matmul import cpuinfo
+    from verispec.bench import run as bench
+    from verispec.models.fast_llama.matmul import cpuinfo
 
     path = tmp_path / "cpuinfo"
     path.write_text(CPUINFO)

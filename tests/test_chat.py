@@ -20,7 +20,7 @@ from tiny_models import build_tokenizer, tiny_llama
 
 import verispec
 from verispec import cli
-from verispec.chat import (
+from verispec.text.chat import (
     CHAT_TEMPLATES,
     ChatTemplate,
     ChatTemplateMissing,

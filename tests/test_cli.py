@@ -24,7 +24,7 @@ from tiny_models import save_untied_pair
 
 import verispec
 from verispec import cli
-from verispec.demo import DemoAssetsMissingError, demo_pair
+from verispec.text.demo import DemoAssetsMissingError, demo_pair
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

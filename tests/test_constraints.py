@@ -34,13 +34,13 @@ from verispec import (
     make_generator,
     to_probs,
 )
-from verispec.constraints import (
+from verispec.engine.constraints import (
     ConstraintSet,
     InvalidConstraintError,
     TokenizerIndex,
     compile_response_format,
 )
-from verispec.models.transformers import TransformersLM
+from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
@@ -188,7 +188,7 @@ def test_negative_control_a_mask_on_the_target_side_only_is_rejected(law_setup, 
     acceptance test then compares the masked target with a distribution the token was not
     drawn from, and the output leaves the constrained law."""
     import verispec.proposers.draft_model as draft_model_module
-    from verispec.sampling import sample_from_logits
+    from verispec.spec.sampling import sample_from_logits
 
     def masked_draw_unmasked_report(logits, sampling, uniforms, allowed=None):
         _, tokens = sample_from_logits(logits, sampling, uniforms, allowed)

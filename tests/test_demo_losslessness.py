@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers_stats import first_two_in_runs, g_test
 
-import verispec.verify_block
+import verispec.spec.block
 from verispec import GenerationConfig, SamplingConfig, to_probs
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
@@ -97,7 +97,7 @@ def accept_the_whole_block(stop_probs, etas):
 
 def test_the_demo_g_test_rejects_a_block_rule_that_keeps_everything(demo_decoder, prompt, law,
                                                                     monkeypatch):
-    monkeypatch.setattr(verispec.verify_block, "_last_pass", accept_the_whole_block)
+    monkeypatch.setattr(verispec.spec.block, "_last_pass", accept_the_whole_block)
     tokens, acceptance_rate = _first_two(demo_decoder, prompt, seed=4_200,
                                          num_samples=CONTROL_SAMPLES)
     result = _g_test(tokens, law)

@@ -13,10 +13,10 @@ from tiny_models import CORPUS, build_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from verispec.demo import demo_pair
-from verispec.detokenize import REPLACEMENT, IncrementalDetokenizer
-from verispec.metrics import MetricsRecorder
-from verispec.text_stream import RowText
+from verispec.text.demo import demo_pair
+from verispec.text.detokenize import REPLACEMENT, IncrementalDetokenizer
+from verispec.engine.metrics import MetricsRecorder
+from verispec.text.stream import RowText
 
 TEXT = "def add(a, b):\n    return a + b  # ü ✓ λ, naïve café 日本\n"
 

@@ -14,9 +14,9 @@ import torch
 from tiny_models import tiny_llama
 from verispec.proposers.base import DraftPlan
 from verispec import SamplingConfig
-from verispec.api import wrap_model
+from verispec.text.decoder import wrap_model
 from verispec.proposers.draft_model import DraftModelProposer
-from verispec.sampling import to_probs
+from verispec.spec.sampling import to_probs
 
 VOCAB = 97
 SAMPLING = SamplingConfig(temperature=1.0)

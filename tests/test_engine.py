@@ -29,9 +29,9 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec import goodput as goodput_module
-from verispec.adaptive import RoundStats
-from verispec.goodput import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE
+from verispec.policy import goodput as goodput_module
+from verispec.policy.base import RoundStats
+from verispec.policy.goodput import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE
 from verispec.errors import ConfigError, TokenOutOfRangeError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -11,16 +11,16 @@ import torch
 
 from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.api import wrap_model
+from verispec.text.decoder import wrap_model
 from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import attention as attention_module
-from verispec.models import matmul as matmul_module
-from verispec.models import fast_llama as fast_llama_module
-from verispec.models import fast_llama_session
-from verispec.models.fast_llama import FastLlamaLM, supports
+from verispec.models.fast_llama import matmul as matmul_module
+from verispec.models.fast_llama import model as fast_llama_module
+from verispec.models.fast_llama import session as fast_llama_session
+from verispec.models.fast_llama.model import FastLlamaLM, supports
 from verispec.models.fixtures import MarkovLM
-from verispec.models.matmul import onednn_available, resolve_matmul
-from verispec.models.transformers import TransformersLM
+from verispec.models.fast_llama.matmul import onednn_available, resolve_matmul
+from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -617,7 +617,7 @@ def test_a_windowed_model_takes_the_transformers_path(model_type, window):
 # row counts, then one row again; oneDNN's verbose mode prints a line per primitive compiled
 CACHE_SCRIPT = """
 import sys, torch
-from verispec.models.matmul import linear_kernel
+from verispec.models.fast_llama.matmul import linear_kernel
 kernel = linear_kernel("onednn")
 weight = kernel.prepare(torch.randn(512, 512))
 for rows in [1, *range(2, 2 + int(sys.argv[1])), 1]:

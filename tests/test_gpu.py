@@ -29,16 +29,16 @@ from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.bench import BenchSettings, run_bench
+from verispec.bench.run import BenchSettings, run_bench
 from verispec.cli import main
-from verispec.demo import heldout_prompts
+from verispec.text.demo import heldout_prompts
 from verispec.errors import IncompatibleModelsError, ShapeError
-from verispec.models.fast_llama import FastLlamaLM
-from verispec.models.transformers import TransformersLM
+from verispec.models.fast_llama.model import FastLlamaLM
+from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
-from verispec.verify import verify, verify_with_randomness
+from verispec.spec.rejection import verify, verify_with_randomness
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -35,7 +35,7 @@ from verispec import (
     cli,
     to_probs,
 )
-from verispec.demo import demo_pair, heldout_prompts
+from verispec.text.demo import demo_pair, heldout_prompts
 from verispec.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -43,8 +43,8 @@ from verispec.errors import (
     ModelLoadError,
     UnsupportedFeatureError,
 )
-from verispec.gguf_export import export_gguf, save_gguf
-from verispec.models.llama_cpp import LlamaCppConfig, LlamaCppLM, LlamaCppModel
+from verispec.models.gguf_export import export_gguf, save_gguf
+from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from verispec.proposers.draft_model import DraftModelProposer
 
 PROMPT = [3, 17, 5]

@@ -8,7 +8,7 @@ G-test (helpers_stats.g_test: probability-0 cells must stay empty, cells with ex
 pooled). A case passes at p > ALPHA.
 
 The harness is shown to have teeth: the same engine, sample size and G-test with the acceptance
-rule swapped (monkeypatched into verispec.engine.verify_rows) for three classic mistakes is rejected
+rule swapped (monkeypatched into verispec.engine.verification.verify_rows) for three classic mistakes is rejected
 at p < 1e-6, while the same injected code with the correct rule passes.
 
 Deep positions. The engine never drafts past max_new_tokens (k = min(k, remaining - 1)), so a run
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-import verispec.batch_verify
-import verispec.engine
+import verispec.engine.verification
+import verispec.engine.decoder
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 from verispec import (
     FixedDistributionLM,
@@ -40,8 +40,8 @@ from verispec import (
     make_generator,
 )
 from verispec.config import VERIFICATION_RULES
-from verispec.sampling import sample_with_uniform
-from verispec.verify import PAD_TOKEN, VerifyResult, point_mass, residual_probs
+from verispec.spec.sampling import sample_with_uniform
+from verispec.spec.rejection import PAD_TOKEN, VerifyResult, point_mass, residual_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -292,7 +292,7 @@ def _target(draft_row, target_row):
 
 
 def _rule_verify(accept, recover):
-    """A verify() with the same signature and random-number order as verispec.verify.verify,
+    """A verify() with the same signature and random-number order as verispec.spec.rejection.verify,
     whose acceptance test and post-rejection distribution are ``accept`` and ``recover``.
 
     Shapes as in verify: draft_tokens [B, K], draft_probs [B, K, V] | None,
@@ -354,8 +354,8 @@ def inject_verify(monkeypatch, verify_fn) -> None:
                 num_accepted[b], output_tokens[b] = n, tokens
         return num_accepted, output_tokens
 
-    assert hasattr(verispec.batch_verify, "verify_rows")  # the name the engine really calls
-    monkeypatch.setattr(verispec.batch_verify, "verify_rows", injected_verify_rows)
+    assert hasattr(verispec.engine.verification, "verify_rows")  # the name the engine really calls
+    monkeypatch.setattr(verispec.engine.verification, "verify_rows", injected_verify_rows)
 
 
 CONTROL_PAIR = "reversed"

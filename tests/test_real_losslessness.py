@@ -7,7 +7,7 @@ over a 24-token vocabulary, on the CPU and (marked gpu) on CUDA. One batched gen
 NUM_SAMPLES identical prompts (the adapter runs all rows in one forward per step) gives
 NUM_SAMPLES i.i.d. draws of (x1, x2); the
 exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the target alone
-with verispec.sampling.to_probs and the same SamplingConfig, and compared with a pooled G-test
+with verispec.spec.sampling.to_probs and the same SamplingConfig, and compared with a pooled G-test
 (tests/helpers_stats.py). A negative control swaps in a verification that accepts every draft
 token; the same harness must reject it.
 
@@ -29,7 +29,7 @@ from helpers_stats import g_test, pair_counts
 from test_losslessness import inject_verify
 from tiny_models import layer_dropped_draft, untied_llama
 
-import verispec.verify_block
+import verispec.spec.block
 from verispec import (
     GenerationConfig,
     SamplingConfig,
@@ -37,8 +37,8 @@ from verispec import (
     make_generator,
     to_probs,
 )
-from verispec.models.transformers import TransformersLM
-from verispec.verify import verify
+from verispec.models.hf.adapter import TransformersLM
+from verispec.spec.rejection import verify
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
 
@@ -184,7 +184,7 @@ def test_negative_control_block_rule_stopping_at_the_first_failure_is_detected(
     sampling, k = SamplingConfig(temperature=1.0), 4
     target, _ = models
     law = exact_first_two_law(target, sampling)
-    monkeypatch.setattr(verispec.verify_block, "_last_pass", first_failure_stop)
+    monkeypatch.setattr(verispec.spec.block, "_last_pass", first_failure_stop)
     tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=98)
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
     print(f"block control: {result}, acceptance rate {acceptance_rate:.3f}")

@@ -24,7 +24,7 @@ from test_server import ServerThread
 
 import verispec
 from verispec import cli
-from verispec.chat import ChatTemplateMissing
+from verispec.text.chat import ChatTemplateMissing
 from verispec.errors import ModelLoadError
 from verispec.models import packaged
 from verispec.models.packaged import (

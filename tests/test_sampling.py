@@ -19,7 +19,7 @@ from verispec import (
     sample,
     to_probs,
 )
-from verispec.sampling import (
+from verispec.spec.sampling import (
     sample_from_logits,
     sample_from_logprobs,
     sample_with_host_uniforms,

@@ -1,7 +1,7 @@
 """Seed invariance: a seeded sampled request's text is a function of (model, prompt, seed,
 sampling settings) alone.
 
-The claim (verispec.seeded): each token of a seeded sampled row is the target's own sample at
+The claim (verispec.spec.seeded): each token of a seeded sampled row is the target's own sample at
 its absolute position, an exponential race on clocks keyed by (seed, lane, position); a draft
 token is kept while it equals the target's race winner. So on the demo pair, on the fast path
 and the transformers backend, at T in {0.7, 1.0}, with top-p 0.9 and under a JSON schema, the
@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import verispec
-import verispec.seeded
+import verispec.spec.seeded
 from verispec import (
     GenerationConfig,
     GoodputPolicyConfig,
@@ -56,7 +56,7 @@ from verispec import (
 )
 from verispec import cli
 from verispec.config import named_policy
-from verispec.demo import heldout_prompts
+from verispec.text.demo import heldout_prompts
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
@@ -388,8 +388,8 @@ def test_keyed_rows_have_the_target_law(k, sampling):
 def test_the_law_test_rejects_clocks_reused_across_positions(monkeypatch):
     """Negative control: every position keyed as position 0 (the same clocks each time). The
     tokens stay samples of their own distributions one by one, but no longer independent."""
-    original = verispec.seeded.position_key
-    monkeypatch.setattr(verispec.seeded, "position_key",
+    original = verispec.spec.seeded.position_key
+    monkeypatch.setattr(verispec.spec.seeded, "position_key",
                         lambda key, position: original(key, 0))
     sampling = SamplingConfig(temperature=1.0)
     tokens, _ = _keyed_tokens(1, sampling, num_samples=1_000)

@@ -23,10 +23,10 @@ import uvicorn
 
 import verispec
 from verispec import cli
-from verispec.chat import ChatTemplateMissing
+from verispec.text.chat import ChatTemplateMissing
 from verispec.config import default_num_draft_tokens
 from verispec.errors import ConfigError
-from verispec.models.matmul import resolve_matmul
+from verispec.models.fast_llama.matmul import resolve_matmul
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
 from verispec.server.http import VerispecServer, uvicorn_config

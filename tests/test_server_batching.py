@@ -26,7 +26,7 @@ import verispec
 from verispec.server import ServerSettings, create_app
 from verispec.server import worker as worker_module
 from verispec.server.worker import Event, GenerationWorker, Job
-from verispec.text_stream import Completion
+from verispec.text.stream import Completion
 
 from test_server import (  # noqa: F401 (model_dirs: a fixture)
     ServerThread,

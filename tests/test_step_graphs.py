@@ -17,8 +17,8 @@ from test_fast_llama import (  # noqa: F401 (draft, target: its module fixtures)
 
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.errors import ConfigError
-from verispec.models.fast_llama import FastLlamaLM
-from verispec.models.step_graphs import MIN_KEYS, bucket_keys, bucket_rows
+from verispec.models.fast_llama.model import FastLlamaLM
+from verispec.models.fast_llama.step_graphs import MIN_KEYS, bucket_keys, bucket_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -115,7 +115,7 @@ def test_an_unknown_step_graphs_mode_names_the_choices(target):
 
 
 def test_the_least_recently_used_steps_go_beyond_the_bound(target, monkeypatch):
-    from verispec.models import step_graphs
+    from verispec.models.fast_llama import step_graphs
 
     monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 3)
     lm = FastLlamaLM(target, step_graphs="static")

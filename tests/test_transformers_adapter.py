@@ -45,12 +45,12 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
 )
-from verispec.api import Decoder
-from verispec.demo import DemoAssetsMissingError, demo_pair, heldout_prompts
+from verispec.text.decoder import Decoder
+from verispec.text.demo import DemoAssetsMissingError, demo_pair, heldout_prompts
 from verispec.models.base import TargetScorer
-from verispec.models.transformers import TransformersLM, output_width
+from verispec.models.hf.adapter import TransformersLM, output_width
 from verispec.proposers.draft_model import DraftModelProposer
-from verispec.sampling import make_generator, to_probs
+from verispec.spec.sampling import make_generator, to_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -36,8 +36,8 @@ from verispec import (
     verify_greedy_tokens,
 )
 from verispec.config import SamplingConfig
-from verispec.diagnostics import expected_acceptance
-from verispec.verify import (
+from verispec.spec.theory import expected_acceptance
+from verispec.spec.rejection import (
     PAD_TOKEN,
     acceptance_probs,
     point_mass,
@@ -45,7 +45,7 @@ from verispec.verify import (
     verify_rows,
     verify_with_randomness,
 )
-from verispec.verify_checks import check_stop_token_ids
+from verispec.spec.checks import check_stop_token_ids
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -374,7 +374,7 @@ def verify_path(request, monkeypatch):
     """Each implementation behind verify_with_randomness and verify_rows: host decisions for
     small batches, tensor ops for large ones (batches here have 1 to 5 rows; a limit of 0 sends
     them all to tensors)."""
-    monkeypatch.setattr(importlib.import_module("verispec.verify"), "HOST_ROWS_MAX_BATCH",
+    monkeypatch.setattr(importlib.import_module("verispec.spec.rejection"), "HOST_ROWS_MAX_BATCH",
                         request.param)
 
 

@@ -29,10 +29,10 @@ from verispec import (
     TokenOutOfRangeError,
     make_generator,
 )
-from verispec import verify_block
+from verispec.spec import block as verify_block
 from verispec.errors import UnsupportedFeatureError
-from verispec.verify import PAD_TOKEN
-from verispec.verify_block import block_weights, verify_block_rows, verify_block_with_randomness
+from verispec.spec.rejection import PAD_TOKEN
+from verispec.spec.block import block_weights, verify_block_rows, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -11,9 +11,9 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-from .adaptive import AdaptivePolicyConfig, ThresholdPolicyConfig
+from .policy.base import AdaptivePolicyConfig, ThresholdPolicyConfig
 from .errors import ConfigError, InputError
-from .goodput import GoodputPolicyConfig
+from .policy.goodput import GoodputPolicyConfig
 
 MAX_NUM_DRAFT_TOKENS = 32
 # The depth a loaded decoder uses when none is given, by the device type its target runs on. On

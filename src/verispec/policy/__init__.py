@@ -1,0 +1,1 @@
+"""How deep to draft: the depth policies and their registry; never changes the output law."""

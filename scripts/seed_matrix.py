@@ -22,7 +22,7 @@ from collections import deque
 
 import verispec
 from verispec.bench.run import environment
-from verispec.config import named_policy
+from verispec.policy import named_policy
 from verispec.text.demo import heldout_prompts
 
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "point", "schema": {

@@ -275,7 +275,7 @@ def test_verify_shape_mismatches(target_shape, draft_shape, fragment):
 
 
 def test_named_policies():
-    from verispec.config import named_policy
+    from verispec.policy import named_policy
 
     assert named_policy(None) is None
     assert named_policy("goodput") == GoodputPolicyConfig()

@@ -55,7 +55,7 @@ from verispec import (
     make_generator,
 )
 from verispec import cli
-from verispec.config import named_policy
+from verispec.policy import named_policy
 from verispec.text.demo import heldout_prompts
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law

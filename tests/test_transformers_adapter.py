@@ -47,7 +47,7 @@ from verispec import (
 )
 from verispec.text.decoder import Decoder
 from verispec.text.demo import DemoAssetsMissingError, demo_pair, heldout_prompts
-from verispec.models.base import TargetScorer
+from verispec.engine.target import TargetScorer
 from verispec.models.hf.adapter import TransformersLM, output_width
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.spec.sampling import make_generator, to_probs

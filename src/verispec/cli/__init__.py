@@ -13,8 +13,11 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ..config import POLICY_NAMES, VERIFICATION_RULES, named_policy
+from ..config import VERIFICATION_RULES
+from ..policy import POLICY_NAMES, named_policy
 from ..errors import VerispecError
+from .bench import add_bench_parser
+from .options import _add_model_options, _int, llama_cpp_config
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
@@ -25,49 +28,6 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"verispec: error: {message} (see {self.prog} --help)\n")
-
-
-def _int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    return value
-
-
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    models = parser.add_argument_group("models")
-    models.add_argument("--target", metavar="PATH", help="target model directory or .gguf file "
-                        "(default: the shipped demo target)")
-    models.add_argument("--draft", metavar="PATH", help="draft model directory or .gguf file "
-                        "(default: the shipped demo draft when --target is not given)")
-    models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="model dtype (default: float32)")
-    models.add_argument("--backend", default="auto",
-                        choices=["auto", "fast", "transformers", "llama.cpp"],
-                        help="forward implementation: 'llama.cpp' runs .gguf files on llama.cpp "
-                        "(the llamacpp extra), 'fast' is a flat Llama forward, 'transformers' "
-                        "the model's own; auto = llama.cpp for .gguf files when installed, "
-                        "else fast where supported")
-    models.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                        help="on a CUDA device, run decoding steps eagerly instead of replaying "
-                        "them as captured CUDA graphs")
-    models.add_argument("--threads", type=_int, default=None, metavar="N",
-                        help="llama.cpp backend: decoding threads (default: one per core)")
-    models.add_argument("--context-size", type=_int, default=None, metavar="N",
-                        help="llama.cpp backend: KV-cache tokens per sequence (default: the "
-                        "model's trained context, at most 4096)")
-    models.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                        help="what chat renders messages with: chatml, gemma, plain or a Jinja "
-                        "file (default: the model's own template)")
-
-
-def llama_cpp_config(args: argparse.Namespace):
-    """The LlamaCppConfig of --threads and --context-size."""
-    from ..models.llama_cpp.model import LlamaCppConfig
-
-    return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size)
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -161,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quantization", default="F32", choices=["F32", "Q8_0"],
                         help="tensor type of the matrices (default: F32, exact)")
     export.set_defaults(handler=_export_gguf)
-    from .bench import add_bench_parser  # the bench command's own module
-
     add_bench_parser(commands, _add_model_options)
     from ..server.settings import add_settings_arguments  # dataclasses only; no FastAPI import
 

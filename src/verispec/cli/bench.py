@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..config import BENCH_RULES, MAX_NUM_DRAFT_TOKENS, SamplingConfig, check_text
 from ..errors import ConfigError, UnsupportedFeatureError
+from .options import llama_cpp_config
 
 if TYPE_CHECKING:  # the measuring side pulls in torch and transformers: imported when run
     from ..bench.run import MethodResult
@@ -163,7 +164,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     from ..text.load import load
     from ..bench.run import BenchSettings, environment, run_bench, to_json
-    from . import llama_cpp_config
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -49,7 +49,8 @@ from ..config import GenerationConfig
 from .constraints import ConstraintSet
 from ..errors import EmptyPromptError, InputError, TokenOutOfRangeError
 from .metrics import MetricsRecorder
-from ..models.base import CapturesSteps, LanguageModel, TargetScorer
+from ..models.base import CapturesSteps, LanguageModel
+from .target import TargetScorer
 from ..proposers.base import DraftPlan, Proposer
 from .rows import Row
 from ..spec.checks import check_stop_token_ids

@@ -1,7 +1,7 @@
 """Adaptive speculation depth: small policy objects the engine asks for k between rounds.
 
 This module is the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig) and the simpler
-of the two policies; config.named_policy builds either by name:
+of the two policies; policy.named_policy builds either by name:
   * threshold (here): grow k by one when the recent acceptance rate is above ``grow_above``,
     shrink it when below ``shrink_below``, always within [min, max] (a common heuristic, e.g.
     the "heuristic" schedule of Hugging Face assisted generation).

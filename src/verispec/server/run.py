@@ -11,7 +11,7 @@ import socket
 from dataclasses import replace
 
 from ..policy.base import AdaptivePolicyConfig
-from ..config import named_policy
+from ..policy import named_policy
 from ..errors import ConfigError, UnsupportedFeatureError
 from .settings import ServerSettings
 

@@ -14,7 +14,7 @@ What this is not: the round (batch.py) or tokenisation and checks (api.Decoder).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from ..engine.batch import Batch, check_prompts
 from ..engine.prefill import ChunkedPrefill
@@ -22,10 +22,8 @@ from ..engine.constraints import ConstraintSet
 from ..errors import ConfigError
 from ..engine.rows import Row
 from ..spec.sampling import make_generator
+from .inputs import PreparedRow, RowPreparer
 from .stream import Completion, RowText, row_end_token_ids
-
-if TYPE_CHECKING:  # api imports this module
-    from .decoder import Decoder, PreparedRow
 
 
 class TextRow:
@@ -70,7 +68,7 @@ class TextBatch:
     """Rows of text decoded together; rows join (:meth:`add`) and leave (:meth:`remove`, or
     when complete) between rounds. Not thread-safe: one thread calls add, step and remove."""
 
-    def __init__(self, decoder: Decoder, batch: Batch) -> None:
+    def __init__(self, decoder: RowPreparer, batch: Batch) -> None:
         self.decoder = decoder
         self.batch = batch
         self._rows: dict[int, TextRow] = {}  # engine row id -> its text row

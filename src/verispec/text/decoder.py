@@ -12,7 +12,6 @@ strings and incremental detokenisation: text_stream.py); the engine below it see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -44,18 +43,10 @@ from ..proposers.suffix import SuffixDraft
 from .chat import (ChatTemplate, check_messages, chat_template_for, end_of_turn_ids,
                    require_chat_template, special_token_text)
 from .batch import BatchStream, TextBatch, is_batch, row_settings
+from .inputs import PreparedRow
 from .stream import Completion, TextStream, check_stop
 
 
-@dataclass(frozen=True)
-class PreparedRow:
-    """One prompt ready for the engine (Decoder.prepare): token ids, config, stop strings,
-    grammar (None: unconstrained)."""
-
-    prompt_ids: list[int]
-    config: GenerationConfig
-    stop: tuple[str, ...]
-    constraints: ConstraintSet | None
 LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
 BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 

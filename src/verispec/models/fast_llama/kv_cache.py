@@ -10,12 +10,10 @@ long row grows every slot (FastLlamaSession._room caps that at the model's conte
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .model import FastLlamaLM
+from .protocol import FastLlama
 
 
 class KVCache:
@@ -26,7 +24,7 @@ class KVCache:
     both dimensions grow by doubling. Positions past a row's length hold stale values, which
     every pass masks or overwrites (FastLlamaLM.forward)."""
 
-    def __init__(self, lm: FastLlamaLM, num_rows: int, capacity: int) -> None:
+    def __init__(self, lm: FastLlama, num_rows: int, capacity: int) -> None:
         self._head_shape = (lm.num_kv_heads, lm.head_dim)  # Hkv, D
         self._dtype, self._device = lm.dtype, lm.device
         self._num_layers = len(lm.layers)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ...errors import ConfigError
-from ..attention import SEGMENT_CALL_BYTES, attend, attend_segments
+from ..attention import SEGMENT_CALL_BYTES, _attention_mask, attend, attend_segments
 from .session import FastLlamaSession
 from .kv_cache import KVCache
 from ..hf.masks import FULL, mask_plan
@@ -252,29 +252,6 @@ class FastLlamaLM:
         gate_up = self.linear(x, w.gate_up, w.gate_up_bias)  # [B, n, 2 I], one matmul
         gate, up = gate_up[..., : w.gate_width], gate_up[..., w.gate_width :]
         return hidden + self.linear(F.silu(gate) * up, w.down, w.down_bias)
-
-
-def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, used: int,
-                    dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Which cached keys each new token may attend to, as an additive mask (0 = visible, -inf =
-    hidden), or None for all.
-
-    Uniform rows: token i sits at start + i and sees keys 0 .. start + i, a causal band
-    [1, 1, n, used]; a single token sees every key (None). Ragged rows: [B, 1, n, used] from the
-    positions, so no row sees its stale tail or past its own position. Additive and in the
-    queries' dtype because scaled_dot_product_attention turns a boolean mask into exactly this
-    (where(mask, 0, -inf)) in every layer; made here, it is made once a pass, and the attention
-    is bit for bit the same. Those per-layer conversions were a third of what a 2-token pass
-    cost over a 1-token one.
-    """
-    if positions is None:
-        if num_new == 1:
-            return None
-        hidden = torch.full((num_new, used), float("-inf"), dtype=dtype, device=device)
-        return hidden.triu_(start + 1)[None, None]
-    visible = torch.arange(used, device=device)[None, None, :] <= positions[:, :, None]
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
-        ~visible, float("-inf"))[:, None]
 
 
 class _LayerWeights:

@@ -25,16 +25,14 @@ summation order of the matmuls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..attention import attention_kernels
-
-if TYPE_CHECKING:
-    from .model import FastLlamaLM
-    from .kv_cache import KVCache
+from ..attention import _attention_mask, attention_kernels
+from .kv_cache import KVCache
+from .protocol import FastLlama
 
 
 class PackedRows(NamedTuple):
@@ -53,7 +51,7 @@ class PackedRows(NamedTuple):
     used: int
 
 
-def pack_rows(lm: FastLlamaLM, starts: Sequence[int], rows: Sequence[Sequence[int]]
+def pack_rows(lm: FastLlama, starts: Sequence[int], rows: Sequence[Sequence[int]]
               ) -> PackedRows | None:
     """rows[b] to go to cache row b at positions starts[b] .., laid end to end; rows with
     nothing to feed are left out (None when no row has anything).
@@ -63,7 +61,6 @@ def pack_rows(lm: FastLlamaLM, starts: Sequence[int], rows: Sequence[Sequence[in
     against its keys 0 .. 6 (a causal band from position 5), row 2's one query against keys
     0 .. 9.
     """
-    from .model import _attention_mask  # the padded forward's causal band, reused
 
     segments = [(row, start, len(ids)) for row, (start, ids) in enumerate(zip(starts, rows))
                 if ids]
@@ -82,7 +79,7 @@ def pack_rows(lm: FastLlamaLM, starts: Sequence[int], rows: Sequence[Sequence[in
     return PackedRows(tokens, positions, cache_rows, segments, masks, used)
 
 
-def embed_packed(lm: FastLlamaLM, packed: PackedRows
+def embed_packed(lm: FastLlama, packed: PackedRows
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed tokens' hidden states [1, N, E] and their cos, signed sin [1, N, 1, D]."""
     hidden = F.embedding(packed.tokens, lm.embed_weight)
@@ -99,7 +96,7 @@ def write_packed(packed: PackedRows, key: torch.Tensor, value: torch.Tensor,
     values[packed.cache_rows, :, packed.positions] = value
 
 
-def write_and_attend(lm: FastLlamaLM, packed: PackedRows, query: torch.Tensor,
+def write_and_attend(lm: FastLlama, packed: PackedRows, query: torch.Tensor,
                      key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor) -> torch.Tensor:
     """One layer's attention for the packed tokens: their keys and values written to their
@@ -110,7 +107,7 @@ def write_and_attend(lm: FastLlamaLM, packed: PackedRows, query: torch.Tensor,
                           packed.masks)
 
 
-def feed_packed(lm: FastLlamaLM, cache: KVCache, starts: Sequence[int],
+def feed_packed(lm: FastLlama, cache: KVCache, starts: Sequence[int],
                 rows: Sequence[Sequence[int]]) -> None:
     """Append rows[b] to cache row b at positions starts[b] .., all rows in one pass, no logits
     (:func:`pack_rows`' worked example); rows with nothing to feed are skipped. The cache must
@@ -134,7 +131,7 @@ def feed_packed(lm: FastLlamaLM, cache: KVCache, starts: Sequence[int],
             hidden = lm.finish_layer(w, hidden, out)  # out [1, N, H D]
 
 
-def _attend_by_row(lm: FastLlamaLM, query: torch.Tensor, keys: torch.Tensor,
+def _attend_by_row(lm: FastLlama, query: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, segments: list[tuple[int, int, int]],
                    masks: list[torch.Tensor | None]) -> torch.Tensor:
     """Each segment's queries against its own cache row. query [H, N, D]; keys, values

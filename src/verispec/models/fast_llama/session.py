@@ -14,7 +14,6 @@ What it is not: the forward pass itself (models/fast_llama.py), the cache's stor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +22,7 @@ from ..attention import attention_kernels, segments_by_length
 from ..base import as_ints, check_logits_at, feed_rows
 from .kv_cache import KVCache
 from .packed import feed_packed, pack_rows
-
-if TYPE_CHECKING:
-    from .model import FastLlamaLM
+from .protocol import FastLlama
 
 
 class FastLlamaSession:
@@ -35,7 +32,7 @@ class FastLlamaSession:
     batch 1) selects the uniform path of :meth:`FastLlamaLM.forward` without a device sync.
     """
 
-    def __init__(self, lm: FastLlamaLM, cache: KVCache | None = None) -> None:
+    def __init__(self, lm: FastLlama, cache: KVCache | None = None) -> None:
         self.lm = lm
         self.cache = cache if cache is not None else KVCache(lm, 0, 0)
         self.lengths: list[int] = []  # tokens held per row (a riding join's: its prompt's)

@@ -32,15 +32,13 @@ import gc
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention import attention_kernels
 from .kv_cache import KVCache
+from .protocol import FastLlama
 
-if TYPE_CHECKING:
-    from .model import FastLlamaLM
 
 # the fewest keys a step attends to: shorter caches share one graph per (rows, tokens)
 MIN_KEYS = 128
@@ -103,7 +101,7 @@ class StepGraphs:
     """A model's decoding steps at static shapes, keyed by (cache layout, rotary table, R, n,
     P); captured as CUDA graphs when ``capture``. See the module docstring."""
 
-    def __init__(self, lm: FastLlamaLM, capture: bool) -> None:
+    def __init__(self, lm: FastLlama, capture: bool) -> None:
         self.lm = lm
         self.capture = capture
         self._steps: OrderedDict[tuple, _Step] = OrderedDict()

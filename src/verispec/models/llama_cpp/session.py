@@ -20,16 +20,13 @@ What it is not: loading, the context's lifetime or the llama.cpp bindings
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ...errors import ConfigError, ContextLengthExceeded, ShapeError
 from ..base import as_ints, feed_rows, logits_columns
-
-if TYPE_CHECKING:
-    from .model import LlamaCppLM, _Context
+from .protocol import Context, LlamaCpp
 
 MAX_ROWS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context holds
 
@@ -44,14 +41,14 @@ class LlamaCppSession:
     on the host for that; it happens log2(batch size) times at most).
     """
 
-    def __init__(self, lm: LlamaCppLM) -> None:
+    def __init__(self, lm: LlamaCpp) -> None:
         self.lm = lm
         self.lengths: list[int] = []  # tokens fed per row (positions 0 .. length - 1)
         self.seq_ids: list[int] = []  # each row's sequence id in the context
         self._histories: list[list[int]] = []  # each row's fed tokens, to re-prefill on growth
         # per row, whether its tokens (a joining prompt) ride the next extend, not yet decoded
         self._riding: list[bool] = []
-        self._context: _Context | None = None
+        self._context: Context | None = None
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         self._reset()

@@ -15,7 +15,7 @@ been seen once (a cold 64-token generation of the demo pair: 16 ms per token ins
 Memory-efficient attention has no per-shape planning, and it is the one kernel used for every
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
 (k + 1)-token verification passes, and two kernels round bf16 differently, which broke greedy
-equality between plain and speculative decoding on the GPU (tests/test_gpu.py). The math kernel
+equality between plain and speculative decoding on the GPU (tests/models/test_gpu.py). The math kernel
 stays as the fallback for what the efficient kernel does not take (on some torch versions,
 grouped-query heads: still exact, slower on long contexts).
 

@@ -5,7 +5,7 @@ Accelerates Speculative Decoding" (ICLR 2025), Algorithm 2. Token-wise verificat
 stops at the first draft token that fails its own test. Block verification carries a weight, the
 running target/draft ratio of the prefix clamped at 1, so a token the target under-weights can be
 kept when later tokens make up for it. The output has exactly the target's law (checked by exact
-enumeration in tests/test_verify_block.py), and for the same draft it keeps at least as many
+enumeration in tests/spec/test_verify_block.py), and for the same draft it keeps at least as many
 tokens in expectation as token-wise verification. With X_1..X_k the draft tokens, q_i =
 draft_probs[:, i-1] and p_i = target_probs[:, i-1] (the paper's M_s and M_b after X_<i):
 

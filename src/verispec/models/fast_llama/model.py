@@ -18,7 +18,7 @@ size, which is what bounds a small draft's step.
 torch.compile was measured and does not pay here: the demo draft's step went 0.89 -> 0.74 ms
 after a 12 s compile per shape, with logits that differ from the eager ones by ~3e-6.
 
-It is a fast path with a reference: tests/test_fast_llama.py checks its logits against the
+It is a fast path with a reference: tests/models/test_fast_llama.py checks its logits against the
 transformers forward and its greedy output against ``generate()``. ``supports()`` admits only
 configurations whose math this function reproduces (default RoPE via the model's own rotary
 module, SiLU MLP, biases where the model has them, no sliding window); anything else uses the

@@ -13,7 +13,7 @@ masked out and overwritten by the next write. The prompt is prefilled once; each
 one forward pass over the new tokens; nothing re-runs the full context.
 
 After any propose / verify / rewind sequence the next logits equal a fresh forward over the same
-tokens (tests/test_transformers_adapter.py checks it; tests/test_architectures.py on every
+tokens (tests/models/test_transformers_adapter.py checks it; tests/models/test_architectures.py on every
 architecture accepted). A model verispec cannot run exactly is refused when it is wrapped
 (UnsupportedModelError): transformers marks it stateful (recurrent, state-space, hybrid), its
 config lists non-attention layers, or a load-time check of prefill, extend and rewind on two

@@ -120,7 +120,7 @@ def test_bench_rejects_bad_arguments_before_loading_in_one_line(case, tmp_path, 
 def test_target_gap_script_measures_every_pattern(tmp_path, capsys):
     # benchmarks/target_gap.py on the shipped pair, shortened: every pattern is timed, the
     # ratios are relative to the one-token pass, and the JSON holds what was printed.
-    script = Path(__file__).parent.parent / "benchmarks" / "target_gap.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "target_gap.py"
     main = runpy.run_path(str(script))["main"]
     out = tmp_path / "gap.json"
     threads = torch.get_num_threads()
@@ -160,7 +160,7 @@ def test_load_time_split_times_a_real_servers_passes(tmp_path, capsys):
     # the target's passes carrying a joining prompt (one per request: it rides the request's
     # first pass) and its 1-token steps are timed, the shares of the wall time (with
     # "outside") add up to one, and the environment the servers inherited is restored.
-    script = Path(__file__).parent.parent / "benchmarks" / "load_time_split.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "load_time_split.py"
     main = runpy.run_path(str(script))["main"]
     before = {name: os.environ.get(name) for name in ("PYTHONPATH", "VERISPEC_TIME_SPLIT")}
     assert main(["--clients", "1", "--requests-per-client", "2", "--min-requests", "2",
@@ -179,7 +179,7 @@ def test_batching_library_script_times_batched_generate(tmp_path, capsys):
     # benchmarks/batching_library.py on the shipped pair, shortened: every mode at every batch
     # size, plain never drafts and k = 2 does, and each greedy row equals its prompt alone (the
     # fast path's guarantee on a CPU, so the share is exactly 1 here)
-    main = runpy.run_path(str(Path(__file__).parent.parent / "benchmarks"
+    main = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks"
                               / "batching_library.py"))["main"]
     assert main(["--batch-sizes", "1,3", "--max-tokens", "6", "--repeats", "1", "--fixed-k",
                  "2", "--out-dir", str(tmp_path)]) == 0
@@ -198,7 +198,7 @@ def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
     # client count, each level completes all its requests, the ratios are within the run, and
     # the JSON holds the rows printed. The load benchmark's clients send different prompts at
     # any moment (batching_load.client_prompt).
-    script_dir = Path(__file__).parent.parent / "benchmarks"
+    script_dir = Path(__file__).parents[2] / "benchmarks"
     client_prompt = runpy.run_path(str(script_dir / "batching_load.py"))["client_prompt"]
     for request in range(8):
         assert len({client_prompt(client, request, 16) for client in range(16)}) == 16

@@ -280,7 +280,7 @@ def test_cuda_graph_steps_times_each_step_eager_and_graphed(tmp_path):
     # graphed one, and both give every row the same greedy token
     import runpy
     from pathlib import Path
-    script = Path(__file__).parent.parent / "benchmarks" / "cuda_graph_steps.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "cuda_graph_steps.py"
     main = runpy.run_path(str(script))["main"]
     assert main(["--repeats", "5", "--out-dir", str(tmp_path)]) == 0
     cases = json.loads((tmp_path / "cuda_graph_steps.json").read_text())["cases"]

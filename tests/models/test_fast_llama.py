@@ -46,7 +46,7 @@ def check_logits_after_random_extend_and_rewind(model, session, vocab_size: int,
                                                prompts: list[list[int]] | None = None) -> None:
     """Random extends and rewinds of ``session`` on ragged rows (``prompts``, by default three);
     after each extend every row's last logits must equal a fresh forward of ``model`` over that
-    row's history (on the model's device). Shared with tests/test_gpu.py."""
+    row's history (on the model's device). Shared with tests/models/test_gpu.py."""
     generator = torch.Generator().manual_seed(0)
     prompts = prompts or [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
     num_rows = len(prompts)

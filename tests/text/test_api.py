@@ -1,7 +1,7 @@
 """verispec.load / Decoder end to end on tiny saved models: completions, streaming, errors.
 
 Two kinds of model directories, built once per module:
-  * a random-init Llama target and its 1-layer draft (tests/tiny_models.py), for the generic
+  * a random-init Llama target and its 1-layer draft (tests/helpers/tiny_models.py), for the generic
     paths (metrics, overrides, seeds);
   * a scripted Llama (tiny_models.scripted_llama) whose greedy continuation of "a" is
     "ü✓λa" repeated, one byte-level token per byte, so every multi-byte character is split

@@ -1,6 +1,6 @@
 """The architecture matrix: tiny random-init configs of every transformers causal LM tested.
 
-One table drives tests/test_architectures.py (what is tested) and scripts/arch_table.py (the
+One table drives tests/models/test_architectures.py (what is tested) and scripts/arch_table.py (the
 README's list of supported and refused architectures), so the README cannot list an architecture
 the tests do not run.
 

@@ -1,6 +1,6 @@
 """Exact on every architecture verispec accepts; refused at load for those it cannot run exactly.
 
-The matrix (tests/arch_specs.py): tiny random-init targets of the transformers causal LMs with a
+The matrix (tests/helpers/arch_specs.py): tiny random-init targets of the transformers causal LMs with a
 simple config, each with a 1-layer draft cut from it. For each one:
   * greedy: plain decoding through the engine and speculative decoding at k in {1, 3, 6}, at
     batch 3 (ragged prompts, one already past the window) and batch 1, equal transformers' own
@@ -176,7 +176,7 @@ def test_readme_lists_exactly_the_matrix():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "arch_table.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "arch_table.py"
     check = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
                            text=True)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -231,7 +231,7 @@ def test_vocabulary_mismatch_at_construction():
 
 def test_a_draft_on_another_device_is_refused_at_construction():
     target, draft = _markov(0), _markov(1)
-    draft.device = torch.device("meta")  # any device but the target's (tests/test_gpu.py: cuda)
+    draft.device = torch.device("meta")  # any device but the target's (tests/models/test_gpu.py: cuda)
     with pytest.raises(IncompatibleModelsError,
                        match="draft is on meta but the target on cpu.*same device="):
         SpeculativeDecoder.from_draft_model(target, draft)

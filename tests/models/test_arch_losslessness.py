@@ -1,6 +1,6 @@
 """Sampling losslessness where the attention is not plain causal: a window and ALiBi.
 
-The law of the first two emitted tokens (as in tests/test_real_losslessness.py: NUM_SAMPLES
+The law of the first two emitted tokens (as in tests/models/test_real_losslessness.py: NUM_SAMPLES
 batched rows, the exact law P(x1, x2) enumerated from fresh forwards of the target, a pooled
 G-test) on:
   * a Mistral target with a sliding window of WINDOW tokens whose prompt is already past the

@@ -8,7 +8,7 @@ NUM_SAMPLES identical prompts (the adapter runs all rows in one forward per step
 NUM_SAMPLES i.i.d. draws of (x1, x2); the
 exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the target alone
 with verispec.spec.sampling.to_probs and the same SamplingConfig, and compared with a pooled G-test
-(tests/helpers_stats.py). A negative control swaps in a verification that accepts every draft
+(tests/helpers/helpers_stats.py). A negative control swaps in a verification that accepts every draft
 token; the same harness must reject it.
 
 Why max_new_tokens = k + 1 and not 2: the engine never drafts past max_new_tokens (it uses

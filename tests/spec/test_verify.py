@@ -599,7 +599,7 @@ def test_shape_mismatches_raise_shape_error(draft_tokens, draft_probs, target_pr
 
 @pytest.mark.parametrize("where", ["draft_tokens", "draft_probs"])
 def test_inputs_on_two_devices_raise_shape_error(where):
-    # meta stands for any device but the target's; tests/test_gpu.py does it with cuda
+    # meta stands for any device but the target's; tests/models/test_gpu.py does it with cuda
     draft_tokens, draft_probs = torch.tensor([[0, 1]]), torch.ones(1, 2, 3) / 3
     if where == "draft_tokens":
         draft_tokens = draft_tokens.to("meta")

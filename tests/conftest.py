@@ -17,7 +17,8 @@ import pytest
 import torch
 
 for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
-    if _folder.is_dir() and not _folder.name.startswith((".", "_")) and str(_folder) not in sys.path:
+    if (_folder.is_dir() and not _folder.name.startswith((".", "_"))
+            and str(_folder) not in sys.path):
         sys.path.append(str(_folder))
 
 

@@ -8,8 +8,8 @@ G-test (helpers_stats.g_test: probability-0 cells must stay empty, cells with ex
 pooled). A case passes at p > ALPHA.
 
 The harness is shown to have teeth: the same engine, sample size and G-test with the acceptance
-rule swapped (monkeypatched into verispec.engine.verification.verify_rows) for three classic mistakes is rejected
-at p < 1e-6, while the same injected code with the correct rule passes.
+rule swapped (monkeypatched into verispec.engine.verification.verify_rows) for three classic
+mistakes is rejected at p < 1e-6, while the same injected code with the correct rule passes.
 
 Deep positions. The engine never drafts past max_new_tokens (k = min(k, remaining - 1)), so a run
 with max_new_tokens = 2 would verify at most one draft token whatever k is. Each case therefore

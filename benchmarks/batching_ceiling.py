@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from batching_load import client_prompt, machine  # noqa: E402
 
-from verispec.batch_text import TextBatch  # noqa: E402
-from verispec.demo import heldout_prompts  # noqa: E402
+from verispec.text.batch import TextBatch  # noqa: E402
+from verispec.text.demo import heldout_prompts  # noqa: E402
 from verispec.server.run import load_decoder  # noqa: E402
 from verispec.server.settings import ServerSettings  # noqa: E402
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import verispec
-from verispec.demo import heldout_prompts
+from verispec.text.demo import heldout_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

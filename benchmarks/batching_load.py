@@ -342,7 +342,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def machine() -> dict[str, object]:
     import torch
 
-    from verispec.bench import cpu_label
+    from verispec.bench.run import cpu_label
 
     return {"cpu": cpu_label(), "cores": os.cpu_count(), "torch": torch.__version__}
 

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def llama_tokens(binary: str, gguf: str, flags: tuple[int, int, list[str]],
                  prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """llama-server's greedy tokens for each prompt under (slots, threads, extra flags)."""
-    from verispec.bench_llama_server import start_llama_server
+    from verispec.bench.llama_server import start_llama_server
 
     parallel, threads, extra = flags
     running = start_llama_server(binary, gguf, None, 0, threads, 16384,

@@ -138,7 +138,7 @@ def wait_until_healthy(url: str, server: subprocess.Popen | None, timeout: float
 
 def prompts_for(args: argparse.Namespace) -> list[str]:
     if args.url is None and args.target is None:
-        from verispec.demo import heldout_prompts
+        from verispec.text.demo import heldout_prompts
 
         try:
             return heldout_prompts()[:64]

@@ -45,8 +45,8 @@ from load_test import prompts_for, start_server, wait_until_healthy  # noqa: E40
 # by (model, kind) and dumps the totals to $VERISPEC_TIME_SPLIT every 0.2 s
 HOOK = '''
 import json, os, threading, time
-import verispec.models.fast_llama as fast_llama
-import verispec.models.fast_llama_session as fast_llama_session
+import verispec.models.fast_llama.model as fast_llama
+import verispec.models.fast_llama.session as fast_llama_session
 
 _totals = {}
 _forward = fast_llama.FastLlamaLM.forward

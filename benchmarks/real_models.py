@@ -129,7 +129,7 @@ def free_port() -> int:
 def start(server: str, gguf: str, args) -> tuple[object, str]:
     """(a handle with stop(), url) of one server on gguf, healthy."""
     if server.startswith("llama"):
-        from verispec.bench_llama_server import start_llama_server
+        from verispec.bench.llama_server import start_llama_server
 
         spec = [] if server == "llama-plain" else ["--spec-type", server.removeprefix("llama-")]
         running = start_llama_server(args.llama_server, gguf, None, 0, args.threads, 8 * 2048,

@@ -44,8 +44,8 @@ import torch
 
 import verispec
 from verispec import LlamaCppConfig, NgramDraft, SamplingConfig, to_probs
-from verispec.models.llama_cpp_session import LlamaCppSession
-from verispec.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
+from verispec.models.llama_cpp.session import LlamaCppSession
+from verispec.spec.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batching_load import machine  # noqa: E402
@@ -84,7 +84,7 @@ def cases(args: argparse.Namespace) -> list[dict]:
     config = LlamaCppConfig(num_threads=args.threads)
     out = []
     if "demo" in args.model_names:
-        from verispec.demo import heldout_prompts
+        from verispec.text.demo import heldout_prompts
 
         demo = Path(args.demo_dir)
         missing = [f for f in ("target.gguf", "draft.gguf") if not (demo / f).is_file()]

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import verispec
-from verispec.bench import environment
+from verispec.bench.run import environment
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "id", "tags", "active"],

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import verispec
-from verispec.bench import environment
+from verispec.bench.run import environment
 from verispec.models.base import LMSession
 
 CONTEXT = list(range(2, 66))  # a 64-token context; the positions used by one pass are reused

@@ -1,8 +1,8 @@
 """The README's list of supported and refused architectures, generated from the test matrix.
 
-tests/arch_specs.py is the one table tests/test_architectures.py runs; this script renders it
-into README.md and docs/architectures.md between the ``<!-- architectures -->`` markers, and
-tests/test_architectures.py fails when the files and the table differ. Usage:
+tests/helpers/arch_specs.py is the one table tests/models/test_architectures.py runs; this
+script renders it into README.md and docs/architectures.md between the ``<!-- architectures -->``
+markers, and tests/models/test_architectures.py fails when the files and the table differ. Usage:
 
     python scripts/arch_table.py          # rewrite both files
     python scripts/arch_table.py --check  # exit 1 if either is out of date
@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from arch_specs import REFUSED, SUPPORTED, WINDOW  # noqa: E402
 
@@ -47,8 +47,8 @@ def wrap(text: str, indent: str = "") -> str:
 
 
 def docs_block() -> str:
-    lines = [f"Every row runs in tests/test_architectures.py (tiny random-init models; windows "
-             f"and chunks of {WINDOW} tokens, generations of {4 * WINDOW}).", "",
+    lines = ["Every row runs in tests/models/test_architectures.py (tiny random-init models; "
+             f"windows and chunks of {WINDOW} tokens, generations of {4 * WINDOW}).", "",
              "| architecture | `model_type` | what the case exercises |", "|---|---|---|"]
     lines += [f"| {a.name} | `{a.model_type}` | {a.feature} |" for a in SUPPORTED]
     lines += ["", "Refused at load (`UnsupportedModelError`, raised when the model is loaded):", "",

@@ -8,7 +8,8 @@ Counted from the source tree, no imports of verispec itself:
   import cycles           strongly connected groups of more than one module in the graph of
                           verispec's own imports, TYPE_CHECKING and function-local imports
                           included (and the same over top-level units: a module at the top,
-                          or a package taken whole)
+                          or a package taken whole; a package's __main__ is a unit of its own,
+                          an entry point that nothing imports)
   import levels           the longest chain of top-level units in that graph, cycles collapsed
   Batch attributes        distinct ``self.x`` assigned in Batch.__init__
   Batch.step lines        the method's lines, docstring and comments included
@@ -34,8 +35,12 @@ NOTEBOOK = re.compile(r"\b(EPYC|Xeon|Zen ?\d|H100|H200|A100|20\d\d-\d\d-\d\d|\d+
 
 
 def unit_of(module: str) -> str:
-    """verispec.a.b -> 'a' (the top-level unit a module belongs to)."""
+    """verispec.a.b -> 'a' (the top-level unit a module belongs to); verispec.a.__main__ ->
+    'a.__main__': ``python -m verispec.a`` is an entry point above every package, as
+    verispec.__main__ is, not a part of package a that others import."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[-1] == "__main__":
+        return ".".join(parts[1:])
     return parts[1] if len(parts) > 1 else "__init__"
 
 

@@ -1,6 +1,6 @@
 """The whole seed-invariance product, once: seeds x proposers x k x modes x backends.
 
-tests/test_seed_invariance.py covers every setting on a rotation of 100 seeds (the suite's time
+tests/engine/test_seed_invariance.py covers every setting on a rotation of 100 seeds (the suite's time
 budget); this script runs the full product on the demo pair and reports, for each (backend,
 proposer, k, mode), how many seeded texts equal seeded plain decoding token for token:
   alone     one request at a time, fixed k;
@@ -21,9 +21,9 @@ import time
 from collections import deque
 
 import verispec
-from verispec.bench import environment
-from verispec.config import named_policy
-from verispec.demo import heldout_prompts
+from verispec.bench.run import environment
+from verispec.policy import named_policy
+from verispec.text.demo import heldout_prompts
 
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "point", "schema": {
     "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},

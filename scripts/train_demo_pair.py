@@ -7,7 +7,7 @@ in each model dir, and (4) evaluates the shipped (exported) weights: held-out cr
 draft/target agreement along the target's own greedy continuations, per-token latency, samples.
 
 What this is not: part of the library. Nothing in src/verispec imports it; the package only reads
-its outputs through verispec.demo.
+its outputs through verispec.text.demo.
 
 Data split is BY FILE: the modules in HELDOUT_MODULES are never trained on; held-out loss and the
 held-out prompts come from them only. Test suites (any directory named test/tests/idle_test) and
@@ -775,11 +775,11 @@ def model_card(report: dict) -> str:
 
 Two small `LlamaForCausalLM` models sharing one tokenizer, shipped so that examples, tests and
 benchmarks of exact speculative decoding run offline. They are toys: they write plausible-looking
-Python, not correct Python. Load them with `verispec.demo.demo_pair()`:
+Python, not correct Python. Load them with `verispec.text.demo.demo_pair()`:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from verispec.demo import demo_pair
+from verispec.text.demo import demo_pair
 pair = demo_pair()
 tokenizer = AutoTokenizer.from_pretrained(pair.target)
 target = AutoModelForCausalLM.from_pretrained(pair.target, dtype="float32")

@@ -26,3 +26,51 @@ def test_cycles_and_levels_of_a_small_graph():
     groups = house["strongly_connected"](graph)
     assert sorted(map(sorted, groups)) == [["a"], ["b", "c"], ["d"]]
     assert house["levels"](graph, groups) == 3  # a -> {b, c} -> d
+
+
+# the one-way order of the top-level units: a unit imports only units of a lower rank (policy
+# beside spec; models below both engine and proposers, reached through models/base.py)
+RANKS = {"__main__": 9, "server.__main__": 9, "cli": 8, "server": 7, "bench": 7, "text": 6,
+         "engine": 5, "proposers": 4, "policy": 3, "spec": 3, "models": 2, "config": 1,
+         "errors": 0}
+TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "config.py"}
+PACKAGES = {"spec", "engine", "policy", "proposers", "models", "text", "cli", "bench", "server",
+            "assets"}
+
+
+def _graphs():
+    house = runpy.run_path(str(SCRIPT))
+    trees = {path: house["ast"].parse(path.read_text())
+             for path in sorted(house["PACKAGE"].rglob("*.py"))}
+    return house, house["unit_graph"](trees), house["module_graph"](trees)
+
+
+def test_the_tree_has_no_import_cycle_and_at_most_ten_levels():
+    house, units, modules = _graphs()
+    groups = house["strongly_connected"](units)
+    assert [g for g in groups if len(g) > 1] == []
+    assert [g for g in house["strongly_connected"](modules) if len(g) > 1] == []
+    assert house["levels"](units, groups) <= 10
+
+
+def test_imports_run_one_way():
+    _, units, modules = _graphs()
+    against = sorted((unit, target) for unit, targets in units.items() if unit != "__init__"
+                     for target in targets if RANKS[target] >= RANKS[unit])
+    assert against == []
+    # the engine and the proposers see a model only through the session protocol
+    reaching = sorted((module, target) for module, targets in modules.items()
+                      if module.split(".")[1:2] in (["engine"], ["proposers"])
+                      for target in targets
+                      if target.startswith("verispec.models") and target != "verispec.models.base")
+    assert reaching == []
+
+
+def test_the_package_top_holds_only_the_allowed_modules_and_packages():
+    package = runpy.run_path(str(SCRIPT))["PACKAGE"]
+    files = {path.name for path in package.iterdir() if path.is_file() and path.suffix == ".py"}
+    folders = {path.name for path in package.iterdir()
+               if path.is_dir() and not path.name.startswith((".", "__pycache__"))}
+    assert files == TOP_LEVEL
+    assert folders == PACKAGES
+    assert set(RANKS) - {"__main__", "server.__main__", "config", "errors"} <= PACKAGES

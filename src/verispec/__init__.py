@@ -3,9 +3,9 @@
 The public surface is re-exported here; nothing runs at import time.
 """
 
-from .adaptive import ThresholdPolicyConfig
+from .policy.base import ThresholdPolicyConfig
 from .config import GenerationConfig, SamplingConfig
-from .engine import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
+from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (
     BackendError,
     ConfigError,
@@ -22,23 +22,25 @@ from .errors import (
     UnsupportedModelError,
     VerispecError,
 )
-from .diagnostics import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
-from .goodput import GoodputPolicyConfig
-from .metrics import GenerationMetrics
+from .spec.theory import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
+from .policy.goodput import GoodputPolicyConfig
+from .engine.metrics import GenerationMetrics
 from .models import FixedDistributionLM, MarkovLM
-from .models.llama_cpp import LlamaCppConfig  # llama_cpp itself is imported when a model loads
+# llama_cpp itself is imported when a model loads
+from .models.llama_cpp.model import LlamaCppConfig
 from .proposers import (DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal,
                         SuffixDraft, SuffixProposer)
-from .sampling import greedy_tokens, make_generator, sample, to_probs
-from .verify import VerifyResult, verify, verify_rows
-from .verify_block import verify_block_rows
-from .verify_greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
+from .spec.sampling import greedy_tokens, make_generator, sample, to_probs
+from .spec.rejection import VerifyResult, verify, verify_rows
+from .spec.block import verify_block_rows
+from .spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 
 __version__ = "0.1.0"
 
 _LAZY = {  # these pull in transformers; imported on first use so `import verispec` stays light
-    "load": ("loader", "load"), "Decoder": ("api", "Decoder"), "Completion": ("api", "Completion"),
-    "demo_pair": ("demo", "demo_pair"), "ChatTemplateMissing": ("chat", "ChatTemplateMissing"),
+    "load": ("text.load", "load"), "Decoder": ("text.decoder", "Decoder"),
+    "Completion": ("text.decoder", "Completion"), "demo_pair": ("text.demo", "demo_pair"),
+    "ChatTemplateMissing": ("text.chat", "ChatTemplateMissing"),
 }
 
 

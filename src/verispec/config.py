@@ -1,4 +1,4 @@
-"""Frozen, validated configuration for sampling and generation, and the depth policies by name.
+"""Frozen, validated configuration for sampling and generation (data only: imports errors).
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`ConfigError` naming the
 field, the value and the fix. Configs are passed explicitly and never mutated: use
@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
-from .adaptive import AdaptivePolicyConfig, ThresholdPolicyConfig
 from .errors import ConfigError, InputError
-from .goodput import GoodputPolicyConfig
 
 MAX_NUM_DRAFT_TOKENS = 32
 # The depth a loaded decoder uses when none is given, by the device type its target runs on. On
@@ -109,6 +108,16 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+@runtime_checkable
+class DepthPolicyConfig(Protocol):
+    """What GenerationConfig.adaptive holds: a depth policy's settings (policy/base.py's
+    AdaptivePolicyConfig and its subclasses). A Protocol, so that this module needs no policy."""
+
+    carry_over: bool
+
+    def build(self, initial_num_draft_tokens: int, previous: Any = None) -> Any: ...
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """One generation request's settings.
@@ -134,7 +143,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
     seed: int | None = None
-    adaptive: AdaptivePolicyConfig | None = None
+    adaptive: DepthPolicyConfig | None = None
     cost_ratio: float | None = None
     verification: str = "block"
 
@@ -156,7 +165,7 @@ class GenerationConfig:
                  f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
         check_seed(self.seed)
         if self.adaptive is not None:
-            _require(isinstance(self.adaptive, AdaptivePolicyConfig), "adaptive", self.adaptive,
+            _require(isinstance(self.adaptive, DepthPolicyConfig), "adaptive", self.adaptive,
                      "ThresholdPolicyConfig(...), GoodputPolicyConfig(...) or None")
         if self.cost_ratio is not None:
             _require(_is_real(self.cost_ratio) and 0 < self.cost_ratio < math.inf, "cost_ratio",
@@ -176,23 +185,3 @@ def check_verification(verification: object) -> None:
     _require(verification in VERIFICATION_RULES, "verification", verification,
              " or ".join(repr(rule) for rule in VERIFICATION_RULES))
 
-
-# the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
-POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
-
-
-def named_policy(name: str | None, carry_over: bool = False) -> AdaptivePolicyConfig | None:
-    """A policy config with default settings by name (see POLICY_NAMES); None: fixed k."""
-    if name is None:
-        if carry_over:
-            raise ConfigError("carry_over=True needs an adaptive policy (one of "
-                              f"{', '.join(POLICY_NAMES)}); a fixed k has nothing to carry.")
-        return None
-    if name == "goodput":
-        return GoodputPolicyConfig(carry_over=carry_over)
-    if name == "goodput-plain":
-        return GoodputPolicyConfig(min_num_draft_tokens=0, carry_over=carry_over)
-    if name == "threshold":
-        return ThresholdPolicyConfig(carry_over=carry_over)
-    raise ConfigError(f"adaptive={name!r} is invalid: expected one of {', '.join(POLICY_NAMES)}, "
-                      "or none for a fixed k.")

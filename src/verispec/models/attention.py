@@ -10,7 +10,7 @@ until every length had been seen once (dev/LOG.md: attention kernels).
 Memory-efficient attention has no per-shape planning, and it is the one kernel used for every
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
 (k + 1)-token verification passes, and two kernels round bf16 differently, which broke greedy
-equality between plain and speculative decoding on the GPU (tests/test_gpu.py). The math kernel
+equality between plain and speculative decoding on the GPU (tests/models/test_gpu.py). The math kernel
 stays as the fallback for what the efficient kernel does not take (on some torch versions,
 grouped-query heads: still exact, slower on long contexts).
 
@@ -140,3 +140,26 @@ def attend_segments(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                values[first:stop, :, :num_keys],
                None if mask is None else mask[first:stop, :, :, :num_keys], scale)
         for first, stop, num_keys in segments])
+
+
+def _attention_mask(positions: torch.Tensor | None, start: int, num_new: int, used: int,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Which cached keys each new token may attend to, as an additive mask (0 = visible, -inf =
+    hidden), or None for all.
+
+    Uniform rows: token i sits at start + i and sees keys 0 .. start + i, a causal band
+    [1, 1, n, used]; a single token sees every key (None). Ragged rows: [B, 1, n, used] from the
+    positions, so no row sees its stale tail or past its own position. Additive and in the
+    queries' dtype because scaled_dot_product_attention turns a boolean mask into exactly this
+    (where(mask, 0, -inf)) in every layer; made here, it is made once a pass, and the attention
+    is bit for bit the same. Those per-layer conversions were a third of what a 2-token pass
+    cost over a 1-token one.
+    """
+    if positions is None:
+        if num_new == 1:
+            return None
+        hidden = torch.full((num_new, used), float("-inf"), dtype=dtype, device=device)
+        return hidden.triu_(start + 1)[None, None]
+    visible = torch.arange(used, device=device)[None, None, :] <= positions[:, :, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
+        ~visible, float("-inf"))[:, None]

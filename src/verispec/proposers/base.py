@@ -19,7 +19,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import as_ints
-from ..seeded import RaceClocks
+from ..spec.seeded import RaceClocks
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import CapturesSteps, LanguageModel, LMSession, as_ints
-from ..sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
-from ..seeded import race
+from ..spec.sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
+from ..spec.seeded import race
 from .base import DraftPlan, KeyedClocks, Proposal, RoundConstraint
 
 

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
-from ..api import Decoder
+from ..text.decoder import Decoder
 from .errors import (
     AuthenticationFailed,
     BodyTimeout,

@@ -19,8 +19,8 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..api import Completion, Decoder
-from ..batch_text import PendingRow, TextBatch
+from ..text.decoder import Completion, Decoder
+from ..text.batch import PendingRow, TextBatch
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
 from .prompts import Prompt

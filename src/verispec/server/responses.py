@@ -27,7 +27,7 @@ import json
 import time
 import uuid
 
-from ..api import Completion
+from ..text.decoder import Completion
 
 DONE_LINE = "data: [DONE]\n\n"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import socket
 from dataclasses import replace
 
-from ..adaptive import AdaptivePolicyConfig
-from ..config import named_policy
+from ..policy.base import AdaptivePolicyConfig
+from ..policy import named_policy
 from ..errors import ConfigError, UnsupportedFeatureError
 from .settings import ServerSettings
 
@@ -30,9 +30,9 @@ def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
 
 def load_decoder(settings: ServerSettings):
     """The decoder the settings describe: the demo pair when no --target is given."""
-    from ..loader import load
-    from ..demo import demo_pair
-    from ..models.llama_cpp import LlamaCppConfig
+    from ..text.load import load
+    from ..text.demo import demo_pair
+    from ..models.llama_cpp.model import LlamaCppConfig
     from ..proposers.suffix import SuffixDraft
 
     target, draft = settings.target, settings.draft

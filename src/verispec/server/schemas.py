@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
 from ..config import GenerationConfig, SamplingConfig
-from ..constraints import Grammar, InvalidConstraintError, compile_response_format
+from ..engine.constraints import Grammar, InvalidConstraintError, compile_response_format
 from ..errors import EmptyPromptError
 from .errors import ParameterError, UnsupportedParameter
 from .prompts import ChatMessage, ChatPrompt, Prompt, TextPrompt, TokenPrompt

@@ -15,7 +15,8 @@ import argparse
 from dataclasses import dataclass, field, fields
 from os import PathLike
 
-from ..config import MAX_NUM_DRAFT_TOKENS, POLICY_NAMES, VERIFICATION_RULES
+from ..config import MAX_NUM_DRAFT_TOKENS, VERIFICATION_RULES
+from ..policy import POLICY_NAMES
 from ..errors import ConfigError
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a

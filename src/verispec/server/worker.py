@@ -29,9 +29,9 @@ from typing import Protocol
 
 import torch
 
-from ..api import Decoder
-from ..batch_text import PendingRow, TextBatch, TextRow
-from ..chunked_prefill import ChunkedPrefill
+from ..text.decoder import Decoder
+from ..text.batch import PendingRow, TextBatch, TextRow
+from ..engine.prefill import ChunkedPrefill
 from .errors import ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")

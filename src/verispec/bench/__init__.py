@@ -1,0 +1,1 @@
+"""The benchmark's measuring (``verispec bench``; the command line is cli/bench.py)."""

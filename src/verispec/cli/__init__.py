@@ -1,0 +1,344 @@
+"""The ``verispec`` command line: thin argument parsing over the Python API.
+
+    verispec generate "def fibonacci(n):" --max-new-tokens 64
+    verispec generate - --json < prompt.txt
+
+Bad options or inputs print ONE line to stderr and exit with status 2 (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ..config import VERIFICATION_RULES
+from ..policy import POLICY_NAMES, named_policy
+from ..errors import VerispecError
+from .bench import add_bench_parser
+from .options import _add_model_options, _int, llama_cpp_config
+
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports errors as a single line (and exits 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"verispec: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    sampling = parser.add_argument_group("generation")
+    sampling.add_argument("--k", type=_int, default=None, metavar="N",
+                          help="draft tokens per round, 1 to 32 (default: 4 on a GPU and on CPUs "
+                          "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
+                          "other CPUs, where verifying more costs more than it saves)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0 = greedy (default: 0)")
+    sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
+    sampling.add_argument("--top-p", type=float, default=None, metavar="P")
+    sampling.add_argument("--max-new-tokens", type=_int, default=64, metavar="N",
+                          help="default: 64")
+    sampling.add_argument("--seed", type=_int, default=None, metavar="S")
+    sampling.add_argument("--stop", nargs="+", default=None, metavar="STR",
+                          help="stop strings (excluded from the output)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="do not stop at end-of-generation tokens (fixed-length output)")
+    sampling.add_argument("--min-tokens", type=_int, default=0, metavar="N",
+                          help="no end-of-generation token before N new tokens (default: 0)")
+    sampling.add_argument("--ngram", action="store_true",
+                          help="draft without a model, by the suffix-decoding rule: where the "
+                          "last tokens repeat a span of the prompt, the output or an earlier "
+                          "request, draft its most frequent continuation, deeper the longer "
+                          "the match; nothing elsewhere")
+    sampling.add_argument("--hybrid", action="store_true",
+                          help="draft by prompt lookup in rounds where it finds a match, by the "
+                          "draft model otherwise (needs a draft model: the demo pair's, or "
+                          "--draft)")
+    sampling.add_argument("--no-draft", action="store_true",
+                          help="plain target decoding through the same code path")
+    sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
+                          help="adapt k between rounds, starting at --k: 'goodput' measures "
+                          "which depth is fastest here, 'goodput-plain' may also choose plain "
+                          "rounds (k = 0), 'threshold' follows acceptance")
+    sampling.add_argument("--verification", choices=VERIFICATION_RULES,
+                          default=VERIFICATION_RULES[0],
+                          help="how an unseeded sampled request tests a draft model's tokens: "
+                          "'block' (block verification: exact, keeps at least as many tokens a "
+                          "round on average) or 'token' (token-wise rejection sampling); a seeded request "
+                          "keeps draft tokens while they are the target's own samples (default: "
+                          f"{VERIFICATION_RULES[0]})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = _OneLineParser(prog="verispec", description="Exact speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"verispec {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    generate = commands.add_parser("generate", help="complete a prompt, streaming the text",
+                                   description="Complete PROMPT, streaming text to stdout and a "
+                                   "metrics summary to stderr.")
+    generate.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
+                          help="the prompt text; '-' reads it from stdin")
+    _add_model_options(generate)
+    _add_sampling_options(generate)
+    generate.add_argument("--json", action="store_true",
+                          help="print one JSON object (text, token_ids, metrics) instead")
+    generate.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
+    generate.add_argument("--compare", action="store_true",
+                          help=f"then time speculative and plain decoding of the same prompt "
+                          f"{COMPARE_REPEATS} times each, interleaved, and report the median "
+                          "speedup and its range (and, at temperature 0 or with --seed, "
+                          "whether the tokens are identical)")
+    generate.set_defaults(handler=_generate)
+    chat = commands.add_parser(
+        "chat", help="answer a chat message with the model's chat template",
+        description="Answer MESSAGE (or each line of stdin, as one conversation) in the model's "
+        "chat template (--chat-template names one for a model without), streaming the reply; "
+        "the reply ends at the template's end-of-turn token.")
+    chat.add_argument("message", nargs="?", default=None, metavar="MESSAGE",
+                      help="the user's message; '-' reads it from stdin; none: each line of "
+                      "stdin is the next user turn")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
+    _add_model_options(chat)
+    _add_sampling_options(chat)
+    chat.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
+    chat.set_defaults(handler=_chat)
+    export = commands.add_parser(
+        "export-gguf", help="write a Llama checkpoint as a .gguf file (for the llama.cpp backend)",
+        description="Write the Llama-architecture transformers checkpoint in DIR (byte-level BPE "
+        "tokenizer) to OUT.gguf, as llama.cpp's converter would. With no DIR: the shipped demo "
+        "target; --demo-draft: the demo draft.")
+    export.add_argument("source", nargs="?", default=None, metavar="DIR",
+                        help="model directory (default: the demo target)")
+    export.add_argument("out", metavar="OUT.gguf", help="the file to write")
+    export.add_argument("--demo-draft", action="store_true",
+                        help="export the shipped demo draft (instead of DIR)")
+    export.add_argument("--quantization", default="F32", choices=["F32", "Q8_0"],
+                        help="tensor type of the matrices (default: F32, exact)")
+    export.set_defaults(handler=_export_gguf)
+    add_bench_parser(commands, _add_model_options)
+    from ..server.settings import add_settings_arguments  # dataclasses only; no FastAPI import
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                description="Serve the model pair over an OpenAI-compatible "
+                                "HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                                "/health, /metrics). Needs the serve extra: pip install "
+                                "'verispec[serve]'.")
+    add_settings_arguments(serve)
+    serve.set_defaults(handler=_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}".splitlines()[0], file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (`verispec generate ... | head`): stop quietly
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _check_model_choice(args: argparse.Namespace) -> None:
+    """The model flags' rules, the same as the server's (server.settings.check_model_flags)."""
+    from ..server.settings import check_model_flags  # dataclasses only; no FastAPI import
+
+    check_model_flags(args.target, args.draft, ngram=args.ngram, hybrid=args.hybrid,
+                      no_draft=args.no_draft)
+
+
+def _read_prompt(prompt: str | None) -> str:
+    from ..errors import EmptyPromptError
+
+    if prompt == "-":
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as exc:  # a strict locale; others hand check_text surrogates
+            from ..errors import InputError
+
+            raise InputError(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start}); pass "
+                             "the prompt as UTF-8.") from None
+    if not prompt:
+        raise EmptyPromptError("no prompt given; pass PROMPT, or '-' to read it from stdin.")
+    return prompt
+
+
+def _load_decoder(args: argparse.Namespace):
+    """The decoder the model flags describe."""
+    from ..text.load import load
+    from ..proposers.suffix import SuffixDraft
+
+    return load(args.target, SuffixDraft() if args.ngram else args.draft, device=args.device,
+                dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
+                adaptive=named_policy(args.adaptive), verification=args.verification,
+                hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args),
+                chat_template=args.chat_template, cuda_graphs=args.cuda_graphs)
+
+
+def _request_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The generation flags as Decoder.stream's arguments."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                num_draft_tokens=args.k, speculative=not args.no_draft,
+                ignore_eos=args.ignore_eos, min_new_tokens=args.min_tokens)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """One reply to MESSAGE, or a conversation: each line of stdin is a user turn, answered
+    in turn with the whole conversation so far as the prompt."""
+    _check_model_choice(args)
+    decoder = _load_decoder(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [_read_prompt(args.message)] if args.message is not None else (
+        line.rstrip("\n") for line in sys.stdin if line.strip())
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        stream = decoder.stream_chat(messages, **_request_settings(args))
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": stream.completion.text})
+        if not args.quiet:
+            print(format_metrics(stream.completion.metrics, speculative=not args.no_draft),
+                  file=sys.stderr)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args.prompt)
+    _check_model_choice(args)
+    if args.no_draft and (args.compare or args.adaptive):
+        from ..errors import ConfigError
+
+        option = "--compare" if args.compare else "--adaptive"
+        raise ConfigError(f"{option} needs a draft (it is about speculative decoding); drop "
+                          "--no-draft.")
+    decoder = _load_decoder(args)
+    stream = decoder.stream(prompt, **_request_settings(args))
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    completion = stream.completion
+    comparison = _compare(decoder, prompt, args) if args.compare else None
+    if args.json:
+        print(json.dumps({**completion.to_dict(), **({"comparison": comparison}
+                                                      if comparison else {})}))
+        return 0
+    sys.stdout.write("\n")
+    if not args.quiet:
+        print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
+    if comparison is not None:
+        same = comparison["same_tokens"]
+        speedup = comparison["measured_speedup"]
+        low_high = comparison["speedup_range"]
+        print(f"[measured on this prompt, {COMPARE_REPEATS} interleaved runs each (medians): "
+              f"speculative {comparison['speculative_tok_s']:.1f} tok/s, plain "
+              f"{comparison['plain_tok_s']:.1f} tok/s, speedup "
+              + ("n/a (no tokens)" if speedup is None
+                 else f"{speedup:.2f}x (runs {low_high[0]:.2f}-{low_high[1]:.2f})")
+              + ("" if same is None else f"; same tokens as plain decoding: "
+                 f"{'yes' if same else 'NO'}") + "]", file=sys.stderr)
+    return 0
+
+
+COMPARE_REPEATS = 5  # interleaved speculative/plain pairs behind --compare's figures
+
+
+def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object]:
+    """Time COMPARE_REPEATS speculative and plain generations of the prompt, interleaved (the
+    order alternates pair by pair, so drift on a busy machine lands on both alike; the streamed
+    run before warmed both up). Same settings and seed. The speedup is the median of the
+    pairs' ratios, with their range: one pair alone moves a lot on a shared CPU. Tokens are
+    compared at temperature 0 and with a seed, where they must be identical (unseeded sampled
+    runs draw different, equally distributed tokens)."""
+    import statistics
+    import time
+
+    def timed(speculative: bool) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        completion = decoder.generate(
+            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+            num_draft_tokens=args.k, speculative=speculative, ignore_eos=args.ignore_eos,
+            min_new_tokens=args.min_tokens)
+        return completion.token_ids, time.perf_counter() - started
+
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {True: [], False: []}
+    for repeat in range(COMPARE_REPEATS):
+        for speculative in ((True, False) if repeat % 2 == 0 else (False, True)):
+            token_ids, seconds = timed(speculative)
+            tokens[speculative].append(token_ids)
+            rates[speculative].append(len(token_ids) / seconds)
+    ratios = [fast / plain for fast, plain in zip(rates[True], rates[False]) if plain]
+    return {"speculative_tok_s": statistics.median(rates[True]),
+            "plain_tok_s": statistics.median(rates[False]),
+            "measured_speedup": statistics.median(ratios) if ratios else None,
+            "speedup_range": [min(ratios), max(ratios)] if ratios else None,
+            "repeats": COMPARE_REPEATS,
+            "same_tokens": (all(ids == tokens[False][0] for ids in tokens[True] + tokens[False])
+                            if args.temperature == 0 or args.seed is not None else None)}
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..models.gguf_export import export_gguf
+
+    if args.source is not None and args.demo_draft:
+        raise ConfigError("--demo-draft exports the shipped demo draft; drop DIR (or the flag).")
+    source = args.source
+    if source is None:
+        from ..text.demo import demo_pair
+
+        pair = demo_pair()
+        source = pair.draft if args.demo_draft else pair.target
+    if not str(args.out).lower().endswith(".gguf"):
+        raise ConfigError(f"OUT={args.out!r} is invalid: expected a file name ending in .gguf.")
+    path = export_gguf(source, args.out, args.quantization)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.quantization})",
+          file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..server.run import serve
+    from ..server.settings import ServerSettings
+
+    return serve(ServerSettings.from_args(args))
+
+
+def format_metrics(metrics, speculative: bool) -> str:
+    """A short human summary of a generation's metrics."""
+    rate = metrics.tokens_per_second
+    noun = "token" if metrics.num_emitted == 1 else "tokens"
+    line = f"[{metrics.num_emitted} {noun} in {metrics.wall_time:.2f}s, {rate:.1f} tok/s"
+    if not speculative:
+        return line + ", plain decoding]"
+    if not metrics.num_drafted:  # every round was plain (max_new_tokens=1, or no lookup match)
+        return line + "; no draft tokens tested (every round was a plain step)]"
+    c = metrics.cost_ratio
+    return (f"{line}; acceptance rate {metrics.acceptance_rate:.2f}, mean accepted length "
+            f"{metrics.mean_accepted_length:.2f} tokens/target call, c = "
+            f"{'n/a' if c is None else f'{c:.3f}'}, modelled speedup "
+            f"{metrics.modelled_speedup:.2f}x (formula; --compare measures it)]")

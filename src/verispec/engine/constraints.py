@@ -1,0 +1,291 @@
+"""Structured output under exact speculation: one grammar per row, masking both sides alike.
+
+Legend: B batch, K draft tokens this round, V vocabulary.
+
+A constraint (a JSON schema, any JSON object, a regular expression, a Lark grammar) is a set of
+allowed next tokens at every step, computed by llguidance (a maintained grammar engine with
+token masks and rollback; xgrammar, the other candidate, installs triton, a CUDA compiler, on a
+CPU machine). The constrained target's distribution at a step is the target's, renormalised
+over the allowed tokens; speculative decoding stays exact for it when:
+
+  * the draft samples each token from ITS distribution masked by the grammar state the token
+    extends (sampling.sample_from_logits with ``allowed``: the probabilities it reports are the
+    masked ones it drew from), and a deterministic draft (n-gram) is cut where its proposal
+    leaves the grammar;
+  * the target's k + 1 distributions are masked with the states after 0 .. k draft tokens (the
+    same masks: the draft's step i mask is the target's position i mask);
+  * rejection sampling runs between the two masked distributions (verify.py, unchanged);
+  * the grammar rolls back to the accepted prefix, as the KV caches do, and takes the
+    recovered or bonus token.
+
+One round with this module (see batch.Batch.step):
+
+    constraints.start_round()
+    propose: for each draft step, allowed() -> mask, sample, advance(tokens)
+    k = constraints.cover(draft_tokens)        # deterministic proposals: checked, cut, advanced
+    allowed = constraints.round_masks()        # [B, K+1, V] for the target
+    verify ...
+    constraints.commit(num_accepted, next_tokens)
+
+A row without a grammar allows every token. A row whose grammar has finished allows only its
+stop tokens: the engine stops it at the first one, or under ignore_eos (no stop tokens for the
+engine) its text does (ConstraintSet.end_token_ids).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, UnsupportedFeatureError
+
+
+class InvalidConstraintError(ConfigError):
+    """A response_format that cannot be compiled: a bad schema, a regex that does not compile,
+    a grammar with a syntax error, a keyword the grammar engine does not support."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled constraint: llguidance's grammar text, and the kind it was made from."""
+
+    text: str
+    kind: str  # "json_schema", "json_object", "regex", "grammar"
+
+
+FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar", "text")
+
+
+def compile_response_format(response_format: Mapping[str, object] | None) -> Grammar | None:
+    """A grammar from an OpenAI-style response_format, or None for unconstrained text.
+
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}
+        {"type": "json_object"}                      any JSON object
+        {"type": "regex", "regex": "[0-9]{3}"}       extension: the whole output matches
+        {"type": "grammar", "grammar": "start: ..."} extension: a Lark grammar (llguidance's)
+        {"type": "text"} or None                     no constraint
+
+    Raises InvalidConstraintError naming what is wrong (the engine's own message included).
+    """
+    if response_format is None:
+        return None  # unconstrained: the grammar engine is not even imported
+    import llguidance
+
+    if not isinstance(response_format, Mapping) or response_format.get("type") not in FORMAT_KINDS:
+        raise InvalidConstraintError(
+            f"response_format={response_format!r:.100} is invalid: expected a dict whose type is "
+            f"one of {', '.join(FORMAT_KINDS)}.")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        source = _with_layout({"type": "object"})
+        text = llguidance.grammar_from("json_schema", source)
+    elif kind == "json_schema":
+        source = _schema_text(response_format.get("json_schema"))
+        text = llguidance.grammar_from("json_schema", source)
+    else:
+        source = response_format.get(kind)
+        if not isinstance(source, str) or not source:
+            raise InvalidConstraintError(f"response_format of type {kind!r} needs a non-empty "
+                                         f"string field {kind!r}.")
+        text = llguidance.grammar_from("regex" if kind == "regex" else "lark", source)
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise InvalidConstraintError(f"response_format ({kind}) does not compile: "
+                                     f"{_first_lines(error)}")
+    return Grammar(text, kind)
+
+
+# JSON with fixed separators and no free whitespace, as OpenAI's own output: a model cannot loop
+# on newlines between the tokens the schema forces (llguidance's JSON options, docs/json_schema.md)
+_JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def _with_layout(schema: Mapping[str, object]) -> str:
+    options = dict(schema.get("x-guidance") or {}) if isinstance(schema, Mapping) else {}
+    return json.dumps({**schema, "x-guidance": {**_JSON_LAYOUT, **options}})
+
+
+def _schema_text(json_schema: object) -> str:
+    if not isinstance(json_schema, Mapping) or not isinstance(json_schema.get("schema"), Mapping):
+        raise InvalidConstraintError(
+            "response_format of type 'json_schema' needs json_schema: {\"name\": ..., "
+            "\"schema\": {...}} with the schema as an object.")
+    return _with_layout(json_schema["schema"])
+
+
+def _first_lines(message: str, limit: int = 6) -> str:
+    return " ".join(line.strip() for line in message.strip().splitlines()[:limit])
+
+
+class TokenizerIndex:
+    """llguidance's view of one Hugging Face tokenizer (built once: about a second for a large
+    vocabulary), over ``vocab_size`` ids, with the ids that end a generation."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import llguidance.hf
+        from transformers import PreTrainedTokenizerFast
+
+        if not isinstance(tokenizer, PreTrainedTokenizerFast):
+            raise UnsupportedFeatureError(
+                "response_format needs a Hugging Face fast tokenizer (llguidance reads its "
+                f"vocabulary); this decoder's is {type(tokenizer).__name__}.")
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        eos = self.stop_token_ids or None
+        self.llg = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor()  # fills a batch's masks in one call
+
+    def matcher(self, grammar: Grammar):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.llg, grammar.text)
+        if matcher.is_error():
+            raise InvalidConstraintError(f"response_format ({grammar.kind}) does not compile: "
+                                         f"{_first_lines(matcher.get_error())}")
+        return matcher
+
+
+class ConstraintSet:
+    """The grammar state of each row (None: unconstrained), tracking the committed tokens plus
+    the draft tokens advanced this round. See the module docstring for the round protocol."""
+
+    def __init__(self, index: TokenizerIndex, grammars: Sequence[Grammar | None]) -> None:
+        self.index = index
+        compiled: dict[Grammar, object] = {}  # a grammar's first matcher; copies for the rest
+        self.matchers = []
+        for grammar in grammars:
+            if grammar is None:
+                self.matchers.append(None)
+            elif grammar in compiled:  # a copy is far cheaper than compiling again
+                self.matchers.append(compiled[grammar].deep_copy())
+            else:
+                compiled[grammar] = index.matcher(grammar)
+                self.matchers.append(compiled[grammar])
+        self.vocab_size = index.vocab_size
+        self._all = torch.ones(index.vocab_size, dtype=torch.bool)
+        stops = torch.zeros(index.vocab_size, dtype=torch.bool)
+        stops[index.stop_token_ids] = True
+        self._stops_only = stops
+        self._masks: dict[int, torch.Tensor] = {}  # depth this round -> [B, V]
+        self._advanced = 0  # draft tokens advanced this round
+        self._consumed = [0] * len(self.matchers)  # of those, taken by each row's grammar (a
+        # finished grammar takes no more: the row has ended at its stop token)
+        self.mask_seconds = 0.0  # time spent computing masks (the grammar's cost)
+        self.num_masks = 0  # masks computed (one per row-less step: [B, V] at a time)
+
+    def forced_lengths(self) -> list[int]:
+        """Tokens each row's grammar forces before anything else may follow (0 unconstrained):
+        a lower bound on the tokens its output needs."""
+        return [0 if m is None else len(m.compute_ff_tokens()) for m in self.matchers]
+
+    @property
+    def active(self) -> bool:
+        return any(m is not None for m in self.matchers)
+
+    def end_token_ids(self, row: int) -> frozenset[int]:
+        """The tokens that end a row's output: its grammar's end-of-generation tokens (allowed
+        only where the grammar accepts; once it is complete, nothing else is), none for a free
+        row. Under ignore_eos the engine does not stop at them, so the text ends there
+        (text_stream.RowText) rather than run to max_new_tokens on end tokens."""
+        if self.matchers[row] is None:
+            return frozenset()
+        return frozenset(self.index.stop_token_ids)
+
+    def add_rows(self, other: ConstraintSet | None, num_rows: int) -> None:
+        """Rows joining the batch between rounds: ``other``'s rows (a set over the same
+        tokenizer index), or ``num_rows`` unconstrained ones when None."""
+        if other is None:
+            self.matchers += [None] * num_rows
+        else:
+            assert other.index is self.index and len(other.matchers) == num_rows
+            self.matchers += other.matchers
+        self.start_round()
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order (rows leaving the batch between rounds)."""
+        self.matchers = [self.matchers[row] for row in rows]
+        self.start_round()
+
+    def start_round(self) -> None:
+        self._masks, self._advanced = {}, 0
+        self._consumed = [0] * len(self.matchers)
+
+    def allowed(self) -> torch.Tensor:
+        """The mask at the current depth: [B, V] bool (CPU), True where a token is allowed."""
+        if self._advanced not in self._masks:
+            self._masks[self._advanced] = self._compute()
+        return self._masks[self._advanced]
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """One draft token per row (host ints) joins each row's grammar state."""
+        for row, (matcher, token) in enumerate(zip(self.matchers, tokens)):
+            if matcher is not None and not matcher.is_stopped():
+                ok = matcher.consume_token(int(token))
+                assert ok, f"row {row}: token {token} left the grammar ({matcher.get_error()})"
+                self._consumed[row] += 1
+        self._advanced += 1
+
+    def cover(self, draft_tokens: torch.Tensor) -> int:
+        """Draft tokens [B, K] of which the first ``advanced`` were advanced as they were drawn
+        (a draft model); the rest (a deterministic proposal) are checked against the grammar and
+        advanced up to the first position where some row's token is not allowed. -> the number
+        of draft positions kept (the engine cuts the proposal there)."""
+        rows = draft_tokens.tolist()
+        for position in range(self._advanced, draft_tokens.shape[1]):
+            mask = self.allowed()
+            if not all(mask[b, row[position]] for b, row in enumerate(rows)):
+                return position
+            self.advance([row[position] for row in rows])
+        return draft_tokens.shape[1]
+
+    def round_masks(self) -> torch.Tensor:
+        """The masks at depths 0 .. advanced: [B, K+1, V] bool, for the target's k + 1
+        distributions."""
+        self.allowed()  # the depth after the last draft token
+        # every draft token was drawn (or checked) under the mask of its depth
+        assert all(depth in self._masks for depth in range(self._advanced + 1))
+        return torch.stack([self._masks[depth] for depth in range(self._advanced + 1)], dim=1)
+
+    def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
+        """Roll each row back to its accepted prefix and append its recovered or bonus token."""
+        for row, (matcher, accepted, token) in enumerate(zip(self.matchers, num_accepted,
+                                                             next_tokens)):
+            if matcher is None:
+                continue
+            if self._consumed[row] > accepted:
+                assert matcher.rollback(self._consumed[row] - accepted), matcher.get_error()
+            if not matcher.is_stopped():
+                ok = matcher.consume_token(int(token))
+                assert ok, f"row {row}: token {token} left the grammar ({matcher.get_error()})"
+        self.start_round()
+
+    def _compute(self) -> torch.Tensor:
+        """Every row's mask in one call to llguidance (bits, 32 tokens an int32), unpacked."""
+        started = time.perf_counter()
+        num_rows, words = len(self.matchers), (self.vocab_size + 31) // 32
+        bits = torch.full((num_rows, words), -1, dtype=torch.int32)  # all allowed: free rows
+        live = [(m, row) for row, m in enumerate(self.matchers)
+                if m is not None and not m.is_stopped()]
+        if len(live) == 1:  # one row (a server request): no executor round trip
+            matcher, row = live[0]
+            matcher.unsafe_compute_mask_ptr(bits[row].data_ptr(), words * 4)
+        elif live:
+            self.index.executor.unsafe_compute_mask_ptr(live, bits.data_ptr(), words * 4,
+                                                        num_rows)
+        # token 32 w + j is bit j of word w (little-endian): one numpy call unpacks them all
+        unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(unpacked[:, : self.vocab_size].astype(np.bool_))  # [B, V]
+        for row, matcher in enumerate(self.matchers):
+            if matcher is not None and matcher.is_stopped():  # finished: only a stop token
+                allowed[row] = self._stops_only
+        self.mask_seconds += time.perf_counter() - started
+        self.num_masks += 1
+        return allowed
+

@@ -1,0 +1,167 @@
+"""Generations over the batched loop (batch.py): a fixed batch of prompts under one config.
+
+Legend: B batch, K draft tokens, V vocabulary.
+
+:class:`SpeculativeDecoder` holds a target and a proposer; ``stream``/``generate`` run a batch of
+prompts under one GenerationConfig as a :class:`DecodingRun`, and ``batch`` opens a
+:class:`verispec.batch.Batch` that rows join and leave with configs of their own (what the
+server's continuous batching and ``Decoder.generate`` over a list use). The round itself,
+propose -> score -> verify -> commit -> emit (Leviathan et al. 2023, Algorithm 1), is
+batch.Batch.step; plain decoding is the same loop with k = 0 and no proposer.
+Under a grammar (constraints.py) every distribution of the round, the draft's k and the
+target's k + 1, is masked by the grammar state its token extends, and the grammar commits and
+rolls back with the caches; the output then has exactly the constrained target's law.
+
+The engine knows nothing about tokenisers, HTTP or printing; it sees token ids and the
+protocols in models/base.py and proposers/base.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
+from .batch import Batch, check_prompts
+from ..config import GenerationConfig
+from .constraints import ConstraintSet
+from ..errors import ConfigError, IncompatibleModelsError
+from .metrics import GenerationMetrics
+from ..models.base import LanguageModel
+from ..proposers.base import Proposer
+from ..proposers.draft_model import DraftModelProposer
+from ..spec.sampling import make_generator
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """token_ids: the new tokens of each row; finish_reasons: "stop" or "length" per row."""
+
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    metrics: GenerationMetrics
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one round emitted: new token ids per row (empty for rows already finished)."""
+
+    token_ids: list[list[int]]
+    finished: list[bool]
+
+
+class SpeculativeDecoder:
+    """Exact speculative decoding of ``target`` with tokens drafted by ``proposer``.
+
+    The draft's vocabulary and device are checked here, at construction, not on the first
+    request.
+    """
+
+    def __init__(self, target: LanguageModel, proposer: Proposer | None = None) -> None:
+        if proposer is not None and proposer.vocab_size != target.vocab_size:
+            raise IncompatibleModelsError(
+                f"draft vocab_size={proposer.vocab_size} differs from target vocab_size="
+                f"{target.vocab_size}; the draft and the target must share one vocabulary "
+                "(the same tokenizer).")
+        draft_device = getattr(proposer, "device", None)  # a model-free proposer may omit it
+        if draft_device is not None and torch.device(draft_device) != target.device:
+            raise IncompatibleModelsError(
+                f"the draft is on {draft_device} but the target on {target.device}; "
+                "verification compares their probabilities on one device: load both with the "
+                "same device=.")
+        self.target = target
+        self.proposer = proposer
+        # adaptive policies with carry_over=True: the latest generation's policy per (policy
+        # config, batch-size bucket); a new generation resumes from a copy of it
+        self.carried_policies: dict[tuple[object, ...], AdaptivePolicy] = {}
+
+    @classmethod
+    def from_draft_model(cls, target: LanguageModel, draft: LanguageModel) -> SpeculativeDecoder:
+        return cls(target, DraftModelProposer(draft))
+
+    def stream(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+               speculative: bool = True, constraints: ConstraintSet | None = None,
+               generator: torch.Generator | None = None) -> DecodingRun:
+        """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow.
+        ``constraints``: a grammar per row (constraints.py), applied to draft and target alike.
+        ``generator``: what an unseeded run's rows draw from (rejection sampling; default: one
+        seeded by the OS); a run with ``config.seed`` races on keyed clocks instead."""
+        if not isinstance(config, GenerationConfig):
+            raise ConfigError(f"config={config!r:.60} is invalid: expected a verispec."
+                              "GenerationConfig, e.g. GenerationConfig(max_new_tokens=32).")
+        return DecodingRun(self, check_prompts(prompts, self.target.vocab_size), config,
+                           speculative and self.proposer is not None, constraints, generator)
+
+    def batch(self, speculative: bool = True, policy: AdaptivePolicyConfig | None = None,
+              initial_num_draft_tokens: int = 1, cost_ratio: float | None = None) -> Batch:
+        """An empty :class:`verispec.batch.Batch`: rows join with ``add`` (configs, generators
+        and grammars of their own) and leave between rounds; ``step`` runs one round.
+        ``policy``: the adaptive depth policy of rows whose config has ``adaptive`` set."""
+        return Batch(self.target, self.proposer if speculative else None, policy,
+                     initial_num_draft_tokens, self.carried_policies, cost_ratio)
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+                 speculative: bool = True, constraints: ConstraintSet | None = None,
+                 generator: torch.Generator | None = None) -> GenerationResult:
+        run = self.stream(prompts, config, speculative, constraints, generator)
+        for _ in run:
+            pass
+        return run.result()
+
+
+class DecodingRun:
+    """One generation of a fixed batch under one config. Iterate it for :class:`Chunk` s (one
+    per round); read ``result()`` at the end. ``config.seed`` fixes the whole batch's tokens:
+    sampled row i races on the clocks of (seed, lane i) (seeded.py), so its text does not
+    depend on k, the proposer or the other rows; a greedy batch draws nothing, and without a
+    seed every row draws from one generator seeded by the OS."""
+
+    def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]],
+                 config: GenerationConfig, speculative: bool,
+                 constraints: ConstraintSet | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.config = config
+        self.batch = decoder.batch(speculative, config.adaptive, config.num_draft_tokens,
+                                   config.cost_ratio)
+        if generator is None:
+            generator = make_generator(config.seed, decoder.target.device)
+        self.rows = self.batch.add(prompts, [config] * len(prompts),
+                                   [generator] * len(prompts), constraints,
+                                   lanes=range(len(prompts)))
+        self.token_ids = [row.token_ids for row in self.rows]  # grow as rounds emit
+        self._position = {row.id: index for index, row in enumerate(self.rows)}
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        if not self.batch.rows:
+            raise StopIteration
+        new_ids: list[list[int]] = [[] for _ in self.rows]
+        for row, new in self.batch.step():
+            new_ids[self._position[row.id]] = new
+        return Chunk(new_ids, [row.finished for row in self.rows])
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """The depth the next round would draft: the policy's latest choice under one, the
+        config's k otherwise, 0 for plain decoding."""
+        if not self.batch.speculative:
+            return 0
+        policy = self.batch.last_policy
+        return self.config.num_draft_tokens if policy is None else policy.num_draft_tokens
+
+    @property
+    def finished(self) -> list[bool]:
+        return [row.finished for row in self.rows]
+
+    @property
+    def metrics(self) -> GenerationMetrics:
+        """The metrics so far (a frozen snapshot)."""
+        return self.batch.recorder.snapshot()
+
+    def result(self) -> GenerationResult:
+        reasons = ["stop" if row.finish_reason == "stop" else "length" for row in self.rows]
+        return GenerationResult(self.token_ids, reasons, self.metrics)

@@ -1,0 +1,109 @@
+"""One sequence of a batch: its settings, its random numbers, what it has emitted, its metrics.
+
+A :class:`Row` is what the engine's :class:`verispec.batch.Batch` keeps per sequence, and what
+a caller holds to read a generation's progress: rows join a batch with their own
+GenerationConfig (sampling, stop tokens, max_new_tokens, min_new_tokens, depth) and their own
+torch.Generator, and leave it when they finish or are removed. What this is not: the round
+(batch.py) or text (text_stream.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..config import GenerationConfig
+from .metrics import GenerationMetrics, MetricsRecorder
+from ..spec.seeded import RaceClocks, stream_key
+
+_ids = itertools.count()
+
+
+class Row:
+    """One sequence in a batch. ``token_ids``: its new tokens so far; ``finished`` once it hit a
+    stop token (``finish_reason`` "stop") or max_new_tokens ("length"), or was removed
+    ("cancelled"); ``metrics``: the rounds it took part in.
+
+    ``follows_policy``: its depth is the batch's adaptive policy's choice each round; else it
+    is its config's num_draft_tokens.
+
+    A seeded sampled row (``keyed``) draws each token from the clocks of its position
+    (seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
+    seed and settings whatever k, proposer, depth policy or batch mates. Other sampled rows
+    draw from ``generator`` (rejection sampling)."""
+
+    def __init__(self, prompt: list[int], config: GenerationConfig, generator: torch.Generator,
+                 follows_policy: bool, lane: int = 0) -> None:
+        self.id = next(_ids)
+        self.prompt = prompt
+        self.config = config
+        self.generator = generator
+        self.follows_policy = follows_policy
+        keyed = config.seed is not None and not config.sampling.is_greedy
+        self.key = stream_key(config.seed, lane) if keyed else None
+        self._clocks: dict[int, RaceClocks] = {}  # position -> its clocks, until emitted
+        self.stop_ids = frozenset(config.stop_token_ids)
+        self.token_ids: list[int] = []
+        self.num_generated = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.recorder = MetricsRecorder(config.cost_ratio)
+
+    @property
+    def metrics(self) -> GenerationMetrics:
+        return self.recorder.snapshot()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.config.sampling.is_greedy
+
+    @property
+    def keyed(self) -> bool:
+        """Whether its tokens are races on position-keyed clocks (a seeded sampled row)."""
+        return self.key is not None
+
+    def clocks(self, step: int, vocab_size: int) -> RaceClocks:
+        """The clocks of this round's position ``step`` (new token num_generated + step),
+        drawn once and shared by the draft's race and the target's."""
+        assert self.key is not None
+        position = self.num_generated + step
+        clocks = self._clocks.get(position)
+        if clocks is None:
+            clocks = self._clocks[position] = RaceClocks(self.key, position, vocab_size)
+        return clocks
+
+    def num_draft_tokens(self, policy_k: int | None) -> int:
+        """This round's k: the policy's (or its fixed) depth, never drafting past
+        max_new_tokens (the last token of a row always comes from the target)."""
+        k = policy_k if self.follows_policy and policy_k is not None else (
+            self.config.num_draft_tokens)
+        return max(0, min(k, self.config.max_new_tokens - self.num_generated - 1))
+
+    def num_banned_positions(self) -> int:
+        """min_new_tokens: how many of this round's leading positions may not be a stop token."""
+        if not self.stop_ids:
+            return 0
+        return max(0, self.config.min_new_tokens - self.num_generated)
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Take a round's accepted + recovered/bonus tokens, cut at max_new_tokens and after the
+        first stop token (which is kept); returns what was taken."""
+        new = tokens[: self.config.max_new_tokens - self.num_generated]
+        for i, token in enumerate(new):
+            if token in self.stop_ids:
+                new = new[: i + 1]
+                self.finish_reason = "stop"
+                break
+        self.num_generated += len(new)
+        self.token_ids.extend(new)
+        for position in [p for p in self._clocks if p < self.num_generated]:
+            del self._clocks[position]
+        if self.finish_reason is None and self.num_generated >= self.config.max_new_tokens:
+            self.finish_reason = "length"
+        self.finished = self.finish_reason is not None
+        return new
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished, self.finish_reason = True, "cancelled"

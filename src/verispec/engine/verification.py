@@ -1,0 +1,156 @@
+"""Steps 2-3 of a batch's round, row by row: the target's logits processed by each row's own
+settings, then each row verified by its own rule.
+
+Legend: B rows, K draft tokens this round (the largest row's k), V vocabulary, S sampled rows.
+
+What it is: the part of :class:`verispec.batch.Batch`'s round between the target's pass and the
+commit, as functions of the rows (rows.Row: settings, stop tokens, generator, clocks) and
+tensors. A greedy row takes the target's argmax (no random numbers,
+verify_greedy.verify_greedy_rows); a seeded sampled row the target's race winner on its
+position-keyed clocks (seeded.py); another sampled row its own temperature/top-k/top-p
+distributions and its own generator's uniforms under block or token-wise verification
+(verify_block.py, verify.py). A row with min_new_tokens has its stop tokens masked out of the
+target's distribution where they are not yet allowed.
+What it is not: the acceptance math (verify.py, verify_block.py, verify_greedy.py,
+seeded.py), the loop, its policy and its caches (batch.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .rows import Row
+from ..spec.sampling import greedy_tokens, to_probs
+from ..spec.seeded import race
+from ..spec.rejection import PAD_TOKEN, verify_rows
+from ..spec.block import verify_block_rows
+from ..spec.checks import raise_out_of_range
+from ..spec.greedy import verify_greedy_rows
+
+
+def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.Tensor:
+    """min_new_tokens: a row's stop tokens get -inf logits at its positions before it, so the
+    target's distribution there is renormalised without them. Only the target is masked: a
+    stop token the draft proposes there has target probability 0 and is always rejected (a
+    point-mass draft included), so the output still has exactly the masked target's law.
+    target_logits [B, K+1, V]; position j of row b is its new token num_generated + j."""
+    banned = [row.num_banned_positions() for row in rows]
+    if not any(banned):
+        return target_logits
+    masked = target_logits.clone()
+    for b, (row, num_positions) in enumerate(zip(rows, banned)):
+        if num_positions:
+            stop_ids = torch.tensor(sorted(row.stop_ids), device=masked.device)
+            masked[b, :num_positions, stop_ids] = -torch.inf
+    return masked
+
+
+def target_outputs(rows: Sequence[Row], target_logits: torch.Tensor,
+                   allowed: torch.Tensor | None) -> dict[str, object]:
+    """The target's side of verification: greedy rows' argmax tokens (host lists, [K+1]
+    each) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own settings
+    (rows with equal settings in one call; all rows in one call needs no indexing).
+    target_logits [B, K+1, V]; allowed: a grammar's masks [B, K+1, V] or None."""
+    greedy = [b for b, row in enumerate(rows) if row.is_greedy]
+    sampled = [b for b, row in enumerate(rows) if not row.is_greedy]
+    out: dict[str, object] = {"greedy": greedy, "sampled": sampled}
+    if greedy:
+        out["greedy_tokens"] = greedy_tokens(_take(target_logits, greedy),
+                                             _take(allowed, greedy)).tolist()
+    if sampled:
+        groups: dict[object, list[int]] = {}
+        for position, b in enumerate(sampled):
+            groups.setdefault(rows[b].config.sampling, []).append(position)
+        logits, masks = _take(target_logits, sampled), _take(allowed, sampled)
+        if len(groups) == 1:
+            out["target_probs"] = to_probs(logits, next(iter(groups)), masks)
+        else:
+            probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            for sampling, positions in groups.items():
+                probs[positions] = to_probs(logits[positions], sampling,
+                                            None if masks is None else masks[positions])
+            out["target_probs"] = probs
+    return out
+
+
+def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor | None, num_draft: list[int],
+                 target_out: dict[str, object], vocab_size: int
+                 ) -> tuple[list[int], list[list[int]]]:
+    """Each row's accepted count and output tokens (K+1 ints, PAD after its new token), row b
+    verified on its first num_draft[b] draft tokens. draft_tokens [B, K]; draft_probs
+    [B, K, V] fp32, or None for a deterministic proposal; target_out from target_outputs.
+
+    Three rules, one per kind of row: greedy rows keep draft tokens while they are the
+    target's argmax; keyed rows (seeded, sampled) while they are the target's race winner on
+    the row's clocks (seeded.py); the other sampled rows by rejection sampling, token-wise
+    (verify.py) or over the block (verify_block.py) as their config's ``verification`` asks,
+    with their own generators."""
+    num_rows, width = draft_tokens.shape
+    num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
+    greedy, sampled = target_out["greedy"], target_out["sampled"]
+    draft_rows = draft_tokens.tolist()
+    if greedy:
+        accepted, outputs = verify_greedy_rows(
+            [draft_rows[b][: num_draft[b]] for b in greedy],
+            [tokens[: num_draft[b] + 1] for tokens, b in zip(target_out["greedy_tokens"],
+                                                              greedy)], vocab_size)
+        for b, n, tokens in zip(greedy, accepted, outputs):
+            num_accepted[b], output_tokens[b] = n, tokens
+    target_probs = target_out.get("target_probs")  # [S, K+1, V], rows in `sampled` order
+    by_rule: dict[str, list[int]] = {}
+    for position, b in enumerate(sampled):
+        by_rule.setdefault(_rule(rows[b], draft_probs), []).append(position)
+    for position in by_rule.pop("keyed", []):
+        b = sampled[position]
+        n, tokens = _verify_keyed(rows[b], draft_rows[b][: num_draft[b]],
+                                  target_probs[position], vocab_size)
+        num_accepted[b], output_tokens[b] = n, tokens + [PAD_TOKEN] * (width - n)
+    for rule, positions in by_rule.items():
+        chosen = [sampled[position] for position in positions]
+        verify = verify_block_rows if rule == "block" else verify_rows
+        accepted, outputs = verify(
+            _take(draft_tokens, chosen), _take(draft_probs, chosen),
+            _take(target_probs, positions),
+            [rows[b].generator for b in chosen], [num_draft[b] for b in chosen])
+        for b, n, tokens in zip(chosen, accepted, outputs):
+            num_accepted[b], output_tokens[b] = n, tokens
+    assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
+    return num_accepted, output_tokens
+
+
+def _rule(row: Row, draft_probs: torch.Tensor | None) -> str:
+    """A sampled row's verification rule: "keyed", "block" or "token". Block verification
+    needs the draft's distributions: a deterministic proposal stays on the token-wise rule,
+    where it is a point mass (block verification gains nothing there)."""
+    if row.keyed:
+        return "keyed"
+    return "block" if row.config.verification == "block" and draft_probs is not None else (
+        "token")
+
+
+def _verify_keyed(row: Row, drafted: list[int], target_probs: torch.Tensor,
+                  vocab_size: int) -> tuple[int, list[int]]:
+    """A keyed row: keep draft tokens while each is the target's race winner at its position
+    (seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
+    row's k_b draft tokens. Races run only up to the first mismatch, on the host (one copy of
+    the row's k_b + 1 distributions, not one per race, from an accelerator). -> (num_accepted,
+    the accepted tokens and the next one)."""
+    target_probs = target_probs[: len(drafted) + 1].cpu()
+    for step, token in enumerate(drafted):
+        if not 0 <= token < vocab_size:
+            raise_out_of_range(drafted, vocab_size)
+        target_token = race(target_probs[step], row.clocks(step, vocab_size))
+        if target_token != token:
+            return step, drafted[:step] + [target_token]
+    step = len(drafted)
+    return step, drafted + [race(target_probs[step], row.clocks(step, vocab_size))]
+
+
+def _take(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """tensor[rows] along dim 0; the tensor itself when rows are all of them, in order."""
+    if tensor is None or len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[torch.tensor(rows, device=tensor.device)]

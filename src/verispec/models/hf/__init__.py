@@ -1,0 +1,1 @@
+"""The transformers adapter: any Hugging Face causal LM behind models/base.py."""

@@ -1,0 +1,239 @@
+"""A batch's rows on llama.cpp: each row one llama.cpp sequence of a shared context.
+
+Legend: B batch (llama.cpp sequences), n tokens fed per row in one call, V vocabulary.
+
+What it is: the LMSession protocol (models/base.py) over a llama_context
+(models/llama_cpp.py): ``extend`` decodes every row's new tokens as one llama_batch with logits
+at every fed position, ``feed`` and prefills decode packed (sequence, token, position) triples
+without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
+free sequence ids. Rows joining with ``ride`` (``add_rows``) ride the next ``extend``: their
+prompts go into its llama_batch without logits, before the rows' own tokens, so a join costs
+no pass of its own in which every other row would wait (on a CPU a short prompt costs about
+what several decoding rounds do; dev/LOG.md). ``start_through`` and
+``add_rows_through`` (models.base.PrefillsThroughLastToken) take whole prompts and let all but
+each last token ride, so that the next ``extend``, which begins with the last, decodes the
+prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape).
+What it is not: loading, the context's lifetime or the llama.cpp bindings
+(models/llama_cpp.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ...errors import ConfigError, ContextLengthExceeded, ShapeError
+from ..base import as_ints, feed_rows, logits_columns
+from .protocol import Context, LlamaCpp
+
+MAX_ROWS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context holds
+
+
+class LlamaCppSession:
+    """Rows of one batch as llama.cpp sequences; see the module docstring.
+
+    Row b is sequence ``seq_ids[b]`` of the context; rows joining take free sequence ids, rows
+    leaving have their sequence cleared and its id freed, so joins and leaves touch only those
+    rows. The context has room for a fixed number of sequences: a join beyond it allocates one
+    twice as large and prefills the rows already there again from their token histories (kept
+    on the host for that; it happens log2(batch size) times at most).
+    """
+
+    def __init__(self, lm: LlamaCpp) -> None:
+        self.lm = lm
+        self.lengths: list[int] = []  # tokens fed per row (positions 0 .. length - 1)
+        self.seq_ids: list[int] = []  # each row's sequence id in the context
+        self._histories: list[list[int]] = []  # each row's fed tokens, to re-prefill on growth
+        # per row, whether its tokens (a joining prompt) ride the next extend, not yet decoded
+        self._riding: list[bool] = []
+        self._context: Context | None = None
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        self._reset()
+        self.add_rows(prompts)
+
+    def start_through(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Reset with rows over whole prompts (>= 1 token each), all but each last token
+        riding the next extend (the module docstring)."""
+        self._reset()
+        self.add_rows_through(prompts)
+
+    def _reset(self) -> None:
+        self.lm.check_live(self)
+        self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
+        self._riding = []
+
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
+        """Rows joining at the end, each with its prompt under a free sequence id, prefilled
+        now, or with ``ride`` in the next extend's batch (a feed or a rewind prefills them
+        first). Returns whether the prompts ride."""
+        self.lm.check_live(self)
+        self._check_room(max((len(p) for p in prompts), default=0))
+        needed = len(self.seq_ids) + len(prompts)
+        if needed and (self._context is None or self._context.num_rows < needed):
+            size = min(MAX_ROWS, max(needed, 2 * len(self.seq_ids)))
+            self._context = self.lm.context(self, size)  # emptied: the rows here re-prefill
+            self.seq_ids = list(range(len(self.seq_ids)))
+            self._prefill(self.seq_ids, self._histories)
+            self._riding = [False] * len(self.seq_ids)  # their prompts went in with the rest
+        free = sorted(set(range(self._context.num_rows if self._context else 0))
+                      - set(self.seq_ids))
+        joining = free[: len(prompts)]
+        if not ride:
+            self._prefill(joining, [list(p) for p in prompts])
+        self.seq_ids += joining
+        self._histories += [list(p) for p in prompts]
+        self.lengths += [len(p) for p in prompts]
+        self._riding += [ride and bool(p) for p in prompts]
+        return ride and any(prompts)
+
+    def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
+        """Rows joining with whole prompts (>= 1 token each): all but each last token ride
+        the next extend, which begins with the last, so the prompt is decoded in one batch
+        (the module docstring). Returns True."""
+        if not all(prompts):
+            raise ShapeError("add_rows_through needs prompts of at least one token each.")
+        self.add_rows([list(p[:-1]) for p in prompts], ride=True)
+        return bool(prompts)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order; the others' sequences are cleared."""
+        self.lm.check_live(self)
+        rows = [int(row) for row in rows]
+        if len(set(rows)) != len(rows) or not all(0 <= r < len(self.seq_ids) for r in rows):
+            raise ShapeError(f"keep_rows expects distinct rows in [0, {len(self.seq_ids)}); "
+                             f"got {rows}.")
+        for row in sorted(set(range(len(self.seq_ids))) - set(rows)):
+            self._context.remove(self.seq_ids[row], 0)
+        self.seq_ids = [self.seq_ids[r] for r in rows]
+        self.lengths = [self.lengths[r] for r in rows]
+        self._histories = [self._histories[r] for r in rows]
+        self._riding = [self._riding[r] for r in rows]
+
+    def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
+        """Feed each sequence its tokens from position 0, without logits, in chunks."""
+        self._decode_packed(seq_ids, token_lists, [0] * len(seq_ids))
+
+    def _decode_packed(self, seq_ids: list[int], token_lists: list[list[int]],
+                       starts: list[int]) -> None:
+        """Feed sequence seq_ids[i] token_lists[i] from position starts[i], without logits:
+        packed (sequence id, token, position) triples, in chunks of a batch."""
+        if any(token_lists):
+            rows, tokens, positions = _packed(seq_ids, token_lists, starts)
+            self._decode(rows, tokens, positions, np.zeros(len(tokens), dtype=bool))
+
+    def _decode(self, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                wants: np.ndarray) -> torch.Tensor | None:
+        """Decode (sequence id, token, position) triples [N] in chunks of a batch -> the
+        logits [M, num_logits] at the M positions ``wants`` [N] marks, in order (None: M = 0)."""
+        capacity = self._context.capacity
+        pieces = [self._context.decode(rows[b:b + capacity], tokens[b:b + capacity],
+                                       positions[b:b + capacity], logits=wants[b:b + capacity])
+                  for b in range(0, len(tokens), capacity)]
+        pieces = [piece for piece in pieces if piece is not None]
+        return None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _prefill_riding(self) -> None:
+        """The riding prompts go in now, in one packed pass (before a feed or a rewind)."""
+        rows = [row for row, riding in enumerate(self._riding) if riding]
+        self._prefill([self.seq_ids[row] for row in rows], [self._histories[row] for row in rows])
+        self._riding = [False] * len(self._riding)
+
+    def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
+               ) -> torch.Tensor:
+        """tokens [B, n] int64 -> logits [B, n, V] fp32 (every fed position; [B, V] at
+        logits_at's columns: LMSession.extend). Riding prompts go first in the same batch."""
+        self.lm.check_live(self)
+        num_rows, width = tokens.shape
+        assert num_rows == len(self.lengths)
+        if width == 0 or num_rows == 0:
+            return logits_columns(torch.empty((num_rows, width, self.lm.vocab_size)), logits_at)
+        logits = self._extend_rows(tokens.tolist())  # [B*n, V]
+        return logits_columns(logits.view(num_rows, width, -1), logits_at)
+
+    def extend_ragged(self, tokens: torch.Tensor, num_tokens: Sequence[int]) -> torch.Tensor:
+        """Feed row b the first num_tokens[b] of tokens [B, n], packed -> logits [B, n, V],
+        columns past a row's own repeating its last (models.base.ExtendsRagged)."""
+        self.lm.check_live(self)
+        num_rows, width = tokens.shape
+        counts = as_ints(num_tokens)
+        if len(counts) != num_rows or num_rows != len(self.lengths) or not all(
+                1 <= count <= width for count in counts):
+            raise ShapeError(f"extend_ragged expects one count in [1, {width}] for each of the "
+                             f"{len(self.lengths)} rows; got {counts}.")
+        logits = self._extend_rows([row[:count] for row, count in
+                                    zip(tokens.tolist(), counts)])  # [sum(counts), V]
+        # row b, column j -> packed position start_b + min(j, count_b - 1)
+        starts = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)  # [B]
+        columns = torch.minimum(torch.arange(width)[None, :],
+                                torch.tensor(counts)[:, None] - 1)  # [B, n]
+        return logits[starts[:, None] + columns]
+
+    def _extend_rows(self, rows_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed row b rows_tokens[b] (>= 1 token each) in one batch after the riding prompts ->
+        the logits at every fed position, packed row after row [sum of lengths, V] fp32."""
+        self._check_room(max(length + len(row) for length, row in
+                             zip(self.lengths, rows_tokens)))
+        riding = [row for row, flag in enumerate(self._riding) if flag]
+        # [riding prompts, no logits | every row's tokens, logits]
+        rows, flat_tokens, positions = _packed(
+            [self.seq_ids[row] for row in riding] + self.seq_ids,
+            [self._histories[row] for row in riding] + rows_tokens,
+            [0] * len(riding) + self.lengths)
+        num_fed = sum(len(row) for row in rows_tokens)
+        wants = np.ones(len(flat_tokens), dtype=bool)
+        wants[: len(flat_tokens) - num_fed] = False
+        self._riding = [False] * len(self._riding)
+        logits = self._decode(rows, flat_tokens, positions, wants)  # [num_fed, num_logits]
+        self.lengths = [length + len(row) for length, row in zip(self.lengths, rows_tokens)]
+        for history, row in zip(self._histories, rows_tokens):
+            history.extend(row)
+        return logits[:, : self.lm.vocab_size]
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> None:
+        """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
+        ragged sequences, so the tokens go packed, no padding."""
+        self.lm.check_live(self)
+        rows = feed_rows(rows, len(self.lengths))
+        if not any(rows):
+            return
+        if any(self._riding):
+            self._prefill_riding()
+        self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
+        self._decode_packed(self.seq_ids, rows, self.lengths)
+        for history, row in zip(self._histories, rows):
+            history.extend(row)
+        self.lengths = [length + len(row) for length, row in zip(self.lengths, rows)]
+
+    def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
+        self.lm.check_live(self)
+        if any(self._riding):
+            self._prefill_riding()
+        for row, count in enumerate(as_ints(num_tokens)):
+            if count < 0 or count > self.lengths[row]:
+                raise ConfigError(f"rewind of {count} tokens on row {row} is invalid: it holds "
+                                  f"{self.lengths[row]}.")
+            if count:
+                self.lengths[row] -= count
+                del self._histories[row][self.lengths[row]:]
+                self._context.remove(self.seq_ids[row], self.lengths[row])
+
+    def _check_room(self, length: int) -> None:
+        if length > self.lm.max_positions:
+            raise ContextLengthExceeded(
+                f"a row would hold {length} tokens, more than the llama.cpp context of "
+                f"{self.lm.max_positions} tokens per sequence; raise context_size "
+                "(LlamaCppConfig, --context-size) or shorten the request.")
+
+
+def _packed(seq_ids: Sequence[int], token_lists: Sequence[Sequence[int]],
+            starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token lists as packed llama_batch triples: sequence ids [N] int64, tokens [N] and
+    positions [N] int32, list i at seq_ids[i] from position starts[i]."""
+    rows = np.array([s for s, p in zip(seq_ids, token_lists) for _ in p], dtype=np.int64)
+    tokens = np.array([t for p in token_lists for t in p], dtype=np.int32)
+    positions = np.array([start + i for start, p in zip(starts, token_lists)
+                          for i in range(len(p))], dtype=np.int32)
+    return rows, tokens, positions

@@ -1,0 +1,388 @@
+"""The goodput depth policy: the k that maximises expected tokens per unit of measured cost.
+
+It estimates the per-position acceptance rate a_i and the costs, and picks the k that maximises
+expected tokens per unit of cost, E(k) = 1 + sum_{i<k} prod_{j<=i} a_j over the cost of a round
+(Leviathan et al. 2023, section 3.4, with per-position rates instead of one i.i.d. a). With a
+given cost ratio c the cost is k c + 1 target calls. Otherwise it is measured: k draft steps plus
+the target call at depth k, T(k), because a pass over k + 1 tokens is not free on every device
+(on a small CPU it grows with k), plus the round's fixed overhead (verification and
+bookkeeping: it favours deeper rounds where it is large against T), plus the draft's prefill of
+joining rows spread over the tokens they may emit (GoodputPolicy.join_cost; it weighs on every
+drafting round in proportion to the tokens it emits); T is the measured mean at each depth used
+recently, interpolated between them, flat below them and rising by a fitted slope above them
+(GoodputPolicy.round_costs); a plain round ages only T(0), the one timing it measures (_faded).
+To see more than one depth, every ``probe_every`` rounds one round runs at a neighbour of the
+best k. With ``min_num_draft_tokens=0`` a plain round (k = 0) is one of its choices, taken while
+no depth beats it by PLAIN_MARGIN.
+
+What this is not: the policy interface, carry-over and the threshold policy (adaptive.py); the
+batch's per-bucket policies and the timings it hands them (batch.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GoodputPolicyConfig(AdaptivePolicyConfig):
+    """Pick k maximising expected tokens per unit cost from running estimates.
+
+    cost_ratio: c = draft step time / target step time, with a target call costing the same
+        at every depth; None measures draft steps and target calls per depth as rounds go.
+    decay: weight kept by old observations each round (exponential forgetting; a plain round
+        ages only T(0), and drafting timings no lower than one round's weight, _faded).
+    prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
+    probe_every: with measured costs, one round in this many runs at a neighbouring k so that
+        T(k) is measured at more than one depth; 0 never probes. While plain rounds stay the
+        best, the interval doubles after each probe, up to PLAIN_PROBE_BACKOFF times this: a
+        probe from plain rounds makes the draft catch up on every token since the last one,
+        and the rows that joined since (their prompts' draft work is deferred, see
+        batch.Batch.add), so rare probes are what lets a loaded server run at the plain
+        server's speed. Only drafting held for probe_every rounds starts the interval afresh:
+        a probe's timing that tips the model to drafting for a round or two, and back, must
+        not bring back frequent probes (each costs a catch-up that grows with the rows).
+    min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
+    call T(0), and the policy falls back to it while no depth's expected goodput beats it by
+    PLAIN_MARGIN (a draft that rarely agrees, or a machine where the target's pass costs more
+    after the draft's steps than back to back); probes keep measuring k = 1, and while it
+    drafts every PLAIN_REPROBE-th probe is a plain round, so T(0) stays current.
+    """
+
+    LOWEST_MIN: ClassVar[int] = 0
+    cost_ratio: float | None = None
+    decay: float = 0.9
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0
+    probe_every: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cost_ratio is not None and not (0 < self.cost_ratio < math.inf):
+            raise ConfigError(f"cost_ratio={self.cost_ratio!r} is invalid: expected a finite "
+                              "number > 0, or None to measure it.")
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError(f"decay={self.decay!r} is invalid: expected 0 < decay <= 1.")
+        if not (0.0 <= self.prior_acceptance <= 1.0 and 0.0 <= self.prior_weight < math.inf):
+            raise ConfigError(f"prior_acceptance={self.prior_acceptance!r} must be in [0, 1] and "
+                              f"prior_weight={self.prior_weight!r} >= 0.")
+        if isinstance(self.probe_every, bool) or not (isinstance(self.probe_every, int)
+                                                      and self.probe_every >= 0):
+            raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
+                              ">= 0 (0 never probes).")
+
+    def build(self, initial_num_draft_tokens: int,
+              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
+        if previous is not None:
+            return self._resume(previous)
+        return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
+
+
+# how far the probe interval of a goodput policy stretches while plain rounds stay the best
+PLAIN_PROBE_BACKOFF = 16
+
+# while a policy that may choose plain rounds drafts, every this many probes one is a plain
+# round, so that T(0) is measured afresh: measured once, one slow plain round prices plain
+# rounds for good, and the server drafts through rounds that cost what plain ones do and pays
+# its joins' draft prefills for nothing (dev/LOG.md, 2026-11-27, PLAIN_REPROBE)
+PLAIN_REPROBE = 3
+
+# how much more goodput than plain rounds drafting must promise to be chosen over them: a
+# round that drafts after plain ones first makes the draft catch up on their tokens, and the
+# rows that joined meanwhile, outside the priced round (batch.Batch.step). Leaving plain
+# rounds costs that unpriced catch-up, so drafting must promise 10% more (a near tie taken
+# whenever drafting came out ahead lost to plain rounds: dev/LOG.md, 2026-11-27, PLAIN_MARGIN)
+PLAIN_MARGIN = 1.1
+
+# a policy in plain rounds whose acceptance estimates rest on fewer tested draft positions than
+# THIN_EVIDENCE (decayed sums) probes at its first depth every probe_every rounds, without
+# backing off, up to THIN_PROBES times (a draft that is never accepted tests one position a
+# probe, and must not be probed at that rate for good). At one row a probe of k = 1 tests one
+# position: a policy that a cold first round (nothing accepted) sends to plain rounds would
+# learn too slowly between backed-off probes to leave them where drafting pays
+# (dev/LOG.md, 2026-11-27, THIN_EVIDENCE)
+THIN_EVIDENCE = 16.0
+THIN_PROBES = 4
+
+# the weight of a round's timings when it was the first at its depth in its batch-size bucket
+# (RoundStats.timed False): one-off costs (a server's first drafting round can cost several
+# warm ones) must not price the depth, yet a fresh policy needs some price
+# (dev/LOG.md, 2026-11-27, FIRST_USE_WEIGHT)
+FIRST_USE_WEIGHT = 0.01
+
+# a round's timing counts at most this many times its kind's running mean (once that mean
+# rests on a round's weight): in a loaded server one round that the event loop or the clients
+# preempt, at a multiple of its kind's cost, moves T(0) at decay 0.9 by more than PLAIN_MARGIN
+# and sends the policy drafting for a stretch that leaves its rows out of step. A real change
+# of cost still passes, by up to 2.5% a round (dev/LOG.md, 2026-11-27, OUTLIER_CAP)
+OUTLIER_CAP = 1.25
+
+
+class GoodputPolicy(AdaptivePolicy):
+    def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
+        self.config = config
+        self.num_draft_tokens = initial_num_draft_tokens
+        self._first_k = max(1, initial_num_draft_tokens)  # the depth of probes on thin evidence
+        self._thin_probes_left = THIN_PROBES  # and how many such probes it may still make
+        size = config.max_num_draft_tokens
+        self._reached = [0.0] * size
+        self._accepted = [0.0] * size
+        self._draft_step_time = 0.0  # decayed sums: seconds and step counts
+        self._draft_steps = 0.0
+        self._target_time = [0.0] * (size + 1)  # decayed seconds of target calls at depth k
+        self._target_calls = [0.0] * (size + 1)
+        self._other_time = 0.0  # decayed seconds per round outside drafting and scoring
+        self._other_rounds = 0.0
+        self._probe_up = True  # the side of the next probe
+        self._since_probe = 0  # rounds since the last probe
+        # a policy that may choose plain rounds probes one after its first round (_maybe_probe)
+        self._plain_probe_due = config.min_num_draft_tokens == 0
+        self._probe_interval = config.probe_every  # doubling while k = 0 stays the best
+        self._num_drafting = 0  # consecutive rounds the model chose to draft
+        # T(0), a plain round's target call, kept apart: decayed only by plain rounds, so that
+        # a drafting stretch does not forget it (see _measured_costs); while drafting, plain
+        # probes keep it current (PLAIN_REPROBE)
+        self._plain_time = 0.0
+        self._plain_rounds = 0.0
+        self._join_time = 0.0  # decayed per join: the draft's prefill seconds, and the tokens
+        self._join_tokens = 0.0  # the joined rows may emit (their max_new_tokens)
+        self._num_rows = 1  # rows in the latest round
+        self._num_drafting_probes = 0  # probes while drafting; every PLAIN_REPROBE-th is plain
+
+    def acceptance_estimates(self) -> list[float]:
+        """Per-position acceptance estimates, shrunk towards the pooled rate."""
+        cfg = self.config
+        total_reached = sum(self._reached) + cfg.prior_weight
+        pooled = cfg.prior_acceptance if total_reached <= 0 else (
+            sum(self._accepted) + cfg.prior_acceptance * cfg.prior_weight) / total_reached
+        return [pooled if reached + cfg.prior_weight <= 0 else
+                (acc + pooled * cfg.prior_weight) / (reached + cfg.prior_weight)
+                for acc, reached in zip(self._accepted, self._reached)]
+
+    def cost_ratio(self) -> float:
+        """c = draft step / target call (pooled over depths): given, measured, or 0.1 at first."""
+        if self.config.cost_ratio is not None:
+            return self.config.cost_ratio
+        calls, seconds = sum(self._target_calls), sum(self._target_time)
+        if self._draft_steps == 0 or calls == 0 or seconds <= 0:
+            return 0.1  # a typical small-draft ratio until something is measured
+        return (self._draft_step_time / self._draft_steps) / (seconds / calls)
+
+    def join_cost(self) -> float:
+        """Seconds of the draft's prefill per token a joined row may emit (0 until a join's
+        draft prefill is timed): the per-request cost of drafting, spread over the row's
+        tokens. Small a token, it is still of the order of the gap between drafting and plain
+        rounds' cost a token, so it takes part in choosing between them."""
+        return self._join_time / self._join_tokens if self._join_tokens > 0 else 0.0
+
+    def round_costs(self) -> list[float] | None:
+        """Measured cost of a round at k = 1 .. max, in seconds; None until anything is timed.
+
+        k draft steps plus T(k), the target call at depth k: the mean of its recent timings
+        where it ran recently, else interpolated between the nearest such depths; below the
+        lowest one T is flat (never below a measured call: a slow outlier at a deeper k must
+        not make shallow depths look free), above the highest it grows by the least-squares
+        slope of all timings (>= 0). One measured depth gives a flat T, the formula's model.
+        """
+        return self._measured_costs()[0]
+
+    def plain_cost(self) -> float | None:
+        """Measured seconds of a plain round (k = 0): T(0) as plain rounds last measured it (kept
+        through drafting stretches), else flat below the lowest measured depth (as in
+        :meth:`round_costs`); None until anything is timed."""
+        return self._measured_costs()[1]
+
+    def _measured_costs(self) -> tuple[list[float] | None, float | None]:
+        """(round_costs, plain_cost) from one fit of the target-call timings."""
+        model = self._target_call_model()
+        if model is None:
+            return None, None
+        recent, slope = model
+        overhead = self._other_time / self._other_rounds if self._other_rounds > 1e-9 else 0.0
+        # a plain round as plain rounds measured it: priced flat from the lowest drafting depth
+        # instead, plain rounds look as dear as a drafting round's target call, and a policy
+        # that starts drafting never stops
+        plain = overhead + (self._plain_time / self._plain_rounds if self._plain_rounds > 1e-9
+                            else _piecewise(recent, 0, slope))
+        if self._draft_steps <= 1e-9:
+            return None, plain
+        draft_step = self._draft_step_time / self._draft_steps
+        return [overhead + k * draft_step + _piecewise(recent, k, slope)
+                for k in range(1, self.config.max_num_draft_tokens + 1)], plain
+
+    def _target_call_model(self) -> tuple[list[tuple[int, float]], float] | None:
+        """(recent (depth, mean T) points, least-squares slope of T over depth), from the
+        decayed timings; None with a given cost ratio or nothing timed yet."""
+        if self.config.cost_ratio is not None:
+            return None
+        seen = [(k, seconds / calls, calls) for k, (seconds, calls) in
+                enumerate(zip(self._target_time, self._target_calls)) if calls > 1e-9]
+        if not seen or any(t <= 0 for _, t, _ in seen):
+            return None
+        recent = [(k, t) for k, t, w in seen if w >= 0.5] or [max(seen, key=lambda s: s[2])[:2]]
+        weight = sum(w for _, _, w in seen)
+        mean_k = sum(k * w for k, _, w in seen) / weight
+        mean_t = sum(t * w for _, t, w in seen) / weight
+        spread = sum(w * (k - mean_k) ** 2 for k, _, w in seen)
+        slope = 0.0 if spread <= 0 else max(0.0, sum(
+            w * (k - mean_k) * (t - mean_t) for k, t, w in seen) / spread)
+        return recent, slope
+
+    def next_num_draft_tokens(self, stats: RoundStats) -> int:
+        self._observe(stats)
+        rates = self.acceptance_estimates()
+        costs, plain_cost = self._measured_costs()
+        # the draft's prefill of the rows that join, by the tokens a drafting round emits
+        join_cost = self._num_rows * self.join_cost()
+        if costs is None or plain_cost is None:  # in target calls: k draft steps + one call
+            c = self.cost_ratio()
+            costs = [k * c + 1.0 for k in range(1, self.config.max_num_draft_tokens + 1)]
+            plain_cost, join_cost = 1.0, 0.0
+        drafting_k, drafting_goodput, expected, prefix = 1, -1.0, 1.0, 1.0
+        for k in range(1, self.config.max_num_draft_tokens + 1):
+            prefix *= rates[k - 1]
+            expected += prefix
+            goodput = expected / (costs[k - 1] + expected * join_cost)
+            if k >= self.config.min_num_draft_tokens and goodput > drafting_goodput:
+                drafting_k, drafting_goodput = k, goodput
+        # a plain round: one token per T(0), and drafting must beat it by PLAIN_MARGIN (what
+        # leaving plain rounds costs unpriced)
+        plain = self.config.min_num_draft_tokens == 0 and (
+            PLAIN_MARGIN / plain_cost >= drafting_goodput)
+        self.num_draft_tokens = 0 if plain else drafting_k
+        return self._maybe_probe(self.num_draft_tokens)
+
+    def measuring(self, k: int) -> bool:
+        return k > 0 and self.num_draft_tokens == 0
+
+    def _observe(self, stats: RoundStats) -> None:
+        decay = self.config.decay
+        if stats.num_draft_tokens > 0:  # a plain round tests nothing: the rates stand as they
+            # were (forgetting them there drew them to the prior, which could hold k at 0)
+            self._reached = [r * decay for r in self._reached]
+            self._accepted = [a * decay for a in self._accepted]
+        for i, (reached, accepted) in enumerate(zip(stats.num_reached, stats.num_accepted_at)):
+            if i < len(self._reached):
+                self._reached[i] += reached
+                self._accepted[i] += accepted
+        # a first use's timings weigh FIRST_USE_WEIGHT: alone they price the round (better
+        # than no price), and the first timed round of its depth outweighs them
+        weight = 1.0 if stats.timed else FIRST_USE_WEIGHT
+        k = stats.num_draft_tokens
+        if k == 0:  # a plain round measures no drafting: their timings fade, never out
+            self._draft_step_time, self._draft_steps = _faded(
+                self._draft_step_time, self._draft_steps, decay)
+        elif stats.draft_timed:  # else the old estimate stands (both sums decay alike)
+            draft_time = _capped(stats.draft_time, self._draft_step_time * k,
+                                 self._draft_steps)
+            self._draft_step_time = self._draft_step_time * decay + weight * draft_time
+            self._draft_steps = self._draft_steps * decay + weight * k
+        # T(0) ages with every round, the drafting depths with drafting rounds (plain ones only
+        # fade them, _faded)
+        for depth, (seconds, calls) in enumerate(zip(self._target_time, self._target_calls)):
+            self._target_time[depth], self._target_calls[depth] = (
+                (seconds * decay, calls * decay) if depth == 0 or k > 0
+                else _faded(seconds, calls, decay))
+        self._other_time = self._other_time * decay + weight * stats.other_time
+        self._other_rounds = self._other_rounds * decay + weight
+        self._num_rows = stats.num_rows
+        if stats.join_tokens > 0:
+            self._join_time = self._join_time * decay + stats.join_time
+            self._join_tokens = self._join_tokens * decay + stats.join_tokens
+        if k < len(self._target_time):
+            target_time = _capped(stats.target_time, self._target_time[k],
+                                  self._target_calls[k])
+            self._target_time[k] += weight * target_time
+            self._target_calls[k] += weight
+        if k == 0:
+            plain_time = _capped(stats.target_time, self._plain_time, self._plain_rounds)
+            self._plain_time = self._plain_time * decay + weight * plain_time
+            self._plain_rounds = self._plain_rounds * decay + weight
+
+    def _maybe_probe(self, best_k: int) -> int:
+        """Every probe_every rounds (measured costs only), one round at best_k +- 1 (a policy
+        that may choose plain rounds times one at its second round, and its first probe is
+        one too until it has: k = 0); while best_k is 0, at intervals doubling up to
+        PLAIN_PROBE_BACKOFF * probe_every, except while the draft's acceptance rests on fewer
+        than THIN_EVIDENCE tested positions: then every probe_every rounds (THIN_PROBES times
+        at most), at the policy's first depth, so that each probe tests several positions (the
+        model's own best depth is shallow then, as its acceptance estimate is)."""
+        every = self.config.probe_every
+        if self.config.cost_ratio is not None or every == 0:
+            return best_k
+        if self._plain_probe_due:
+            # a policy that may choose plain rounds times one second (unless its first was
+            # one): a fresh bucket that drafts at its starting depth until its first probe
+            # breaks a server's rows into cohorts that finish in different rounds and join in
+            # small groups, for as long as the load lasts
+            self._plain_probe_due = False
+            if self._plain_rounds == 0 and best_k > 0:
+                self._since_probe = 0
+                return 0
+        self._since_probe += 1
+        self._num_drafting = self._num_drafting + 1 if best_k > 0 else 0
+        if self._num_drafting >= every:  # drafting held: plain rounds are probed afresh
+            self._probe_interval = every
+        if self._since_probe < self._probe_interval:
+            return best_k
+        self._since_probe = 0
+        if best_k == 0 and sum(self._reached) < THIN_EVIDENCE and self._thin_probes_left:
+            self._thin_probes_left -= 1
+            return self._first_k
+        if best_k == 0:
+            self._probe_interval = min(2 * self._probe_interval, PLAIN_PROBE_BACKOFF * every)
+        elif self.config.min_num_draft_tokens == 0:
+            self._num_drafting_probes += 1
+            if self._plain_rounds == 0 or self._num_drafting_probes >= PLAIN_REPROBE:
+                self._num_drafting_probes = 0
+                return 0  # the first probe measures a plain round, and every few a fresh one
+        self._probe_up = not self._probe_up
+        for step in ((1, -1) if self._probe_up else (-1, 1)):
+            probe = self.config.clamp(best_k + step)
+            if probe != best_k:
+                return probe
+        return best_k
+
+
+def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
+    """Decayed sums (seconds, weight) of timings a plain round does not measure (drafting
+    depths, whose weight counts rounds, and draft steps, whose weight counts steps). They fade
+    as any round's do, but once they rest on a weight of one they stay there, so the mean
+    stands: faded out, a bucket's drafting timings fall below any weight a few hundred plain
+    rounds after its last probe (0.9^200), its model goes back to a flat T(k) = T(0), and it
+    drafts deep rounds for a promised gain that costly rounds, a catch-up and rows out of step
+    take back. Held at one round's weight, the next probe still counts as much as everything
+    before it. Weights below one (first uses alone, FIRST_USE_WEIGHT) fade out as before: a
+    bucket's cold first round would otherwise set its T(k) slope alone for good and hold it in
+    plain rounds where drafting pays (dev/LOG.md: goodput._faded)."""
+    if count < 1.0:
+        return total * decay, count * decay
+    factor = max(decay, 1.0 / count)
+    return total * factor, count * factor
+
+
+def _capped(seconds: float, total: float, count: float) -> float:
+    """A round's timing, at most OUTLIER_CAP times the running mean ``total / count`` of its
+    kind once that mean rests on a round's weight or more."""
+    if count >= 1.0 and total > 0:
+        return min(seconds, OUTLIER_CAP * total / count)
+    return seconds
+
+
+def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:
+    """T at depth k from measured (depth, T) points sorted by depth: exact at a point, linear
+    between neighbours, flat below the first, rising by ``slope`` after the last.
+    Example: points [(2, 1.0), (4, 2.0)], slope 0.4 -> k=1: 1.0, k=3: 1.5, k=6: 2.8."""
+    below = [(d, t) for d, t in points if d <= k]
+    above = [(d, t) for d, t in points if d >= k]
+    if not below:
+        return above[0][1]
+    if not above:
+        return below[-1][1] + slope * (k - below[-1][0])
+    (d0, t0), (d1, t1) = below[-1], above[0]
+    return t0 if d1 == d0 else t0 + (t1 - t0) * (k - d0) / (d1 - d0)

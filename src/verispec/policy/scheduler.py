@@ -1,0 +1,246 @@
+"""The depth scheduler: how deep each row of a round drafts, and what a round tells the policy.
+
+Legend: B rows.
+
+The batch (batch.py) asks it for a :class:`RoundPlan` before each round and hands it a
+:class:`RoundReport` after. In between it keeps the depth policy's bookkeeping, so the round
+itself stays the five steps of the algorithm:
+  * one policy per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
+    depends on how many rows it carries; built on first use, or from the previous batch's
+    policy of the same config and bucket (carry-over, SpeculativeDecoder.carried_policies);
+  * each row's depth: the policy's k for rows that follow it, the row's own otherwise, capped by
+    the room left in the shortest window;
+  * first uses: the first round at a (bucket, depth), a round whose target pass also prefilled
+    joining rows, and a round in which a model captured a CUDA graph reach the policy untimed;
+  * joins: the draft's prefill of joining rows, priced as a cost of drafting, or deferred while
+    the batch runs plain rounds;
+  * draft lag: after plain rounds the proposer owes their tokens, and catches up before the
+    next drafting round's clock starts.
+
+What it is not: a policy (adaptive.py, goodput.py decide k from the stats) and never a part of
+the output law: any plan gives exact samples, and a seeded row the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from ..config import GenerationConfig
+
+
+class ScheduledRow(Protocol):
+    """What the scheduler reads of a row (rows.Row)."""
+
+    prompt: list[int]
+    follows_policy: bool
+
+    @property
+    def num_generated(self) -> int: ...
+
+    def num_draft_tokens(self, policy_k: int | None) -> int: ...
+
+
+class CountsCaptures(Protocol):
+    """A model that captures steps as CUDA graphs (models.base.CapturesSteps)."""
+
+    @property
+    def num_captured(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the next round does. num_draft_tokens [B]: the depth each row is asked to draft
+    (its proposer may find fewer); catch_up: the proposer owes the tokens of plain rounds and
+    takes them before the round's clock starts; measuring: the round only measures drafting
+    for the policy, and each row keeps its first token alone (Scheduler._measuring)."""
+
+    num_draft_tokens: list[int]
+    catch_up: bool
+    measuring: bool
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What a round did. width: K, the widest draft fed; asked [B]: RoundPlan.num_draft_tokens;
+    num_draft [B]: the tokens each row's proposer found; num_accepted [B]: what verification
+    accepted (before a measuring round drops it); times: seconds of "draft_time",
+    "target_time", "verify_time" and "wall_time"; captured: a model captured a step graph."""
+
+    width: int
+    asked: list[int]
+    num_draft: list[int]
+    num_accepted: list[int]
+    times: dict[str, float]
+    captured: bool
+
+
+class Scheduler:
+    """The batch's depth bookkeeping; see the module docstring.
+
+    ``policy``: the config rows with an ``adaptive`` config follow (None: every row keeps its
+    own k); ``carried``: where policies with carry_over are kept between batches;
+    ``speculative``: a proposer drafts (else every round is plain); ``max_positions``: the
+    longest sequence every model takes (None: no limit), so k is capped by the room of the row
+    nearest its end; ``capturers``: the models that capture steps as CUDA graphs.
+    """
+
+    def __init__(self, policy: AdaptivePolicyConfig | None, initial_num_draft_tokens: int,
+                 carried: dict[tuple[object, ...], AdaptivePolicy] | None, speculative: bool,
+                 max_positions: int | None, capturers: Sequence[CountsCaptures]) -> None:
+        self.speculative = speculative
+        self.config = policy if speculative else None
+        self.initial_num_draft_tokens = initial_num_draft_tokens
+        self.carried = carried
+        self.policies: dict[int, AdaptivePolicy] = {}  # batch-size bucket -> its policy
+        self._policy_k: dict[int, int] = {}  # bucket -> the k its policy returned for next round
+        self._round_policy: AdaptivePolicy | None = None  # the policy the planned round runs
+        self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
+        self.last_num_draft_tokens = 0  # the width of the latest round (0: plain)
+        self.max_positions = max_positions
+        self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
+        # the target's next pass also prefills rows that joined since the last round (their
+        # prompts ride it: TargetScorer.add_rows), so its timing is not a round's alone
+        self._joins_ride = False
+        self._join_time = 0.0  # the draft's prefill of rows joining since the last round
+        self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
+        # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
+        # policy with timed=False, and its timings weigh FIRST_USE_WEIGHT: a first round pays
+        # one-off costs that, priced in full, hold a policy in plain rounds where drafting pays.
+        # Keyed by bucket rather than exact row counts, and weighed rather than skipped, because
+        # rows come and go: otherwise most first rounds go unpriced and the policy drafts deep
+        # on its defaults
+        self._shapes_run: set[tuple[int, int]] = set()
+        # a round in which a model captured a step graph reaches the policy as a first use. A
+        # capture costs tens of steps, and a new cache layout or key bucket brings one long
+        # after a depth's first round; taken at full weight, such rounds priced drafting out
+        # of reach
+        self._capturers = list(capturers)
+
+    # --- rows joining -----------------------------------------------------------------------
+
+    def follows_policy(self, config: GenerationConfig) -> bool:
+        """Whether a row with this config takes its depth from the policy."""
+        return self.config is not None and config.adaptive is not None
+
+    def target_joined(self, riding: bool) -> None:
+        """Rows joined the target; ``riding``: their prefill rides the next round's pass."""
+        self._joins_ride |= riding
+
+    def defers_draft(self, rows: Sequence[ScheduledRow]) -> bool:
+        """Whether joining rows leave their draft work for the next proposal: in a batch that
+        runs plain rounds, where a row with a fixed k would draft in the next round anyway
+        (proposers.base.ProposerSession.add_rows)."""
+        return self._draft_lags and all(row.follows_policy for row in rows)
+
+    def draft_joined(self, seconds: float, num_tokens: int) -> None:
+        """The draft prefilled joining rows in ``seconds``, rows that may emit ``num_tokens``
+        (their max_new_tokens): the policy prices it as a cost of drafting."""
+        self._join_time += seconds
+        self._join_tokens += num_tokens
+
+    # --- rounds -----------------------------------------------------------------------------
+
+    def num_captured(self) -> int:
+        return sum(model.num_captured for model in self._capturers)
+
+    def plan(self, rows: Sequence[ScheduledRow]) -> RoundPlan:
+        """The next round over ``rows``."""
+        policy = self._round_policy = self._policy(rows)
+        # the k the policy returned last (a probe of a neighbouring depth included), else its own
+        policy_k = None if policy is None else self._policy_k.get(_bucket(len(rows)),
+                                                                  policy.num_draft_tokens)
+        wanted = [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in rows]
+        if self.max_positions is not None and max(wanted) > 0:
+            room = min(self.max_positions - len(row.prompt) - row.num_generated for row in rows)
+            wanted = [min(k, max(room, 0)) for k in wanted]
+        # the work plain rounds left the proposer is done before the clock starts, so that this
+        # round's draft time prices its steps. Timed with them, such rounds went unpriced
+        # (RoundStats.draft_timed), and a draft step priced high by a cold start stayed so and
+        # held k at 0 for good
+        catch_up = self._draft_lags and max(wanted) > 0
+        if catch_up:
+            self._draft_lags = False
+        return RoundPlan(wanted, catch_up, self._measuring(policy, policy_k, len(rows)))
+
+    def report(self, report: RoundReport, num_rows: int) -> None:
+        """A round over ``num_rows`` rows ran: give the policy of its bucket its stats."""
+        policy = self.last_policy = self._round_policy
+        self.last_num_draft_tokens = report.width
+        draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
+        self._draft_lags = report.width == 0 and self.speculative
+        depth, reached, accepted_at = policy_evidence(report.asked, report.num_draft,
+                                                      report.num_accepted)
+        bucket = _bucket(num_rows)
+        shape = (bucket, depth)  # per bucket: rows come and go within one
+        # a round whose target pass also prefilled joining rows weighs like a first use: a join
+        # charged to its depth drove a many-row policy to deep drafts
+        timed = shape in self._shapes_run and not self._joins_ride and not report.captured
+        self._shapes_run.add(shape)
+        self._joins_ride = False
+        if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
+            times = report.times
+            other_time = times["wall_time"] - times["draft_time"] - times["target_time"]
+            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times["draft_time"],
+                               times["target_time"], other_time, draft_timed, num_rows,
+                               self._join_time, self._join_tokens, timed)
+            self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
+            if self.config is not None and self.config.carry_over and self.carried is not None:
+                self.carried[self._carry_key(bucket)] = policy
+        self._join_time, self._join_tokens = 0.0, 0
+
+    def _measuring(self, policy: AdaptivePolicy | None, policy_k: int | None,
+                   num_rows: int) -> bool:
+        """Whether this round only measures drafting for the policy (AdaptivePolicy.measuring:
+        a probe while its choice is plain rounds) over more than one row.
+        Such a round commits one token a row: its accepted draft tokens are dropped (exact: a
+        round's first token alone has the target's law, and at temperature 0 it is the
+        target's argmax), so that rows which advanced together still do. Kept, a probe's
+        accepted tokens moved most rows one token ahead of the others; the rows then finished
+        in different rounds and rejoined in small groups, each a prefill pass of its own."""
+        return (policy is not None and policy_k is not None and num_rows > 1
+                and policy.measuring(policy_k))
+
+    def _policy(self, rows: Sequence[ScheduledRow]) -> AdaptivePolicy | None:
+        """The policy of the current batch size's bucket, built on first use; None below the
+        config's min_rows (the rows' own k then)."""
+        if self.config is None or len(rows) < self.config.min_rows or not any(
+                row.follows_policy for row in rows):
+            return None
+        bucket = _bucket(len(rows))
+        if bucket not in self.policies:
+            previous = None if not self.config.carry_over or self.carried is None else (
+                self.carried.get(self._carry_key(bucket)))
+            self.policies[bucket] = self.config.build(self.initial_num_draft_tokens, previous)
+        return self.policies[bucket]
+
+    def _carry_key(self, bucket: int) -> tuple[object, ...]:
+        return (self.config, bucket)
+
+
+def _bucket(num_rows: int) -> int:
+    return 1 << (num_rows - 1).bit_length()  # 1, 2, 4, 8, ...
+
+
+def policy_evidence(asked: list[int], num_draft: list[int], num_accepted: list[int]
+                    ) -> tuple[int, list[int], list[int]]:
+    """(depth, reached [depth], accepted_at [depth]): what a round tells the depth policy,
+    priced at the depth it asked for. A row asked for k_b tokens whose proposer found fewer
+    (a lookup without a long enough match) counts its first missing position as tested and
+    rejected: it yields no token there. So the rates are tokens gained per position asked, and
+    T(k) the mean cost of rounds run at depth k, whatever the proposer found; counting only
+    the positions drafted, a batch where one row of eight drafted, nearly always kept, looked
+    as if every row would, and the policy drafted deep for a fraction of the gain it priced.
+
+    Example: asked [4, 4], found [2, 0], accepted [2, 0] -> depth 4, reached [2, 1, 1, 0],
+    accepted_at [1, 1, 0, 0]."""
+    depth = max(asked, default=0)
+    reached, accepted_at = [0] * depth, [0] * depth
+    for k, found, n in zip(asked, num_draft, num_accepted):
+        assert n <= found <= k
+        for j in range(k):
+            reached[j] += n >= j
+            accepted_at[j] += n > j
+    return depth, reached, accepted_at

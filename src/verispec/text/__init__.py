@@ -1,0 +1,1 @@
+"""Tokens <-> text: load(), Decoder, chat templates, TextBatch and text streams."""

@@ -1,0 +1,182 @@
+"""Text out of a decoding run: stop strings, incremental detokenisation, the Completion.
+
+A :class:`TextStream` turns the token chunks of one row of a :class:`verispec.engine.DecodingRun`
+into text deltas: never a split multi-byte character, never text that may turn out to be the
+start of a stop string; at the end, a :class:`Completion` whose text and token ids stop where the
+client's text stops. What this is not: the decoding (engine.py) or the tokenizer's loading
+(loader.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..engine.constraints import ConstraintSet
+from .detokenize import IncrementalDetokenizer
+from ..engine.decoder import DecodingRun
+from ..errors import ConfigError
+from ..engine.metrics import GenerationMetrics
+
+
+@dataclass(frozen=True)
+class Completion:
+    """text: the new text (cut before a stop string); token_ids: the new tokens only, up to the
+    one where the text ends (tokens verified past a stop string's start are not included)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    metrics: GenerationMetrics
+    num_prompt_tokens: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {"text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+                "metrics": self.metrics.to_dict()}
+
+
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    # a string is one stop; a list is many; anything else is checked as one (and fails)
+    stops = tuple(stop) if isinstance(stop, Sequence) and not isinstance(stop, str) else (stop,)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
+                          "non-empty strings.")
+    return stops
+
+
+def row_end_token_ids(constraints: ConstraintSet | None, row: int) -> frozenset[int]:
+    """The tokens that end a row's text (ConstraintSet.end_token_ids; none without a grammar)."""
+    return frozenset() if constraints is None else constraints.end_token_ids(row)
+
+
+class RowText:
+    """One row's text: its token chunks in, text deltas out, never splitting a multi-byte
+    character and never showing text that may turn out to be the start of a stop string. Each
+    chunk is detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole
+    output. Used by :class:`TextStream` (one row of a run) and by batched text
+    (batch_text.py, one per row).
+
+    ``end_token_ids``: tokens after which the text is complete even where the engine goes on
+    (a grammar's end tokens under ignore_eos: ConstraintSet.end_token_ids); the first one is
+    kept in token_ids, as the engine keeps a stop token, and nothing after it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], num_prompt_tokens: int,
+                 end_token_ids: frozenset[int] = frozenset()) -> None:
+        self.stop = stop
+        self.num_prompt_tokens = num_prompt_tokens
+        self.end_token_ids = end_token_ids
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self.token_ids = self._detokenizer.token_ids  # the new tokens so far
+        self.text = ""  # their text so far: what was emitted, plus held-back text
+        self._emitted = 0  # characters of text already given out
+        self.stopped_by_string = False
+        self.stopped_by_token = False  # an end token came
+
+    def feed(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
+        """A round's new tokens (``final``: the row has ended) -> (the text now safe to show,
+        whether the text is complete: the row ended, an end token came or a stop string was
+        found)."""
+        token_ids = self._cut_after_end_token(token_ids)
+        final = final or self.stopped_by_token
+        # at the end, partial bytes of a character are decoded too (as U+FFFD)
+        self.text += self._detokenizer.add(token_ids, final=final)
+        cut = self._find_stop(self.text)
+        if cut is not None:
+            self.text, self.stopped_by_string, final = self.text[:cut], True, True
+        end = len(self.text) if final else len(self.text) - self._held_back(self.text)
+        delta = self.text[self._emitted : end] if end > self._emitted else ""
+        self._emitted = max(self._emitted, end)
+        return delta, final
+
+    def completion(self, finish_reason: str, metrics: GenerationMetrics) -> Completion:
+        """The finished text's Completion (finish_reason: the engine's, "stop" or "length";
+        a stop string or an end token makes it "stop")."""
+        token_ids = list(self.token_ids)
+        if self.stopped_by_string:  # the tokens after the stop string's start were not shown
+            token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
+        reason = "stop" if self.stopped_by_string or self.stopped_by_token else finish_reason
+        return Completion(self.text, token_ids, reason, metrics, self.num_prompt_tokens)
+
+    def _cut_after_end_token(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """A round's tokens up to and including the first end token (a speculative round may
+        verify several end tokens in a row: plain decoding would have stopped at the first)."""
+        for i, token in enumerate(token_ids):
+            if token in self.end_token_ids:
+                self.stopped_by_token = True
+                return token_ids[: i + 1]
+        return token_ids
+
+    def _tokens_covering(self, token_ids: list[int], text: str) -> int:
+        """The fewest leading tokens whose decode starts with ``text`` (a round may verify
+        several tokens past a stop string; the client gets, and is billed for, only those up to
+        the one where the kept text ends: a character split over tokens needs all of them, as
+        its partial decode is U+FFFD). Binary search over prefix decodes."""
+        low, high = 0, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            decoded = self._detokenizer.tokenizer.decode(token_ids[:middle],
+                                                         skip_special_tokens=True)
+            if decoded.startswith(text):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def _find_stop(self, text: str) -> int | None:
+        """Where the text is cut: the start of the stop string that completes first (the
+        earliest end; at one end, the longest). Token-by-token decoding cuts there, so the cut
+        depends on the text alone, never on how many tokens a round delivered: with stops
+        ["\\n\\nUser:", "User"] the text "hello\\n\\nUser: hi" is cut to "hello\\n\\n" (the
+        earliest start would give "hello" only when one round holds both). Every match ends
+        in the text added since the last search: an earlier one would have cut it then."""
+        start = max(0, self._emitted - max((len(s) for s in self.stop), default=0))
+        found = [(i + len(s), i) for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(found)[1] if found else None
+
+    def _held_back(self, text: str) -> int:
+        """Trailing characters not safe to show yet: a suffix that starts a stop string. (Text
+        never ends inside a character here: the detokenizer waits for its last byte.)"""
+        prefix = 0
+        for s in self.stop:
+            for size in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:size]):
+                    prefix = max(prefix, size)
+                    break
+        return prefix
+
+
+class TextStream:
+    """Text deltas of one row of a :class:`DecodingRun` (a one-prompt generation), through
+    :class:`RowText`; ``.completion`` is set when the text is complete (the run is then
+    dropped: a grammar's end token under ignore_eos ends it early, as a stop string does)."""
+
+    def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
+                 num_prompt_tokens: int) -> None:
+        self.run = run
+        self.num_prompt_tokens = num_prompt_tokens
+        self._text = RowText(tokenizer, stop, num_prompt_tokens,
+                             row_end_token_ids(run.batch.constraints, 0))
+        self.token_ids = self._text.token_ids  # the new tokens so far
+        self.completion: Completion | None = None
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        while self.completion is None:
+            chunk = next(self.run, None)
+            delta, done = self._text.feed(chunk.token_ids[0] if chunk else (),
+                                          final=chunk is None or chunk.finished[0])
+            if done:
+                self.completion = self._text.completion(self.run.result().finish_reasons[0],
+                                                        self.run.metrics)
+            if delta:
+                return delta
+        raise StopIteration

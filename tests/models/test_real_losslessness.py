@@ -1,0 +1,191 @@
+"""Sampling losslessness on real transformers models: the law of the first two emitted tokens.
+
+The statistical tests in test_losslessness.py use fixture LMs with closed-form laws; this one
+runs the whole stack on a real LlamaForCausalLM target and a smaller real Llama draft (the
+target's first layer, embeddings and head: clearly different distributions, acceptance ~0.6),
+over a 24-token vocabulary, on the CPU and (marked gpu) on CUDA. One batched generation of
+NUM_SAMPLES identical prompts (the adapter runs all rows in one forward per step) gives
+NUM_SAMPLES i.i.d. draws of (x1, x2); the
+exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the target alone
+with verispec.spec.sampling.to_probs and the same SamplingConfig, and compared with a pooled G-test
+(tests/helpers/helpers_stats.py). A negative control swaps in a verification that accepts every draft
+token; the same harness must reject it.
+
+Why max_new_tokens = k + 1 and not 2: the engine never drafts past max_new_tokens (it uses
+k' = min(k, remaining - 1)), so with max_new_tokens = 2 every k would run as k = 1. With k + 1
+the first round really drafts k tokens, and both emitted tokens we test can come from accepted
+draft positions 1 and 2, a recovered token, or a bonus. Generation stops as soon as every row
+has 2 tokens.
+
+Legend: N samples, V vocabulary, K draft tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers_stats import g_test, pair_counts
+from test_losslessness import inject_verify
+from tiny_models import layer_dropped_draft, untied_llama
+
+import verispec.spec.block
+from verispec import (
+    GenerationConfig,
+    SamplingConfig,
+    SpeculativeDecoder,
+    make_generator,
+    to_probs,
+)
+from verispec.models.hf.adapter import TransformersLM
+from verispec.spec.rejection import verify
+
+pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
+
+VOCAB_SIZE = 24
+PROMPT = [3, 17, 5]
+NUM_SAMPLES = 20_000
+LM_HEAD_SCALE = 40.0  # random init gives near-uniform logits; this makes them peaky
+P_THRESHOLD = 1e-3
+CONTROL_P_THRESHOLD = 1e-6
+
+
+# the whole stack on each device; on CUDA the 20k-row batch takes verification's tensor path
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def models(request):
+    target = untied_llama(VOCAB_SIZE, seed=11, hidden=32, layers=2, max_positions=64)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(LM_HEAD_SCALE)
+    draft = layer_dropped_draft(target, num_layers=1)
+    return target.to(request.param), draft.to(request.param)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    target, draft = models
+    return SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+
+
+def next_token_logits(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh forwards: logits after the prompt [V] and after prompt + [x1] for every x1 [V, V]."""
+    contexts = torch.tensor([prompt + [x1] for x1 in range(VOCAB_SIZE)])  # [V, T+1]
+    with torch.inference_mode():
+        first = model(torch.tensor([prompt], device=model.device)).logits[0, -1]  # [V]
+        second = model(contexts.to(model.device)).logits[:, -1]  # [V, V]: x1 -> logits of x2
+    return first.cpu(), second.cpu()
+
+
+def exact_first_two_law(model, sampling: SamplingConfig) -> np.ndarray:
+    """P(x1, x2) by enumeration over x1, from the model's own distributions. -> [V, V] float64."""
+    first_logits, second_logits = next_token_logits(model, PROMPT)
+    first = to_probs(first_logits, sampling).double()  # [V]
+    second = to_probs(second_logits, sampling).double()  # [V, V]
+    return (first[:, None] * second).numpy()
+
+
+def truncation_margin(logits: torch.Tensor, sampling: SamplingConfig) -> float:
+    """How far the top-k / top-p cut is from a tie, over rows of logits [R, V].
+
+    The engine's batched cached forward and the fresh forward here differ by float rounding
+    (~1e-6); a cut that close to a tie could change the support and fail the test spuriously.
+    """
+    margins = [float("inf")]
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_k is not None:
+        top = scaled.topk(sampling.top_k + 1, dim=-1).values
+        margins.append(float((top[:, -2] - top[:, -1]).min()))
+    if sampling.top_p is not None:
+        probs = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True).values
+        mass_before = probs.cumsum(-1) - probs
+        margins.append(float((mass_before - sampling.top_p).abs().min()))
+    return min(margins)
+
+
+def first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
+                     seed: int, prompt: list[int] = PROMPT, verification: str = "block"
+                     ) -> tuple[np.ndarray, float]:
+    """One batched generation of NUM_SAMPLES copies of prompt -> tokens [N, 2], acceptance.
+    Unseeded rows (rejection sampling under ``verification``) from a generator seeded here."""
+    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
+                              verification=verification)
+    run = engine.stream([prompt] * NUM_SAMPLES, config, generator=make_generator(seed))
+    for _ in run:
+        if min(map(len, run.token_ids)) >= 2:
+            break
+    tokens = np.array([row[:2] for row in run.token_ids])  # [N, 2]
+    return tokens, run.metrics.acceptance_rate
+
+
+CASES = {  # sampling, k, verification rule
+    "t1-k2": (SamplingConfig(temperature=1.0), 2, "block"),
+    "t1-k4": (SamplingConfig(temperature=1.0), 4, "token"),
+    "t1-k4-block": (SamplingConfig(temperature=1.0), 4, "block"),
+    "topk5-k4": (SamplingConfig(temperature=1.0, top_k=5), 4, "block"),
+    "topp08-k2": (SamplingConfig(temperature=1.0, top_p=0.8), 2, "token"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_two_tokens_follow_target_law(models, engine, case):
+    sampling, k, verification = CASES[case]
+    target, _ = models
+    first_logits, second_logits = next_token_logits(target, PROMPT)
+    margin = truncation_margin(torch.cat([first_logits[None], second_logits]), sampling)
+    assert margin > 1e-4, f"fixture too close to a top-k/top-p tie: margin {margin}"
+    law = exact_first_two_law(target, sampling)
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=sum(map(ord, case)),
+                                               verification=verification)
+    result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
+    print(f"{case}: {result}, acceptance rate {acceptance_rate:.3f}")
+    # the pair is a meaningful test: drafts are often accepted and often rejected
+    assert 0.2 < acceptance_rate < 0.95, acceptance_rate
+    assert result.num_impossible_hits == 0, result
+    assert result.p_value > P_THRESHOLD, f"{case}: {result}"
+
+
+def accept_every_draft_token(draft_tokens, draft_probs, target_probs, generator,
+                             num_draft_tokens=None):
+    """Wrong on purpose: each draft token is tested against its own distribution (p/q = 1),
+    so every draft token is accepted; the bonus still comes from the target."""
+    num_drafted = draft_tokens.shape[1]
+    if draft_probs is not None and num_drafted > 0:
+        target_probs = torch.cat([draft_probs, target_probs[:, num_drafted:]], dim=1)
+    return verify(draft_tokens, draft_probs, target_probs, generator, num_draft_tokens)
+
+
+def test_negative_control_wrong_verification_is_detected(models, engine, monkeypatch):
+    sampling, k = SamplingConfig(temperature=1.0), 2
+    target, _ = models
+    law = exact_first_two_law(target, sampling)
+    inject_verify(monkeypatch, accept_every_draft_token)  # the token-wise rule's entry
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=99,
+                                               verification="token")
+    result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
+    print(f"control: {result}, acceptance rate {acceptance_rate:.3f}")
+    assert acceptance_rate == 1.0  # the injected bug is in effect
+    assert result.p_value < CONTROL_P_THRESHOLD, result
+
+
+def first_failure_stop(stop_probs, etas):
+    """Wrong on purpose: block verification's tau taken as the prefix before the first
+    position whose test fails (the token-wise habit), not the last position that passes."""
+    for i in range(1, len(stop_probs)):
+        if not etas[i - 1] < stop_probs[i]:
+            return i - 1
+    return len(stop_probs) - 1
+
+
+def test_negative_control_block_rule_stopping_at_the_first_failure_is_detected(
+        models, engine, monkeypatch):
+    sampling, k = SamplingConfig(temperature=1.0), 4
+    target, _ = models
+    law = exact_first_two_law(target, sampling)
+    monkeypatch.setattr(verispec.spec.block, "_last_pass", first_failure_stop)
+    tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=98)
+    result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
+    print(f"block control: {result}, acceptance rate {acceptance_rate:.3f}")
+    assert result.p_value < CONTROL_P_THRESHOLD, result

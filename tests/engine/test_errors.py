@@ -166,6 +166,14 @@ def test_bad_threshold_policy_config(kwargs, fragment):
     ({"probe_every": -1}, "probe_every=-1"),
     ({"probe_every": 2.5}, "probe_every=2.5"),
     ({"probe_every": True}, "probe_every=True"),
+    ({"plain_margin": 0.9}, "plain_margin=0.9"),
+    ({"plain_margin": math.nan}, "plain_margin=nan"),
+    ({"plain_reprobe": 0}, "plain_reprobe=0"),
+    ({"plain_probe_backoff": 1.5}, "plain_probe_backoff=1.5"),
+    ({"thin_probes": True}, "thin_probes=True"),
+    ({"thin_evidence": -1.0}, "thin_evidence=-1.0"),
+    ({"first_use_weight": -0.1}, "first_use_weight=-0.1"),
+    ({"outlier_cap": 0.5}, "outlier_cap=0.5"),
 ])
 def test_bad_goodput_policy_config(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -31,11 +31,11 @@ from verispec import (
     optimal_num_draft_tokens,
 )
 from verispec.errors import ConfigError
-from verispec.policy import goodput as goodput_module
 from verispec.policy.base import RoundStats
-from verispec.policy.goodput import PLAIN_MARGIN, PLAIN_PROBE_BACKOFF, PLAIN_REPROBE
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+DEFAULTS = GoodputPolicyConfig()  # the tuned rules' defaults
 
 
 # --- adaptive speculation depth --------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_goodput_policy_probes_neighbours_only_with_measured_costs():
 def test_goodput_policy_probes_ever_more_rarely_while_plain_rounds_stay_best():
     # a loaded batch: each extra token of a pass costs a whole step, drafting is dear and few
     # drafts are accepted, so k = 0 wins; its probes at k = 1 come at doubling intervals, up
-    # to PLAIN_PROBE_BACKOFF * probe_every, and back at probe_every once drafting pays again
+    # to plain_probe_backoff * probe_every, and back at probe_every once drafting pays again
     def costly(k: int) -> RoundStats:
         return _timed_stats(k, 0.3, 0.5, lambda k: 1.0 + k)
 
@@ -217,14 +217,14 @@ def test_goodput_policy_probes_ever_more_rarely_while_plain_rounds_stay_best():
     assert probes[:2] == [0, 3]  # a first guess (no draft step timed yet), the first probe
     gaps = [later - earlier for earlier, later in zip(probes[1:], probes[2:])]
     assert gaps[:5] == [8, 16, 32, 64, 64]  # doubling from 4 rounds, capped at 16 * 4
-    assert PLAIN_PROBE_BACKOFF * 4 == 64 and set(gaps[3:]) == {64}
+    assert DEFAULTS.plain_probe_backoff * 4 == 64 and set(gaps[3:]) == {64}
     # drafting turns cheap: the probes' costly timings (kept through the plain stretch at one
     # round's weight) are outweighed after two cheap rounds, and probes come every 4 rounds
     cheap = [policy.next_num_draft_tokens(_timed_stats(k, 0.95, 0.01, lambda k: 1.0))
              for k in [1] * 14]
     assert cheap[:2] == [0, 0] and all(k > 0 for k in cheap[2:13])
     assert cheap[7:10] == [4, 4, 3]  # drafting at 4, a probe at 3
-    assert cheap[-1] == 0  # the third probe while drafting is a plain round (PLAIN_REPROBE)
+    assert cheap[-1] == 0  # the third probe while drafting is a plain round (plain_reprobe)
 
 
 def test_a_short_drafting_excursion_keeps_the_plain_probe_backoff():
@@ -236,7 +236,7 @@ def test_a_short_drafting_excursion_keeps_the_plain_probe_backoff():
     def probes_after(excursion: int) -> list[int]:
         policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
                                      probe_every=4).build(0)
-        policy._observe(_stats(4, 16, 0.5))  # evidence enough to back off (THIN_EVIDENCE)
+        policy._observe(_stats(4, 16, 0.5))  # evidence enough to back off (thin_evidence)
         for _ in range(200):  # backs off: 8, 16, 32, 64
             policy._maybe_probe(0)
         choices = [policy._maybe_probe(1) for _ in range(excursion)]
@@ -280,20 +280,19 @@ def test_goodput_policy_ignores_a_draft_catching_up_after_plain_rounds():
     assert policy.round_costs()[1] - policy.round_costs()[0] == pytest.approx(
         costs[1] - costs[0])  # the draft step is still 0.01 s
     policy.next_num_draft_tokens(replace(_stats(1, 10, 0.8), draft_time=0.5))
-    # a timed round counts, capped at OUTLIER_CAP times the running mean
+    # a timed round counts, capped at outlier_cap times the running mean
     assert policy.round_costs()[1] - policy.round_costs()[0] > costs[1] - costs[0]
 
 
-@pytest.mark.parametrize("cap", [goodput_module.OUTLIER_CAP, math.inf])
-def test_one_slow_plain_round_does_not_send_a_loaded_policy_drafting(cap, monkeypatch):
+@pytest.mark.parametrize("cap", [GoodputPolicyConfig().outlier_cap, math.inf])
+def test_one_slow_plain_round_does_not_send_a_loaded_policy_drafting(cap):
     # a 16-row bucket in a loaded server, timings as logged: plain rounds ~7.5 ms, k = 1
     # rounds 11 ms of target and 3 of draft, acceptance 0.88: plain rounds win by less than
-    # PLAIN_MARGIN's 10%. One plain round preempted by the event loop (17 ms) moved T(0) by
-    # ~13% at decay 0.9 and tipped the policy into drafting; capped at OUTLIER_CAP times the
+    # plain_margin's 10%. One plain round preempted by the event loop (17 ms) moved T(0) by
+    # ~13% at decay 0.9 and tipped the policy into drafting; capped at outlier_cap times the
     # running mean it moves T(0) by ~2.5%. Control: uncapped, the same round tips it
-    monkeypatch.setattr(goodput_module, "OUTLIER_CAP", cap)
     policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
-                                 probe_every=0).build(1)
+                                 probe_every=0, outlier_cap=cap).build(1)
     for _ in range(10):
         policy.next_num_draft_tokens(replace(_stats(1, 16, 0.88), draft_time=0.003,
                                              target_time=0.011))
@@ -329,7 +328,7 @@ def test_goodput_policy_measures_a_plain_round_first_and_keeps_its_cost_while_dr
 def test_goodput_policy_measures_plain_rounds_afresh_while_drafting():
     # a loaded server: the first plain probe came out slow (9 ms; the plain server's rounds took
     # 7.2-7.3), so drafting (~6.7 ms a token a row here) looked better than plain rounds by more
-    # than PLAIN_MARGIN. Every PLAIN_REPROBE-th probe while drafting is a plain round; the
+    # than plain_margin. Every plain_reprobe-th probe while drafting is a plain round; the
     # fresh 7 ms ones outweigh the stale 9 ms and the policy goes back to plain rounds. Measured
     # once and kept, the stale T(0) held it drafting for good (the server ran at 0.88x plain)
     policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
@@ -343,8 +342,8 @@ def test_goodput_policy_measures_plain_rounds_afresh_while_drafting():
             stats = replace(_stats(k, 16, 0.9), draft_time=0.002 * k,
                             target_time=0.008 + 0.003 * k)
         k = policy.next_num_draft_tokens(stats)
-    reprobe = 4 * PLAIN_REPROBE  # rounds between plain probes while drafting
-    # the first at the policy's second round, then every PLAIN_REPROBE-th probe
+    reprobe = 4 * DEFAULTS.plain_reprobe  # rounds between plain probes while drafting
+    # the first at the policy's second round, then every plain_reprobe-th probe
     assert plain_rounds[:5] == [1, 1 + reprobe, 1 + 2 * reprobe, 1 + 3 * reprobe, 1 + 4 * reprobe]
     assert len(plain_rounds[4:]) >= 0.9 * (120 - plain_rounds[4])  # plain, probes of k = 1 aside
     assert policy.plain_cost() == pytest.approx(0.007, abs=2e-4)
@@ -353,7 +352,7 @@ def test_goodput_policy_measures_plain_rounds_afresh_while_drafting():
 
 def test_goodput_policy_prices_the_drafts_prefill_of_joining_rows():
     # 16 rows: a drafting round at k = 2 (2.6 tokens a row) costs 17.2 ms, a plain round 7.4:
-    # 0.41 against 0.46 ms a token a row, so drafting wins by more than PLAIN_MARGIN. Each
+    # 0.41 against 0.46 ms a token a row, so drafting wins by more than plain_margin. Each
     # request also costs the draft a prefill when it joins, 2.5 ms for 48 tokens (0.05 ms a
     # token), which a plain batch defers: priced per token a round emits, it makes plain rounds
     # the better choice. The same rounds without joins keep drafting
@@ -375,7 +374,7 @@ def test_goodput_policy_prices_the_drafts_prefill_of_joining_rows():
 def test_a_long_plain_stretch_keeps_the_drafting_timings_that_made_it_plain():
     # a 16-row bucket on 2 cores, timings as logged: plain rounds 7.2 ms, a k-token
     # verification pass 7.2 + 3.3 k ms, draft steps 2.3 ms, acceptance 0.9. Drafting promises
-    # ~1.07x plain rounds, inside PLAIN_MARGIN, so the policy runs plain rounds and probes k = 1
+    # ~1.07x plain rounds, inside plain_margin, so the policy runs plain rounds and probes k = 1
     # at backed-off intervals (up to 256 rounds). Plain rounds measure no drafting depth: aged
     # by them, the timings of the last probe fell below any weight ~200 rounds later, the model
     # priced every depth at T(0) and drafted k = 4-5 rounds (30 ms each, and a catch-up)
@@ -398,7 +397,7 @@ def test_a_long_plain_stretch_keeps_the_drafting_timings_that_made_it_plain():
 def test_a_first_use_alone_fades_out_of_a_plain_stretch():
     # an 8-row bucket's first round, cold (63 ms of target and 13 of draft at k = 4 against 7
     # ms plain rounds; RoundStats.timed False), is its only drafting timing: it prices drafting
-    # as dear, and the bucket runs plain rounds. Such a first use weighs FIRST_USE_WEIGHT and
+    # as dear, and the bucket runs plain rounds. Such a first use weighs first_use_weight and
     # must fade out of a plain stretch (it would otherwise set the T(k) slope for good), after
     # which the policy drafts again to measure; a measured round's timings stay (test above)
     policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=8,
@@ -427,7 +426,7 @@ def test_goodput_policy_keeps_its_acceptance_estimates_through_plain_rounds():
 def test_goodput_policy_barely_weighs_the_timings_of_a_first_use():
     # a server's first drafting round on an H200: 35.5 ms of draft steps and 8.7 ms of target
     # against 4.8 and 2.0 warm. Untimed (RoundStats.timed), it prices k = 4 until the next
-    # round at that depth, which then sets the price nearly alone (FIRST_USE_WEIGHT); timed,
+    # round at that depth, which then sets the price nearly alone (first_use_weight); timed,
     # the cold round held the price at ~3x the warm one
     cold = replace(_stats(4, 1, 1.0), draft_time=0.0355, target_time=0.0087)
     warm = replace(_stats(4, 1, 1.0), draft_time=0.0048, target_time=0.0020)
@@ -475,7 +474,7 @@ def test_a_plain_goodput_policy_on_thin_evidence_probes_at_its_first_depth_until
     # on an H200 the demo pair's drafting at one row pays ~1.3-1.6x, but a policy whose first
     # rounds (cold, nothing accepted) sent it to plain rounds learned one position per k = 1
     # probe between backed-off probes, and ran plain rounds through three load levels (0.87x
-    # the plain server at one client). On thin evidence (THIN_EVIDENCE tested positions) it now
+    # the plain server at one client). On thin evidence (thin_evidence tested positions) it now
     # probes at its first depth every probe_every rounds, and drafts within ~200 rounds here
     ks = _h200_server_rounds(600)
     assert ks[:2] == [4, 0]  # the first round's rejection sends it to plain rounds
@@ -669,7 +668,7 @@ def test_goodput_policy_with_min_zero_falls_back_to_plain_rounds():
     assert k_good >= 8
     # with measured costs: plain rounds at T(0) = 0.1 s beat k = 1 at 0.05 s of draft + a
     # 0.2 s target call when the draft is never accepted; probes still revisit k = 1: every
-    # probe_every rounds while its acceptance rests on few positions (THIN_PROBES of them),
+    # probe_every rounds while its acceptance rests on few positions (thin_probes of them),
     # then at intervals that double while plain rounds stay the best
     measured = GoodputPolicyConfig(min_num_draft_tokens=0, probe_every=4).build(1)
     used = []
@@ -773,7 +772,7 @@ def test_a_seed_fixes_sampled_output_under_policies_that_depend_on_the_request_a
 
 def test_goodput_policy_leaves_plain_rounds_only_for_a_clear_gain():
     # with a cost ratio given, plain rounds yield 1 token per call and k = 1 yields 1 + a per
-    # 1 + c calls: drafting is chosen once it promises PLAIN_MARGIN times plain's goodput, not
+    # 1 + c calls: drafting is chosen once it promises plain_margin times plain's goodput, not
     # at the first percent ahead (leaving plain rounds costs a catch-up the model leaves out)
     def chosen(rate: float) -> int:
         policy = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=1,
@@ -785,4 +784,4 @@ def test_goodput_policy_leaves_plain_rounds_only_for_a_clear_gain():
     # goodput(1) / goodput(0) = (1 + rate) / 1.5
     assert chosen(0.55) == 0  # 1.03x: within the margin
     assert chosen(0.75) == 1  # 1.17x: clear
-    assert PLAIN_MARGIN == pytest.approx(1.1)
+    assert DEFAULTS.plain_margin == pytest.approx(1.1)

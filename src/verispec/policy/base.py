@@ -62,7 +62,7 @@ class RoundStats:
     num_rows: int = 1
     join_time: float = 0.0
     join_tokens: int = 0
-    timed: bool = True  # False: a first use (one-off costs), timings weigh FIRST_USE_WEIGHT
+    timed: bool = True  # False: a first use (one-off costs), timings weigh first_use_weight
 
 
 class AdaptivePolicy:

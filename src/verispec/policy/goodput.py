@@ -13,7 +13,7 @@ recently, interpolated between them, flat below them and rising by a fitted slop
 (GoodputPolicy.round_costs); a plain round ages only T(0), the one timing it measures (_faded).
 To see more than one depth, every ``probe_every`` rounds one round runs at a neighbour of the
 best k. With ``min_num_draft_tokens=0`` a plain round (k = 0) is one of its choices, taken while
-no depth beats it by PLAIN_MARGIN.
+no depth beats it by ``plain_margin``.
 
 What this is not: the policy interface, carry-over and the threshold policy (adaptive.py); the
 batch's per-bucket policies and the timings it hands them (batch.py).
@@ -40,7 +40,7 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
     probe_every: with measured costs, one round in this many runs at a neighbouring k so that
         T(k) is measured at more than one depth; 0 never probes. While plain rounds stay the
-        best, the interval doubles after each probe, up to PLAIN_PROBE_BACKOFF times this: a
+        best, the interval doubles after each probe, up to plain_probe_backoff times this: a
         probe from plain rounds makes the draft catch up on every token since the last one,
         and the rows that joined since (their prompts' draft work is deferred, see
         batch.Batch.add), so rare probes are what lets a loaded server run at the plain
@@ -49,9 +49,19 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         not bring back frequent probes (each costs a catch-up that grows with the rows).
     min_num_draft_tokens may be 0: k = 0 is a plain decoding round, one token for one target
     call T(0), and the policy falls back to it while no depth's expected goodput beats it by
-    PLAIN_MARGIN (a draft that rarely agrees, or a machine where the target's pass costs more
+    plain_margin (a draft that rarely agrees, or a machine where the target's pass costs more
     after the draft's steps than back to back); probes keep measuring k = 1, and while it
-    drafts every PLAIN_REPROBE-th probe is a plain round, so T(0) stays current.
+    drafts every plain_reprobe-th probe is a plain round, so T(0) stays current.
+
+    The tuned rules, each field's reason in its comment below and its measurements in
+    dev/LOG.md under its constant's name:
+    plain_margin: how much more goodput than plain rounds drafting must promise.
+    plain_probe_backoff: the longest probe interval in plain rounds, in probe_every's.
+    plain_reprobe: while drafting, every this many probes one is a plain round.
+    thin_evidence, thin_probes: below this many tested positions, a policy in plain rounds
+        probes at its first depth without backing off, this many times at most.
+    first_use_weight: the weight of a first use's timings (RoundStats.timed False).
+    outlier_cap: a timing counts at most this many times its kind's running mean.
     """
 
     LOWEST_MIN: ClassVar[int] = 0
@@ -60,6 +70,32 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0
     probe_every: int = 16
+    # how far the probe interval stretches while plain rounds stay the best, in probe_every's
+    plain_probe_backoff: int = 16
+    # while drafting, every this many probes one is a plain round, so that T(0) is measured
+    # afresh: measured once, one slow plain round priced plain rounds for good, and a server
+    # drafted through rounds that cost what plain ones do (dev/LOG.md, PLAIN_REPROBE)
+    plain_reprobe: int = 3
+    # how much more goodput than plain rounds drafting must promise to be chosen over them: a
+    # round that drafts after plain ones first makes the draft catch up on their tokens, and
+    # on the rows that joined meanwhile, outside the priced round; a near tie taken whenever
+    # drafting came out ahead lost to plain rounds (dev/LOG.md, PLAIN_MARGIN)
+    plain_margin: float = 1.1
+    # a policy in plain rounds whose acceptance rests on fewer tested positions than this
+    # (decayed sums) probes at its first depth every probe_every rounds, without backing off,
+    # up to thin_probes times: a cold first round must not leave it learning too slowly to
+    # draft where drafting pays, and a draft never accepted must not be probed at that rate for
+    # good (dev/LOG.md, THIN_EVIDENCE)
+    thin_evidence: float = 16.0
+    thin_probes: int = 4
+    # the weight of a first use's timings (RoundStats.timed False): one-off costs must not
+    # price the depth, yet a fresh policy needs some price (dev/LOG.md, FIRST_USE_WEIGHT)
+    first_use_weight: float = 0.01
+    # a round's timing counts at most this many times its kind's running mean (once that mean
+    # rests on a round's weight): one preempted round must not move T(0) by more than
+    # plain_margin; a real change of cost still passes, by up to 2.5% a round at decay 0.9
+    # (dev/LOG.md, OUTLIER_CAP)
+    outlier_cap: float = 1.25
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +111,15 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
                                                       and self.probe_every >= 0):
             raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
                               ">= 0 (0 never probes).")
+        for name in ("plain_probe_backoff", "plain_reprobe", "thin_probes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name}={value!r} is invalid: expected an integer >= 1.")
+        for name, low in (("plain_margin", 1.0), ("thin_evidence", 0.0),
+                          ("first_use_weight", 0.0), ("outlier_cap", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= low):
+                raise ConfigError(f"{name}={value!r} is invalid: expected a number >= {low}.")
 
     def build(self, initial_num_draft_tokens: int,
               previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
@@ -83,52 +128,12 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
 
 
-# how far the probe interval of a goodput policy stretches while plain rounds stay the best
-PLAIN_PROBE_BACKOFF = 16
-
-# while a policy that may choose plain rounds drafts, every this many probes one is a plain
-# round, so that T(0) is measured afresh: measured once, one slow plain round prices plain
-# rounds for good, and the server drafts through rounds that cost what plain ones do and pays
-# its joins' draft prefills for nothing (dev/LOG.md, 2026-11-27, PLAIN_REPROBE)
-PLAIN_REPROBE = 3
-
-# how much more goodput than plain rounds drafting must promise to be chosen over them: a
-# round that drafts after plain ones first makes the draft catch up on their tokens, and the
-# rows that joined meanwhile, outside the priced round (batch.Batch.step). Leaving plain
-# rounds costs that unpriced catch-up, so drafting must promise 10% more (a near tie taken
-# whenever drafting came out ahead lost to plain rounds: dev/LOG.md, 2026-11-27, PLAIN_MARGIN)
-PLAIN_MARGIN = 1.1
-
-# a policy in plain rounds whose acceptance estimates rest on fewer tested draft positions than
-# THIN_EVIDENCE (decayed sums) probes at its first depth every probe_every rounds, without
-# backing off, up to THIN_PROBES times (a draft that is never accepted tests one position a
-# probe, and must not be probed at that rate for good). At one row a probe of k = 1 tests one
-# position: a policy that a cold first round (nothing accepted) sends to plain rounds would
-# learn too slowly between backed-off probes to leave them where drafting pays
-# (dev/LOG.md, 2026-11-27, THIN_EVIDENCE)
-THIN_EVIDENCE = 16.0
-THIN_PROBES = 4
-
-# the weight of a round's timings when it was the first at its depth in its batch-size bucket
-# (RoundStats.timed False): one-off costs (a server's first drafting round can cost several
-# warm ones) must not price the depth, yet a fresh policy needs some price
-# (dev/LOG.md, 2026-11-27, FIRST_USE_WEIGHT)
-FIRST_USE_WEIGHT = 0.01
-
-# a round's timing counts at most this many times its kind's running mean (once that mean
-# rests on a round's weight): in a loaded server one round that the event loop or the clients
-# preempt, at a multiple of its kind's cost, moves T(0) at decay 0.9 by more than PLAIN_MARGIN
-# and sends the policy drafting for a stretch that leaves its rows out of step. A real change
-# of cost still passes, by up to 2.5% a round (dev/LOG.md, 2026-11-27, OUTLIER_CAP)
-OUTLIER_CAP = 1.25
-
-
 class GoodputPolicy(AdaptivePolicy):
     def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
         self.config = config
         self.num_draft_tokens = initial_num_draft_tokens
         self._first_k = max(1, initial_num_draft_tokens)  # the depth of probes on thin evidence
-        self._thin_probes_left = THIN_PROBES  # and how many such probes it may still make
+        self._thin_probes_left = config.thin_probes  # and how many such probes it may still make
         size = config.max_num_draft_tokens
         self._reached = [0.0] * size
         self._accepted = [0.0] * size
@@ -146,13 +151,13 @@ class GoodputPolicy(AdaptivePolicy):
         self._num_drafting = 0  # consecutive rounds the model chose to draft
         # T(0), a plain round's target call, kept apart: decayed only by plain rounds, so that
         # a drafting stretch does not forget it (see _measured_costs); while drafting, plain
-        # probes keep it current (PLAIN_REPROBE)
+        # probes keep it current (plain_reprobe)
         self._plain_time = 0.0
         self._plain_rounds = 0.0
         self._join_time = 0.0  # decayed per join: the draft's prefill seconds, and the tokens
         self._join_tokens = 0.0  # the joined rows may emit (their max_new_tokens)
         self._num_rows = 1  # rows in the latest round
-        self._num_drafting_probes = 0  # probes while drafting; every PLAIN_REPROBE-th is plain
+        self._num_drafting_probes = 0  # probes while drafting; every plain_reprobe-th is plain
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -250,10 +255,10 @@ class GoodputPolicy(AdaptivePolicy):
             goodput = expected / (costs[k - 1] + expected * join_cost)
             if k >= self.config.min_num_draft_tokens and goodput > drafting_goodput:
                 drafting_k, drafting_goodput = k, goodput
-        # a plain round: one token per T(0), and drafting must beat it by PLAIN_MARGIN (what
+        # a plain round: one token per T(0), and drafting must beat it by plain_margin (what
         # leaving plain rounds costs unpriced)
         plain = self.config.min_num_draft_tokens == 0 and (
-            PLAIN_MARGIN / plain_cost >= drafting_goodput)
+            self.config.plain_margin / plain_cost >= drafting_goodput)
         self.num_draft_tokens = 0 if plain else drafting_k
         return self._maybe_probe(self.num_draft_tokens)
 
@@ -270,16 +275,16 @@ class GoodputPolicy(AdaptivePolicy):
             if i < len(self._reached):
                 self._reached[i] += reached
                 self._accepted[i] += accepted
-        # a first use's timings weigh FIRST_USE_WEIGHT: alone they price the round (better
+        # a first use's timings weigh first_use_weight: alone they price the round (better
         # than no price), and the first timed round of its depth outweighs them
-        weight = 1.0 if stats.timed else FIRST_USE_WEIGHT
+        weight = 1.0 if stats.timed else self.config.first_use_weight
         k = stats.num_draft_tokens
         if k == 0:  # a plain round measures no drafting: their timings fade, never out
             self._draft_step_time, self._draft_steps = _faded(
                 self._draft_step_time, self._draft_steps, decay)
         elif stats.draft_timed:  # else the old estimate stands (both sums decay alike)
-            draft_time = _capped(stats.draft_time, self._draft_step_time * k,
-                                 self._draft_steps)
+            draft_time = self._capped(stats.draft_time, self._draft_step_time * k,
+                                      self._draft_steps)
             self._draft_step_time = self._draft_step_time * decay + weight * draft_time
             self._draft_steps = self._draft_steps * decay + weight * k
         # T(0) ages with every round, the drafting depths with drafting rounds (plain ones only
@@ -295,21 +300,28 @@ class GoodputPolicy(AdaptivePolicy):
             self._join_time = self._join_time * decay + stats.join_time
             self._join_tokens = self._join_tokens * decay + stats.join_tokens
         if k < len(self._target_time):
-            target_time = _capped(stats.target_time, self._target_time[k],
-                                  self._target_calls[k])
+            target_time = self._capped(stats.target_time, self._target_time[k],
+                                       self._target_calls[k])
             self._target_time[k] += weight * target_time
             self._target_calls[k] += weight
         if k == 0:
-            plain_time = _capped(stats.target_time, self._plain_time, self._plain_rounds)
+            plain_time = self._capped(stats.target_time, self._plain_time, self._plain_rounds)
             self._plain_time = self._plain_time * decay + weight * plain_time
             self._plain_rounds = self._plain_rounds * decay + weight
+
+    def _capped(self, seconds: float, total: float, count: float) -> float:
+        """A round's timing, at most ``outlier_cap`` times the running mean ``total / count``
+        of its kind once that mean rests on a round's weight or more."""
+        if count >= 1.0 and total > 0:
+            return min(seconds, self.config.outlier_cap * total / count)
+        return seconds
 
     def _maybe_probe(self, best_k: int) -> int:
         """Every probe_every rounds (measured costs only), one round at best_k +- 1 (a policy
         that may choose plain rounds times one at its second round, and its first probe is
         one too until it has: k = 0); while best_k is 0, at intervals doubling up to
-        PLAIN_PROBE_BACKOFF * probe_every, except while the draft's acceptance rests on fewer
-        than THIN_EVIDENCE tested positions: then every probe_every rounds (THIN_PROBES times
+        plain_probe_backoff * probe_every, except while the draft's acceptance rests on fewer
+        than thin_evidence tested positions: then every probe_every rounds (thin_probes times
         at most), at the policy's first depth, so that each probe tests several positions (the
         model's own best depth is shallow then, as its acceptance estimate is)."""
         every = self.config.probe_every
@@ -331,14 +343,16 @@ class GoodputPolicy(AdaptivePolicy):
         if self._since_probe < self._probe_interval:
             return best_k
         self._since_probe = 0
-        if best_k == 0 and sum(self._reached) < THIN_EVIDENCE and self._thin_probes_left:
+        thin = sum(self._reached) < self.config.thin_evidence
+        if best_k == 0 and thin and self._thin_probes_left:
             self._thin_probes_left -= 1
             return self._first_k
         if best_k == 0:
-            self._probe_interval = min(2 * self._probe_interval, PLAIN_PROBE_BACKOFF * every)
+            self._probe_interval = min(2 * self._probe_interval,
+                                       self.config.plain_probe_backoff * every)
         elif self.config.min_num_draft_tokens == 0:
             self._num_drafting_probes += 1
-            if self._plain_rounds == 0 or self._num_drafting_probes >= PLAIN_REPROBE:
+            if self._plain_rounds == 0 or self._num_drafting_probes >= self.config.plain_reprobe:
                 self._num_drafting_probes = 0
                 return 0  # the first probe measures a plain round, and every few a fresh one
         self._probe_up = not self._probe_up
@@ -357,21 +371,13 @@ def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
     rounds after its last probe (0.9^200), its model goes back to a flat T(k) = T(0), and it
     drafts deep rounds for a promised gain that costly rounds, a catch-up and rows out of step
     take back. Held at one round's weight, the next probe still counts as much as everything
-    before it. Weights below one (first uses alone, FIRST_USE_WEIGHT) fade out as before: a
+    before it. Weights below one (first uses alone, first_use_weight) fade out as before: a
     bucket's cold first round would otherwise set its T(k) slope alone for good and hold it in
     plain rounds where drafting pays (dev/LOG.md: goodput._faded)."""
     if count < 1.0:
         return total * decay, count * decay
     factor = max(decay, 1.0 / count)
     return total * factor, count * factor
-
-
-def _capped(seconds: float, total: float, count: float) -> float:
-    """A round's timing, at most OUTLIER_CAP times the running mean ``total / count`` of its
-    kind once that mean rests on a round's weight or more."""
-    if count >= 1.0 and total > 0:
-        return min(seconds, OUTLIER_CAP * total / count)
-    return seconds
 
 
 def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:

@@ -107,7 +107,7 @@ class Scheduler:
         self._join_time = 0.0  # the draft's prefill of rows joining since the last round
         self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
         # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
-        # policy with timed=False, and its timings weigh FIRST_USE_WEIGHT: a first round pays
+        # policy with timed=False, and its timings weigh first_use_weight: a first round pays
         # one-off costs that, priced in full, hold a policy in plain rounds where drafting pays.
         # Keyed by bucket rather than exact row counts, and weighed rather than skipped, because
         # rows come and go: otherwise most first rounds go unpriced and the policy drafts deep

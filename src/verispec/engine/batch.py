@@ -154,7 +154,7 @@ class Batch:
         with :meth:`add`'s ``prefilled``; None where the target's backend cannot take a row
         prefilled apart. The batch's own session is asked: a backend that holds one live
         session a model (llama.cpp) must not be asked for another."""
-        if not callable(getattr(self.target.session, "adopt_rows", None)):
+        if not self.target.adopts_rows:
             return None
         return ChunkedPrefill(self._target_model, check_prompts([prompt], self.vocab_size)[0])
 

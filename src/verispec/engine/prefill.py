@@ -7,7 +7,7 @@ the whole prompt's pass (on a large model, for seconds). A :class:`ChunkedPrefil
 the prompt into a cache of its own, a budget's worth of tokens per gap (:meth:`advance`), while
 the batch goes on running rounds; once all of it is in, the row joins
 (``Batch.add(prefilled=...)``) and the batch's target session copies that cache into a free slot
-(``LMSession.adopt_rows``), a copy rather than a pass. The draft, when there is one, prefills
+(``AdoptsRows.adopt_rows``), a copy rather than a pass. The draft, when there is one, prefills
 the prompt at the join as for any row (it is the small model, and a batch running plain rounds
 defers even that).
 

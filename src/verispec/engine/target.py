@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.base import ExtendsRagged, LMSession, PrefillsThroughLastToken, as_ints
+from ..models.base import (AdoptsRows, ExtendsRagged, LMSession, PrefillsThroughLastToken,
+                           as_ints)
 
 
 class TargetScorer:
@@ -41,6 +42,12 @@ class TargetScorer:
         self.pending = _pending(prompts)  # [B, 1]
         self._num_scored: list[int] = []  # draft tokens each row fed in the last score() call
         self._ragged = session if isinstance(session, ExtendsRagged) else None
+        self._adopts = session if isinstance(session, AdoptsRows) else None
+
+    @property
+    def adopts_rows(self) -> bool:
+        """Whether rows prefilled apart can join (:meth:`adopt_rows`; AdoptsRows)."""
+        return self._adopts is not None
 
     def add_rows(self, prompts: Sequence[Sequence[int]]) -> bool:
         """Rows joining between rounds, each with its prompt (>= 1 token). Returns whether
@@ -55,8 +62,9 @@ class TargetScorer:
                    ) -> None:
         """Rows joining whose prompts, but their last tokens, are already in one-row sessions of
         their own (chunked_prefill.ChunkedPrefill): the session copies their caches in
-        (``adopt_rows``, a backend that can)."""
-        self.session.adopt_rows(sessions)  # type: ignore[attr-defined]
+        (a backend that can: :attr:`adopts_rows`)."""
+        assert self._adopts is not None, "the target's session cannot adopt rows"
+        self._adopts.adopt_rows(sessions)
         self.pending = torch.cat([self.pending, _pending(prompts)])
 
     def keep_rows(self, rows: Sequence[int]) -> None:

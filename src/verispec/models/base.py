@@ -3,11 +3,19 @@
 Legend: B batch, n tokens fed in one call, K draft tokens, V vocabulary.
 
 A :class:`LanguageModel` opens :class:`LMSession` objects: stateful, batched views over growing
-token sequences whose (KV) cache holds exactly the tokens fed so far. The session has four
-verbs: ``start`` (prefill prompts), ``extend`` (feed tokens, get the logits after each),
-``feed`` (append ragged rows of tokens, no logits) and ``rewind`` (drop the last few tokens of
-each row, ragged). Rewind must leave the session exactly
-as if the dropped tokens had never been fed; the engine relies on it after every rejection.
+token sequences whose (KV) cache holds exactly the tokens fed so far. The session has six
+verbs, all the engine calls on any backend:
+  start      prefill one prompt per row (a fresh batch)
+  extend     feed tokens [B, n], get the logits after each
+  feed       append ragged rows of tokens, no logits (a draft catching up)
+  rewind     drop the last few tokens of each row, ragged
+  add_rows   rows joining between rounds, each with its prompt
+  keep_rows  rows leaving between rounds: keep these, in this order
+Rewind must leave the session exactly as if the dropped tokens had never been fed; the engine
+relies on it after every rejection. Optional abilities are protocols of their own, each
+checked once where the engine opens a session (engine/target.py): AdoptsRows (rows prefilled
+apart, chunked prefill), PrefillsThroughLastToken (prompts decoded with their last token) and
+ExtendsRagged (each row fed only its own draft); CapturesSteps is one of models.
 
 The engine knows nothing about tokenisation, devices or caches: it only calls these verbs.
 """
@@ -45,6 +53,25 @@ class LMSession(Protocol):
     def rewind(self, num_tokens: torch.Tensor | Sequence[int]) -> None:
         """Drop the last num_tokens[b] fed tokens of each row b; num_tokens [B] ints >= 0 (a
         list, as the engine passes, or an int64 tensor)."""
+
+    def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
+        """New rows at the end, one per prompt (host ids, possibly empty), fed as ``start``
+        would; the rows already here are untouched. ``ride``: the prompts may instead be fed
+        with the next ``extend`` in the same pass, where the backend can (it then feeds them
+        first, and they get no logits). Returns whether they ride."""
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (distinct indices), in this order; the others' caches go."""
+
+
+@runtime_checkable
+class AdoptsRows(Protocol):
+    """A session that takes rows prefilled apart: one-row sessions of the same model, each
+    prefilled in chunks between rounds (engine/prefill.py), whose caches it copies in at the
+    end as new rows. Without it a long prompt joins by ``add_rows``."""
+
+    def adopt_rows(self, sessions: Sequence[LMSession]) -> None:
+        """New rows at the end holding the one-row ``sessions``' tokens (copied, not fed)."""
 
 
 @runtime_checkable

@@ -54,7 +54,7 @@ class TargetScorer:
     def adopt_rows(self, sessions: Sequence[LMSession], prompts: Sequence[Sequence[int]]
                    ) -> None:
         """Rows joining whose prompts, but their last tokens, are already in one-row sessions of
-        their own (chunked_prefill.ChunkedPrefill): the session copies their caches in
+        their own (prefill.ChunkedPrefill): the session copies their caches in
         (``adopt_rows``, a backend that can)."""
         self.session.adopt_rows(sessions)  # type: ignore[attr-defined]
         self.pending = torch.cat([self.pending, _pending(prompts)])

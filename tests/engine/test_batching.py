@@ -296,7 +296,7 @@ def _finish_and_compare_alone(decoder, batch, rows) -> None:
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_long_prompt_prefilled_in_chunks_joins_as_if_prefilled_whole(tiny_decoder, backend,
                                                                        speculative):
-    # chunked_prefill: the prompt goes in 7 tokens a gap while the running row decodes, then its
+    # engine/prefill.py: the prompt goes in 7 tokens a gap while the running row decodes, then its
     # row joins with its cache copied in; both rows' greedy text equals each sent alone
     decoder = tiny_decoder[backend]
     long_prompt = [5, 6, 7, 8] * 25

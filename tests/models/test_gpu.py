@@ -254,7 +254,7 @@ def test_bench_on_cuda_reports_gpu_memory_and_plain_equality(model_dirs):
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_long_prompt_prefilled_in_chunks_on_cuda_joins_as_if_whole(model_dirs, backend):
-    # chunked_prefill on CUDA: the long prompt goes in 9 tokens a round while a row decodes,
+    # engine/prefill.py on CUDA: the long prompt goes in 9 tokens a round while a row decodes,
     # its cache is copied into the batch's (adopt_rows); both greedy texts equal each alone
     decoder = verispec.load(*model_dirs, device="cuda", backend=backend)
     long_prompt = [5, 6, 7, 8, 9] * 20

@@ -134,7 +134,7 @@ class GenerationConfig:
         verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average) or
         "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
         (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a
-        draft token while it is the target's own sample at its position (seeded.py).
+        draft token while it is the target's own sample at its position (spec/seeded.py).
     """
 
     max_new_tokens: int = 64
@@ -176,7 +176,7 @@ class GenerationConfig:
 VERIFICATION_RULES = ("block", "token")  # the first is the default
 # the rules a sampled `verispec bench` row can run under: block and token verification of
 # unseeded rows (their generator seeded by the bench), and "seeded": a row with a seed, whose
-# tokens are races on keyed clocks (seeded.py), which couples the draft to the target instead
+# tokens are races on keyed clocks (spec/seeded.py), which couples the draft to the target instead
 BENCH_RULES = VERIFICATION_RULES + ("seeded",)
 
 

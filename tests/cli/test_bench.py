@@ -197,7 +197,7 @@ def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
     # benchmarks/batching_ceiling.py on the shipped pair, shortened: every mode runs every
     # client count, each level completes all its requests, the ratios are within the run, and
     # the JSON holds the rows printed. The load benchmark's clients send different prompts at
-    # any moment (batching_load.client_prompt).
+    # any moment (benchmarks/batching_load.py's client_prompt).
     script_dir = Path(__file__).parents[2] / "benchmarks"
     client_prompt = runpy.run_path(str(script_dir / "batching_load.py"))["client_prompt"]
     for request in range(8):

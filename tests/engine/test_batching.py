@@ -1,11 +1,11 @@
 """Batched generation and continuous batching: rows with settings of their own, rows joining and
 leaving between rounds, and each row's output independent of the others.
 
-Three layers: the engine's batch.Batch on fixture models (exact arithmetic, so "unchanged"
+Three layers: the engine's engine.batch.Batch on fixture models (exact arithmetic, so "unchanged"
 means equal token for token, and the G-test on a batch mixing temperatures, with its negative
 control); the library's Decoder.generate over a list of prompts on real models (greedy text of
 each prompt in a batch of mixed lengths == the prompt alone, k in {1, 2, 4}); the server's
-continuous batching is tested in test_server_batching.py.
+continuous batching is tested in tests/server/test_server_batching.py.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def _finish_and_compare_alone(decoder, batch, rows) -> None:
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_long_prompt_prefilled_in_chunks_joins_as_if_prefilled_whole(tiny_decoder, backend,
                                                                        speculative):
-    # chunked_prefill: the prompt goes in 7 tokens a gap while the running row decodes, then its
+    # engine/prefill.py: the prompt goes in 7 tokens a gap while the running row decodes, then its
     # row joins with its cache copied in; both rows' greedy text equals each sent alone
     decoder = tiny_decoder[backend]
     long_prompt = [5, 6, 7, 8] * 25
@@ -447,10 +447,10 @@ def test_a_row_at_the_end_of_its_context_is_not_fed_a_deeper_rows_draft(build):
 
 
 def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
-    # a CUDA graph's capture (models/step_graphs.py) is a one-off cost of the round that made
-    # it: that round reaches the policy untimed, like a first use. No GPU here: the static
-    # steps run eagerly, and every new step is counted as a capture. Control: the same rounds
-    # with no step new are timed
+    # a CUDA graph's capture (models/fast_llama/step_graphs.py) is a one-off cost of the round that
+    # made it: that round reaches the policy untimed, like a first use. No GPU here: the static
+    # steps run eagerly, and every new step is counted as a capture. Control: the same rounds with
+    # no step new are timed
     from verispec.models.fast_llama.model import FastLlamaLM
     from verispec.models.fast_llama.step_graphs import StepGraphs
 
@@ -480,7 +480,7 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
 
 def test_policy_evidence_counts_a_missing_draft_position_as_rejected():
     # a lookup that finds fewer tokens than asked gains nothing at the first position it
-    # lacks: the depth policy sees it tested and rejected there (scheduler.policy_evidence)
+    # lacks: the depth policy sees it tested and rejected there (policy.scheduler.policy_evidence)
     assert policy_evidence([4, 4], [2, 0], [2, 0]) == (4, [2, 1, 1, 0], [1, 1, 0, 0])
     assert policy_evidence([3], [3], [1]) == (3, [1, 1, 0], [1, 0, 0])  # a draft model's
     assert policy_evidence([0, 0], [0, 0], [0, 0]) == (0, [], [])

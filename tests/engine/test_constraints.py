@@ -1,4 +1,4 @@
-"""Structured output under exact speculation (constraints.py): equality, the law, validity.
+"""Structured output under exact speculation (engine/constraints.py): equality, the law, validity.
 
   * greedy constrained speculative == greedy constrained plain, k in {1, 2, 4}, for the draft
     model, n-gram and hybrid proposers, on tiny models (batch 3, a different grammar per row and

@@ -204,7 +204,7 @@ def test_same_seed_same_output_different_seed_different_output():
                          ids=["t1", "truncated"])
 def test_a_sampling_draft_draws_each_token_from_the_probs_it_reports(sampling):
     # the draft takes its round's uniforms in one draw; its tokens must be exactly those that
-    # one sampling.sample call per step, on the distributions it reports, gives from the same
+    # one spec.sampling.sample call per step, on the distributions it reports, gives from the same
     # generator, and the generator must end where those calls leave it
     target = _target(order=2)
     draft = _noisy_draft(target)
@@ -341,9 +341,9 @@ def test_metrics_addition_sums_counters():
 
 
 def test_empty_metrics_is_the_identity_of_addition():
-    # metrics.py documents `sum(..., GenerationMetrics())` as a way to add metrics up exactly;
-    # that needs GenerationMetrics() to be neutral, fixed_cost_ratio included. Regression: the
-    # sum once dropped m's fixed_cost_ratio (None != 0.1 -> None), silently switching
+    # engine/metrics.py documents `sum(..., GenerationMetrics())` as a way to add metrics up
+    # exactly; that needs GenerationMetrics() to be neutral, fixed_cost_ratio included. Regression:
+    # the sum once dropped m's fixed_cost_ratio (None != 0.1 -> None), silently switching
     # modelled_speedup from the configured ratio to the measured one.
     decoder, _ = _decoder()
     config = GenerationConfig(max_new_tokens=10, num_draft_tokens=3, seed=1, cost_ratio=0.1)

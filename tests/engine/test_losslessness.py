@@ -332,7 +332,8 @@ def _rule_verify(accept, recover):
 
 def inject_verify(monkeypatch, verify_fn) -> None:
     """Make the engine verify with ``verify_fn`` (verify's signature and result, one generator)
-    at temperature > 0, where it calls verify.verify_rows: verify read back as host lists."""
+    at temperature > 0, where it calls spec.rejection.verify_rows: verify read back as host
+    lists."""
 
     def injected_verify_rows(draft_tokens, draft_probs, target_probs, generators,
                              num_draft_tokens=None):

@@ -1,4 +1,4 @@
-"""The flat Llama forward (models/fast_llama.py) against its reference, the transformers forward."""
+"""The flat Llama forward (models/fast_llama/) against its reference, the transformers forward."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from verispec.models.hf.adapter import TransformersLM
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 VOCAB = 97
-# both projection kernels, whichever "auto" picks on this machine (models/matmul.py)
+# both projection kernels, whichever "auto" picks on this machine (models/fast_llama/matmul.py)
 MATMULS = ["aten", pytest.param("onednn", marks=pytest.mark.skipif(
     not onednn_available(), reason="this torch build has no oneDNN"))]
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12, 13], [20], [30, 31, 32]]
@@ -256,7 +256,7 @@ def check_next_logits(model, session, history: list[list[int]], first_token: int
 
 def count_passes(monkeypatch) -> list[str]:
     """Record each fast pass from now on: "padded" (FastLlamaLM.forward) or "packed"
-    (models.packed.feed_packed, as the session calls it)."""
+    (models.fast_llama.packed.feed_packed, as the session calls it)."""
     passes: list[str] = []
     forward, packed = FastLlamaLM.forward, fast_llama_session.feed_packed
 
@@ -478,7 +478,7 @@ def test_onednn_reads_packed_copies_and_leaves_the_models_weights_as_they_were(m
     attn = model.model.layers[0].self_attn
     before = attn.o_proj.weight.clone()
     lm = FastLlamaLM(model, matmul="onednn")
-    # packed: oneDNN's blocked layout, read only by its kernel (models/matmul.py)
+    # packed: oneDNN's blocked layout, read only by its kernel (models/fast_llama/matmul.py)
     assert all(w.is_mkldnn for layer in lm.layers
                for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert lm.head_weight.is_mkldnn
@@ -642,9 +642,9 @@ def one_row_compilations(num_other_shapes: int, **env: str) -> int:
 def test_onednn_caches_are_bounded_unless_the_environment_sets_them():
     """A server meets a new row count in most passes that carry prompts; oneDNN's and ideep's
     caches keep every compiled product (1024 each by default) and its memory grew for minutes.
-    The library caps both (matmul.bound_onednn_caches): the one-row product, pushed out by
-    more shapes than the cap, is compiled again; with the user's own larger capacities (the
-    control) it is compiled once."""
+    The library caps both (models.fast_llama.matmul.bound_onednn_caches): the one-row product,
+    pushed out by more shapes than the cap, is compiled again; with the user's own larger capacities
+    (the control) it is compiled once."""
     beyond_cap = matmul_module.ONEDNN_CACHE_CAPACITY + 44
     assert one_row_compilations(beyond_cap) == 2
     users = dict.fromkeys(matmul_module.ONEDNN_CACHE_VARIABLES, "1024")

@@ -9,8 +9,8 @@ runs them). What is checked here and not on the CPU:
     k in {1, 2, 4, 8}, batch 1 and 3; sampled output is reproducible per seed, leaves the global RNGs (CPU and CUDA) alone,
     and drafts and target meet on one device (a mismatch is refused at construction);
   * bfloat16 on the GPU through the public API, the CLI and the bench;
-  * the fast path's steps captured as CUDA graphs (models/step_graphs.py, on by default): the
-    demo pair's greedy speculative output equals its plain output at k in {1, 2, 4, 8}, batch 1
+  * the fast path's steps captured as CUDA graphs (models/fast_llama/step_graphs.py, on by default):
+    the demo pair's greedy speculative output equals its plain output at k in {1, 2, 4, 8}, batch 1
     and 8, in bfloat16; replays stay exact as rows join and leave and the cache grows; the law
     of the first two sampled tokens passes a G-test whose negative control fails.
 The law of sampled output on CUDA is also tested in test_real_losslessness.py (its cuda cases).
@@ -254,7 +254,7 @@ def test_bench_on_cuda_reports_gpu_memory_and_plain_equality(model_dirs):
 
 @pytest.mark.parametrize("backend", ["fast", "transformers"])
 def test_a_long_prompt_prefilled_in_chunks_on_cuda_joins_as_if_whole(model_dirs, backend):
-    # chunked_prefill on CUDA: the long prompt goes in 9 tokens a round while a row decodes,
+    # engine/prefill.py on CUDA: the long prompt goes in 9 tokens a round while a row decodes,
     # its cache is copied into the batch's (adopt_rows); both greedy texts equal each alone
     decoder = verispec.load(*model_dirs, device="cuda", backend=backend)
     long_prompt = [5, 6, 7, 8, 9] * 20
@@ -289,7 +289,7 @@ def test_cuda_graph_steps_times_each_step_eager_and_graphed(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA graphs (models/step_graphs.py)
+# CUDA graphs (models/fast_llama/step_graphs.py)
 
 
 @pytest.fixture(scope="module")

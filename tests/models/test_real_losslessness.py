@@ -1,15 +1,14 @@
 """Sampling losslessness on real transformers models: the law of the first two emitted tokens.
 
-The statistical tests in test_losslessness.py use fixture LMs with closed-form laws; this one
-runs the whole stack on a real LlamaForCausalLM target and a smaller real Llama draft (the
-target's first layer, embeddings and head: clearly different distributions, acceptance ~0.6),
-over a 24-token vocabulary, on the CPU and (marked gpu) on CUDA. One batched generation of
-NUM_SAMPLES identical prompts (the adapter runs all rows in one forward per step) gives
-NUM_SAMPLES i.i.d. draws of (x1, x2); the
-exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the target alone
-with verispec.spec.sampling.to_probs and the same SamplingConfig, and compared with a pooled G-test
-(tests/helpers/helpers_stats.py). A negative control swaps in a verification that accepts every draft
-token; the same harness must reject it.
+The statistical tests in tests/engine/test_losslessness.py use fixture LMs with closed-form laws;
+this one runs the whole stack on a real LlamaForCausalLM target and a smaller real Llama draft (the
+target's first layer, embeddings and head: clearly different distributions, acceptance ~0.6), over a
+24-token vocabulary, on the CPU and (marked gpu) on CUDA. One batched generation of NUM_SAMPLES
+identical prompts (the adapter runs all rows in one forward per step) gives NUM_SAMPLES i.i.d. draws
+of (x1, x2); the exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the
+target alone with verispec.spec.sampling.to_probs and the same SamplingConfig, and compared with a
+pooled G-test (tests/helpers/helpers_stats.py). A negative control swaps in a verification that
+accepts every draft token; the same harness must reject it.
 
 Why max_new_tokens = k + 1 and not 2: the engine never drafts past max_new_tokens (it uses
 k' = min(k, remaining - 1)), so with max_new_tokens = 2 every k would run as k = 1. With k + 1

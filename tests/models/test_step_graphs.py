@@ -1,6 +1,6 @@
-"""The fast path's static-shape steps (models/step_graphs.py) on the CPU: what a CUDA graph
-replays, run eagerly, must give the reference's logits and the eager path's tokens. The capture
-itself needs a GPU (tests/models/test_gpu.py)."""
+"""The fast path's static-shape steps (models/fast_llama/step_graphs.py) on the CPU: what a CUDA
+graph replays, run eagerly, must give the reference's logits and the eager path's tokens. The
+capture itself needs a GPU (tests/models/test_gpu.py)."""
 # ruff: noqa: F811 (the tests take test_fast_llama's module fixtures target and draft by name)
 
 from __future__ import annotations

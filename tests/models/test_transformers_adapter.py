@@ -1,6 +1,6 @@
 """The transformers adapter on tiny real models: greedy equality, cache rewind, vocab, context.
 
-Three layers of evidence that the adapter (models/transformers.py) is exact:
+Three layers of evidence that the adapter (models/hf/adapter.py) is exact:
   * greedy equality, token for token, between speculative decoding (k in {1, 2, 4, 8}), plain
     decoding through the same engine, and transformers' own ``model.generate``, on a tiny
     random-init Llama and GPT-2 (batched ragged prompts and batch 1 through verispec.load) and

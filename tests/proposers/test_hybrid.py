@@ -3,9 +3,9 @@
 Three layers: the draft model's catch-up after rounds it did not propose (ragged rows) against a
 fresh session on tiny real models (both backends); greedy equality with plain decoding on
 fixture Markov chains and real models (library, CLI), with both kinds of round shown to occur;
-and the output law at temperature > 0 by test_losslessness.py's G-test harness, for n-gram
-drafting alone and for the hybrid (whose first round is a lookup round that leaves rows ragged,
-followed by draft-model rounds that catch up), with negative controls that must fail.
+and the output law at temperature > 0 by tests/engine/test_losslessness.py's G-test harness, for
+n-gram drafting alone and for the hybrid (whose first round is a lookup round that leaves rows
+ragged, followed by draft-model rounds that catch up), with negative controls that must fail.
 """
 
 from __future__ import annotations

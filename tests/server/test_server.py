@@ -226,7 +226,7 @@ def test_chat_greedy_equals_decoder_on_the_plain_template(client, reference):
 
 
 def test_chat_uses_the_tokenizers_template_and_refuses_a_model_without_one():
-    """ChatPrompt.encode renders with the decoder's template (chat.py): the tokenizer's own;
+    """ChatPrompt.encode renders with the decoder's template (text/chat.py): the tokenizer's own;
     a tokenizer with none, and no template named, gets ChatTemplateMissing (a 400)."""
     messages = (ChatMessage("system", "Be brief."), ChatMessage("user", "hi"))
     tokenizer = build_tokenizer()
@@ -276,7 +276,8 @@ def test_max_tokens_omitted_fills_the_window_up_to_the_limit(small_window_url,
 
 def test_chat_without_a_template_is_a_400_naming_the_option(small_window_url):
     """The small-window server's model has no chat template and none was named: its chat route
-    refuses (chat.ChatTemplateMissing) rather than guessing a format; completions still work."""
+    refuses (text.chat.ChatTemplateMissing) rather than guessing a format; completions still
+    work."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     out = httpx.post(small_window_url + "/v1/chat/completions", json=body, timeout=60)
     assert out.status_code == 400, out.text

@@ -308,7 +308,7 @@ class _RecordedWorker:
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_row_streams(model_dirs,
                                                                              monkeypatch):
     # prefill budget 8: a ~90-token prompt arriving while a row streams goes in 8 tokens a gap
-    # (chunked_prefill.py) while the running row gets its rounds (a delta in most: some hold
+    # (engine/prefill.py) while the running row gets its rounds (a delta in most: some hold
     # text back; admitted whole, the prompt would start within a round); both texts equal the
     # same requests alone
     decoder = verispec.load(*model_dirs, chat_template="plain")

@@ -1,4 +1,4 @@
-"""sampling.py: logits -> probs (temperature, top-k, top-p) and seeded draws.
+"""spec/sampling.py: logits -> probs (temperature, top-k, top-p) and seeded draws.
 
 Legend: N draws, V vocabulary.
 """

@@ -1,4 +1,4 @@
-"""verify.py, verify_greedy.py, diagnostics.py: batched modified rejection sampling, its
+"""spec/rejection.py, spec/greedy.py, spec/theory.py: batched modified rejection sampling, its
 temperature-0 forms, its edge cases, and the diagnostics.
 
 Three layers: exact spike cases (hand-built distributions whose outcome is certain), the batched

@@ -1,4 +1,4 @@
-"""verify_block.py: block verification (Sun et al., ICLR 2025).
+"""spec/block.py: block verification (Sun et al., ICLR 2025).
 
 Three layers: exact spike cases; the exact output law by enumeration over tiny vocabularies,
 equal to the target's law of k+1 tokens, with negative controls that must fail it; and the
@@ -164,7 +164,7 @@ def _block_law(draft: dict, target: dict, k: int, vocab_size: int, rule: str = "
 
 
 def _token_wise_expected_accepted(draft: dict, target: dict, k: int, vocab_size: int) -> float:
-    """E[num_accepted] of verify.py's rule: sum_X q(X) sum_i prod_{j <= i} min(1, p_j / q_j)."""
+    """E[num_accepted] of rejection.py's rule: sum_X q(X) sum_i prod_{j <= i} min(1, p_j / q_j)."""
     draft_tokens, draft_probs, target_probs, block_probs = _draft_blocks(draft, target, k,
                                                                          vocab_size)
     index = draft_tokens[..., None]

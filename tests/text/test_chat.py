@@ -6,7 +6,7 @@ naming the value, a template's raise_exception and malformed messages are InputE
 end-of-turn token is found only where the vocabulary has it as one token. Then the shipped demo
 pair, whose tokenizer carries the "plain" template: Decoder.chat is Decoder.generate on the
 rendered prompt, token for token, and stream_chat and `verispec chat` give the same text.
-Real chat models (SmolLM2, Gemma 3) are in test_real_models.py.
+Real chat models (SmolLM2, Gemma 3) are in tests/models/test_real_models.py.
 """
 
 from __future__ import annotations

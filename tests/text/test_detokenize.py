@@ -128,7 +128,7 @@ def test_special_tokens_add_no_text():
 
 
 # ---------------------------------------------------------------------------------------------
-# stop strings (text_stream.RowText): the cut is a function of the text, not of the chunking
+# stop strings (text.stream.RowText): the cut is a function of the text, not of the chunking
 
 NESTED_STOPS = ("\n\nUser:", "User")  # "User" lies inside "\n\nUser:" and completes first
 

@@ -127,7 +127,7 @@ class _Method:
 
 def _llama_server_method(name: str, server, k: int | None, settings: BenchSettings,
                          temperature: float) -> _Method:
-    """llama.cpp's own server (bench_llama_server.py) on one prompt, over HTTP on loopback."""
+    """llama.cpp's own server (llama_server.py) on one prompt, over HTTP on loopback."""
     method: _Method
 
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], None]:

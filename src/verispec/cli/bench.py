@@ -1,6 +1,6 @@
 """``verispec bench`` on the command line: arguments, progress, the table, JSON and the plot.
 
-The measuring lives in bench.py; this module only presents it (rich, matplotlib are the
+The measuring lives in bench/run.py; this module only presents it (rich, matplotlib are the
 ``[bench]`` extra and are imported when the command runs).
 """
 
@@ -188,7 +188,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                              rules=tuple(dict.fromkeys(args.rules)))
     console = Console(stderr=True)
     env = environment(decoder.target.device)
-    # the projections' kernel of verispec's target (models/matmul.py); transformers' own
+    # the projections' kernel of verispec's target (models/fast_llama/matmul.py); transformers' own
     # forward (generate(), assisted generation) always runs ATen's
     matmul = decoder.target.matmul
     device = args.device + (f" ({env['accelerator']})" if "accelerator" in env else "")

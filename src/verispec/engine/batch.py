@@ -6,17 +6,17 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
   1. propose: the proposer drafts k_b tokens for each row b, under the row's own sampling
               settings and from the row's own generator (proposers.base.DraftPlan);
   2. score:   the target runs ONE pass over [last committed token, d_1 .. d_K] for every row
-              -> K+1 logits per row; each row's are processed by sampling.to_probs under its
-              own settings (at temperature 0 only their argmax, sampling.greedy_tokens);
-  3. verify:  greedy rows by verify_greedy.verify_greedy_rows (no random numbers), seeded
+              -> K+1 logits per row; each row's are processed by spec.sampling.to_probs under its
+              own settings (at temperature 0 only their argmax, spec.sampling.greedy_tokens);
+  3. verify:  greedy rows by spec.greedy.verify_greedy_rows (no random numbers), seeded
               sampled rows against the target's race winners on their keyed clocks
-              (seeded.py), other sampled rows by block or token-wise rejection sampling
+              (spec/seeded.py), other sampled rows by block or token-wise rejection sampling
               with uniforms from their own generators, each reading only its first k_b
               draft tokens and k_b + 1 distributions (steps 2-3 row by row:
-              batch_verify.py);
+              verification.py);
   4. commit:  both sides rewind each row to its accepted prefix and append the new token (a
               round that only measures drafting for the depth policy keeps the first token
-              of every row: scheduler.Scheduler._measuring);
+              of every row: policy.scheduler.Scheduler._measuring);
   5. emit:    each row's new tokens, cut at its first stop token and at its max_new_tokens;
               finished rows leave the batch.
 Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
@@ -27,8 +27,8 @@ numbers, so its output law is the target's whatever the other rows do. A seeded 
 are the target's samples at their positions on clocks keyed by its seed, so they are the same
 whatever k, proposer, policy or batch mates (they could differ only where batched arithmetic
 rounds its logits differently enough to flip a race).
-Depth: before each round the scheduler (scheduler.py) plans each row's k, from the batch's
-adaptive policy (adaptive.py; one per batch-size bucket, and it may choose k = 0: a plain
+Depth: before each round the scheduler (policy/scheduler.py) plans each row's k, from the batch's
+adaptive policy (policy/; one per batch-size bucket, and it may choose k = 0: a plain
 round for the whole batch) or the row's own fixed k (rows.Row); after it, the round is
 reported back to it.
 

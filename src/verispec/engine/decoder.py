@@ -4,7 +4,7 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 :class:`SpeculativeDecoder` holds a target and a proposer; ``stream``/``generate`` run a batch of
 prompts under one GenerationConfig as a :class:`DecodingRun`, and ``batch`` opens a
-:class:`verispec.batch.Batch` that rows join and leave with configs of their own (what the
+:class:`verispec.engine.batch.Batch` that rows join and leave with configs of their own (what the
 server's continuous batching and ``Decoder.generate`` over a list use). The round itself,
 propose -> score -> verify -> commit -> emit (Leviathan et al. 2023, Algorithm 1), is
 batch.Batch.step; plain decoding is the same loop with k = 0 and no proposer.
@@ -96,8 +96,8 @@ class SpeculativeDecoder:
 
     def batch(self, speculative: bool = True, policy: AdaptivePolicyConfig | None = None,
               initial_num_draft_tokens: int = 1, cost_ratio: float | None = None) -> Batch:
-        """An empty :class:`verispec.batch.Batch`: rows join with ``add`` (configs, generators
-        and grammars of their own) and leave between rounds; ``step`` runs one round.
+        """An empty :class:`verispec.engine.batch.Batch`: rows join with ``add`` (configs,
+        generators and grammars of their own) and leave between rounds; ``step`` runs one round.
         ``policy``: the adaptive depth policy of rows whose config has ``adaptive`` set."""
         return Batch(self.target, self.proposer if speculative else None, policy,
                      initial_num_draft_tokens, self.carried_policies, cost_ratio)
@@ -114,7 +114,7 @@ class SpeculativeDecoder:
 class DecodingRun:
     """One generation of a fixed batch under one config. Iterate it for :class:`Chunk` s (one
     per round); read ``result()`` at the end. ``config.seed`` fixes the whole batch's tokens:
-    sampled row i races on the clocks of (seed, lane i) (seeded.py), so its text does not
+    sampled row i races on the clocks of (seed, lane i) (spec/seeded.py), so its text does not
     depend on k, the proposer or the other rows; a greedy batch draws nothing, and without a
     seed every row draws from one generator seeded by the OS."""
 

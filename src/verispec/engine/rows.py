@@ -1,10 +1,10 @@
 """One sequence of a batch: its settings, its random numbers, what it has emitted, its metrics.
 
-A :class:`Row` is what the engine's :class:`verispec.batch.Batch` keeps per sequence, and what
-a caller holds to read a generation's progress: rows join a batch with their own
+A :class:`Row` is what the engine's :class:`verispec.engine.batch.Batch` keeps per sequence, and
+what a caller holds to read a generation's progress: rows join a batch with their own
 GenerationConfig (sampling, stop tokens, max_new_tokens, min_new_tokens, depth) and their own
 torch.Generator, and leave it when they finish or are removed. What this is not: the round
-(batch.py) or text (text_stream.py).
+(batch.py) or text (text/stream.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Row:
     is its config's num_draft_tokens.
 
     A seeded sampled row (``keyed``) draws each token from the clocks of its position
-    (seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
+    (spec/seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
     seed and settings whatever k, proposer, depth policy or batch mates. Other sampled rows
     draw from ``generator`` (rejection sampling)."""
 

@@ -61,7 +61,7 @@ class TargetScorer:
     def adopt_rows(self, sessions: Sequence[LMSession], prompts: Sequence[Sequence[int]]
                    ) -> None:
         """Rows joining whose prompts, but their last tokens, are already in one-row sessions of
-        their own (chunked_prefill.ChunkedPrefill): the session copies their caches in
+        their own (prefill.ChunkedPrefill): the session copies their caches in
         (a backend that can: :attr:`adopts_rows`)."""
         assert self._adopts is not None, "the target's session cannot adopt rows"
         self._adopts.adopt_rows(sessions)

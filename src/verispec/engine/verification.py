@@ -3,16 +3,16 @@ settings, then each row verified by its own rule.
 
 Legend: B rows, K draft tokens this round (the largest row's k), V vocabulary, S sampled rows.
 
-What it is: the part of :class:`verispec.batch.Batch`'s round between the target's pass and the
-commit, as functions of the rows (rows.Row: settings, stop tokens, generator, clocks) and
+What it is: the part of :class:`verispec.engine.batch.Batch`'s round between the target's pass and
+the commit, as functions of the rows (rows.Row: settings, stop tokens, generator, clocks) and
 tensors. A greedy row takes the target's argmax (no random numbers,
-verify_greedy.verify_greedy_rows); a seeded sampled row the target's race winner on its
-position-keyed clocks (seeded.py); another sampled row its own temperature/top-k/top-p
+spec.greedy.verify_greedy_rows); a seeded sampled row the target's race winner on its
+position-keyed clocks (spec/seeded.py); another sampled row its own temperature/top-k/top-p
 distributions and its own generator's uniforms under block or token-wise verification
-(verify_block.py, verify.py). A row with min_new_tokens has its stop tokens masked out of the
+(spec/block.py, spec/rejection.py). A row with min_new_tokens has its stop tokens masked out of the
 target's distribution where they are not yet allowed.
-What it is not: the acceptance math (verify.py, verify_block.py, verify_greedy.py,
-seeded.py), the loop, its policy and its caches (batch.py).
+What it is not: the acceptance math (spec/rejection.py, spec/block.py, spec/greedy.py,
+spec/seeded.py), the loop, its policy and its caches (batch.py).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
 
     Three rules, one per kind of row: greedy rows keep draft tokens while they are the
     target's argmax; keyed rows (seeded, sampled) while they are the target's race winner on
-    the row's clocks (seeded.py); the other sampled rows by rejection sampling, token-wise
-    (verify.py) or over the block (verify_block.py) as their config's ``verification`` asks,
+    the row's clocks (spec/seeded.py); the other sampled rows by rejection sampling, token-wise
+    (spec/rejection.py) or over the block (spec/block.py) as their config's ``verification`` asks,
     with their own generators."""
     num_rows, width = draft_tokens.shape
     num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
@@ -134,7 +134,7 @@ def _rule(row: Row, draft_probs: torch.Tensor | None) -> str:
 def _verify_keyed(row: Row, drafted: list[int], target_probs: torch.Tensor,
                   vocab_size: int) -> tuple[int, list[int]]:
     """A keyed row: keep draft tokens while each is the target's race winner at its position
-    (seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
+    (spec.seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
     row's k_b draft tokens. Races run only up to the first mismatch, on the host (one copy of
     the row's k_b + 1 distributions, not one per race, from an accelerator). -> (num_accepted,
     the accepted tokens and the next one)."""

@@ -10,20 +10,19 @@ until every length had been seen once (dev/LOG.md: attention kernels).
 Memory-efficient attention has no per-shape planning, and it is the one kernel used for every
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
 (k + 1)-token verification passes, and two kernels round bf16 differently, which broke greedy
-equality between plain and speculative decoding on the GPU (tests/models/test_gpu.py). The math kernel
-stays as the fallback for what the efficient kernel does not take (on some torch versions,
+equality between plain and speculative decoding on the GPU (tests/models/test_gpu.py). The math
+kernel stays as the fallback for what the efficient kernel does not take (on some torch versions,
 grouped-query heads: still exact, slower on long contexts).
 
-On a CPU in float32, :func:`attend` computes batched passes of several queries a row
-(verification passes of 8 rows or more) as two batched matmuls around a softmax, and leaves
-single-query steps, small batches and prefills (packed.py) to scaled_dot_product_attention.
-torch's CPU flash kernel splits a few-query pass into blocks that each pay a fixed cost, so on
-many rows a pass of two or more queries is cheaper as matmuls, while a 1-query step is as fast
-or faster in the flash kernel, and so are 1-row passes and packed prefills (dev/LOG.md:
-attention kernels). Neither path
-is bit for bit invariant to the padded key length or to the number of queries (they differ from
-each other by ~2e-7, as the flash kernel differs from itself between 1 and 2 queries); greedy
-equality with plain decoding and with each request alone is what the tests check.
+On a CPU in float32, :func:`attend` computes batched passes of several queries a row (verification
+passes of 8 rows or more) as two batched matmuls around a softmax, and leaves single-query steps,
+small batches and prefills (fast_llama/packed.py) to scaled_dot_product_attention. torch's CPU flash
+kernel splits a few-query pass into blocks that each pay a fixed cost, so on many rows a pass of two
+or more queries is cheaper as matmuls, while a 1-query step is as fast or faster in the flash
+kernel, and so are 1-row passes and packed prefills (dev/LOG.md: attention kernels). Neither path is
+bit for bit invariant to the padded key length or to the number of queries (they differ from each
+other by ~2e-7, as the flash kernel differs from itself between 1 and 2 queries); greedy equality
+with plain decoding and with each request alone is what the tests check.
 
 Rows of different lengths (a batch whose rows joined at different times, or one long prompt
 among short ones) attend in contiguous ranges of rows, each over its own longest row's keys
@@ -32,7 +31,7 @@ long row among short ones would make every row of a pass read the long row's key
 cost a multiple of the short rows' alone. Rows whose lengths differ less stay one range
 (SEGMENT_CALL_BYTES).
 
-Not here: the layers around attention (fast_llama.py, packed.py).
+Not here: the layers around attention (fast_llama/model.py, fast_llama/packed.py).
 """
 
 from __future__ import annotations

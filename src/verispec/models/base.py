@@ -108,9 +108,9 @@ class ExtendsRagged(Protocol):
 @runtime_checkable
 class CapturesSteps(Protocol):
     """A model (or a proposer over one) that captures its steps as CUDA graphs
-    (models/step_graphs.py): ``num_captured`` counts the captures so far. A capture is a one-off
-    cost of the round that made it, which the depth policy must not take for the depth's
-    price (scheduler.Scheduler.report)."""
+    (models/fast_llama/step_graphs.py): ``num_captured`` counts the captures so far. A capture is a
+    one-off cost of the round that made it, which the depth policy must not take for the depth's
+    price (policy.scheduler.Scheduler.report)."""
 
     @property
     def num_captured(self) -> int: ...

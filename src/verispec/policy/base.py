@@ -16,7 +16,7 @@ config, sampling settings and batch size) and the new one starts from a copy of 
 learned: a short request then runs at the learned depth from its first round instead of spending
 its rounds on the priors. Policies never change the output law: any k gives exact samples; they
 only change speed, and never what a seed gives: a seeded row's tokens are its target's samples
-on clocks keyed by position (seeded.py), whatever k each round has.
+on clocks keyed by position (spec/seeded.py), whatever k each round has.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class RoundStats:
     timed: False when the round's timings measure a first use rather than a round: the batch
         had not yet run a round at this depth in this batch-size bucket, whose first call pays
         one-off costs (kernel and primitive set-up, first-touch memory), or its target pass
-        also prefilled rows that had just joined (batch.Batch.add). Its acceptance still
+        also prefilled rows that had just joined (engine.batch.Batch.add). Its acceptance still
         counts.
     """
 

@@ -15,8 +15,8 @@ To see more than one depth, every ``probe_every`` rounds one round runs at a nei
 best k. With ``min_num_draft_tokens=0`` a plain round (k = 0) is one of its choices, taken while
 no depth beats it by ``plain_margin``.
 
-What this is not: the policy interface, carry-over and the threshold policy (adaptive.py); the
-batch's per-bucket policies and the timings it hands them (batch.py).
+What this is not: the policy interface, carry-over and the threshold policy (base.py); the
+batch's per-bucket policies and the timings it hands them (scheduler.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
         best, the interval doubles after each probe, up to plain_probe_backoff times this: a
         probe from plain rounds makes the draft catch up on every token since the last one,
         and the rows that joined since (their prompts' draft work is deferred, see
-        batch.Batch.add), so rare probes are what lets a loaded server run at the plain
+        engine.batch.Batch.add), so rare probes are what lets a loaded server run at the plain
         server's speed. Only drafting held for probe_every rounds starts the interval afresh:
         a probe's timing that tips the model to drafting for a round or two, and back, must
         not bring back frequent probes (each costs a catch-up that grows with the rows).

@@ -2,7 +2,7 @@
 
 Legend: B rows.
 
-The batch (batch.py) asks it for a :class:`RoundPlan` before each round and hands it a
+The batch (engine/batch.py) asks it for a :class:`RoundPlan` before each round and hands it a
 :class:`RoundReport` after. In between it keeps the depth policy's bookkeeping, so the round
 itself stays the five steps of the algorithm:
   * one policy per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
@@ -17,7 +17,7 @@ itself stays the five steps of the algorithm:
   * draft lag: after plain rounds the proposer owes their tokens, and catches up before the
     next drafting round's clock starts.
 
-What it is not: a policy (adaptive.py, goodput.py decide k from the stats) and never a part of
+What it is not: a policy (base.py, goodput.py decide k from the stats) and never a part of
 the output law: any plan gives exact samples, and a seeded row the same tokens.
 """
 
@@ -32,7 +32,7 @@ from ..config import GenerationConfig
 
 
 class ScheduledRow(Protocol):
-    """What the scheduler reads of a row (rows.Row)."""
+    """What the scheduler reads of a row (engine.rows.Row)."""
 
     prompt: list[int]
     follows_policy: bool

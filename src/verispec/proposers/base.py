@@ -4,7 +4,7 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 Contract of a :class:`Proposal`: ``draft_probs`` are exactly the fp32 distributions the draft
 tokens were drawn from, after the same temperature / top-k / top-p processing the target gets
-(verispec.sampling.to_probs); ``None`` means the proposal is deterministic (greedy, n-gram) and
+(verispec.spec.sampling.to_probs); ``None`` means the proposal is deterministic (greedy, n-gram) and
 is verified as a point mass. A proposer that reports any other distribution silently breaks the
 exactness of speculative sampling.
 """
@@ -37,12 +37,12 @@ class Proposal:
 class DraftPlan:
     """What each row drafts in one round: k_b tokens, sampled under its own settings with its
     own generator. Rows may share a generator (one generation's batch under one seed); each
-    group of rows sharing one draws its random numbers together (sampling.draw_step_uniforms),
+    group of rows sharing one draws its random numbers together (spec.sampling.draw_step_uniforms),
     so a row with a generator of its own draws the same numbers whatever else is in the batch.
 
     num_draft_tokens: B ints >= 0, at least one >= 1 (a row past its k_b drafts padding that
     is not verified, and draws nothing); samplings, generators: one per row.
-    keyed: per row, None or its position-keyed clocks (a seeded sampled row, seeded.py): a
+    keyed: per row, None or its position-keyed clocks (a seeded sampled row, spec/seeded.py): a
     sampling draft then draws each of the row's tokens by a race on the clocks of its position
     instead of from the generator (the row is verified by comparison with the target's race
     winner, so the draft's probs are not used for it). None: no keyed rows.
@@ -65,7 +65,7 @@ class DraftPlan:
 
 
 class KeyedClocks(Protocol):
-    """A seeded row's clocks by round step (rows.Row): step j is its new token
+    """A seeded row's clocks by round step (engine.rows.Row): step j is its new token
     num_generated + j."""
 
     def clocks(self, step: int, vocab_size: int) -> RaceClocks:
@@ -73,7 +73,7 @@ class KeyedClocks(Protocol):
 
 
 class RoundConstraint(Protocol):
-    """A grammar's view of one round (constraints.ConstraintSet): the allowed tokens at the
+    """A grammar's view of one round (engine.constraints.ConstraintSet): the allowed tokens at the
     current draft depth, and the draft tokens that extend it."""
 
     def allowed(self) -> torch.Tensor:
@@ -108,7 +108,7 @@ class ProposerSession(Protocol):
         """Before a proposal that follows plain rounds: do the work those rounds left (a draft
         model feeds their tokens, and deferred prompts), so that the proposal itself costs
         what its k steps cost. The batch calls it outside the round's draft timing, which the
-        depth policy prices per step (batch.Batch.step)."""
+        depth policy prices per step (engine.batch.Batch.step)."""
 
     def commit(self, num_accepted: Sequence[int], next_tokens: Sequence[int]) -> None:
         """num_accepted [B] of the last proposal were kept, then next_tokens [B] was appended;

@@ -93,12 +93,12 @@ class DraftModelSession:
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
         """Draft plan.num_draft_tokens[b] tokens for row b, each sampled under the row's own
         settings; draft_probs are exactly the distributions sampled from (with a
-        ``constraint``: masked by the grammar state each token extends, constraints.py). A row
-        past its k_b (or at temperature 0) takes the argmax: padding, never verified, and no
+        ``constraint``: masked by the grammar state each token extends, engine/constraints.py). A
+        row past its k_b (or at temperature 0) takes the argmax: padding, never verified, and no
         random number; its draft_probs there are zeros."""
         num_steps = plan.num_steps
         assert num_steps >= 1 and len(plan.num_draft_tokens) == len(self.unfed)
-        # the round's uniforms, each generator group in one draw (sampling.draw_step_uniforms)
+        # the round's uniforms, each generator group in one draw (spec.sampling.draw_step_uniforms)
         sampled = [0 if sampling.is_greedy else k
                    for sampling, k in zip(plan.samplings, plan.num_draft_tokens)]
         keyed = plan.keyed or [None] * len(sampled)
@@ -164,7 +164,7 @@ class DraftModelSession:
 def _race_keyed(tokens: torch.Tensor, probs: torch.Tensor | None, step: int,
                 keyed: Sequence[KeyedClocks | None], sampled: Sequence[int]) -> torch.Tensor:
     """tokens [B] with each keyed row that samples at this step redrawn by a race of its
-    probs [B, V] on its position's clocks (seeded.race): the draft's token is then coupled to
+    probs [B, V] on its position's clocks (spec.seeded.race): the draft's token is then coupled to
     the target's race winner there, which verification compares it with."""
     rows = [row for row, (clocks, count) in enumerate(zip(keyed, sampled))
             if clocks is not None and count > step]
@@ -183,7 +183,7 @@ def _draw_step(logits: torch.Tensor, allowed: torch.Tensor | None, step: int,
                uniforms: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft step's tokens [B] and, when any row samples in this round, probs [B, V] fp32.
 
-    Rows that sample at this step (sampled[b] > step) are drawn by sampling.sample_from_logits,
+    Rows that sample at this step (sampled[b] > step) are drawn by spec.sampling.sample_from_logits,
     each group of rows with equal settings in one call, their probs exactly what they were drawn
     from; the others take the argmax (greedy drafts: point masses; rows past their k: padding)
     with zero probs. One group covering every row (a batch under one setting) indexes nothing."""

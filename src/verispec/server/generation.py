@@ -71,7 +71,7 @@ class GenerationService:
 
     def depth_policy(self, params: GenerationParams) -> str | None:
         """The adaptive policy a request runs under: None for a fixed k. A seeded request
-        follows it like any other: its text does not depend on the depths (seeded.py)."""
+        follows it like any other: its text does not depend on the depths (spec/seeded.py)."""
         if not self.speculative or self.decoder.adaptive is None:
             return None
         return self.settings.depth_policy

@@ -5,7 +5,7 @@ chat messages (/v1/chat/completions). Each has ``encode(decoder) -> list[int]`` 
 the request field it came from. Text is encoded exactly as :meth:`verispec.Decoder.generate`
 encodes a string, and chat messages as :meth:`verispec.Decoder.chat` renders them (the
 decoder's chat template: the model's own or ``--chat-template``; a model with neither gets
-chat.ChatTemplateMissing, a 400 naming the option), so a greedy request here gives what the
+text.chat.ChatTemplateMissing, a 400 naming the option), so a greedy request here gives what the
 library gives.
 """
 

@@ -48,7 +48,7 @@ def usage(completions: list[Completion], n: int) -> dict[str, int]:
 
 def speculation(completions: list[Completion], num_draft_tokens: int,
                 depth_policy: str | None = None) -> dict[str, object]:
-    """The summary over these choices (their metrics add up exactly: metrics.py)."""
+    """The summary over these choices (their metrics add up exactly: engine/metrics.py)."""
     metrics = sum(completion.metrics for completion in completions)
     return {"num_draft_tokens": num_draft_tokens, "depth_policy": depth_policy or "fixed",
             "drafted": metrics.num_drafted,

@@ -18,8 +18,8 @@ Types are strict, as OpenAI's schema is: an integer field takes a JSON integer (
 OpenAI-compatible servers do, except those that would change the output (functions,
 guided_json, ...: OUTPUT_CHANGING_FIELDS), which are refused (400 unsupported_parameter).
 response_format (json_schema, json_object, and the regex and grammar extensions) and tools
-(tool_choice "required" or a named function) constrain the output (constraints.py); an invalid
-schema, regex or grammar is a 400 naming the problem.
+(tool_choice "required" or a named function) constrain the output (engine/constraints.py); an
+invalid schema, regex or grammar is a 400 naming the problem.
 
 Defaults: temperature 1.0 (OpenAI's); max_tokens omitted = as many tokens as fit in the context
 window after the prompt, at most --max-tokens-limit.
@@ -163,7 +163,7 @@ class GenerationParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
-    grammar: Grammar | None = None  # response_format or tools, compiled (constraints.py)
+    grammar: Grammar | None = None  # response_format or tools, compiled (engine/constraints.py)
     tool_names: tuple[str, ...] = ()  # tools: the output is a call of one of these functions
     n: int = 1  # choices per prompt
 

@@ -5,8 +5,8 @@ callable (run on the worker thread) encodes and checks the prompt; between round
 admits waiting jobs (up to ``max_batch_size`` rows, and ``prefill_budget`` prompt tokens per
 round: a burst of joining prompts is prefilled over several rounds instead of stalling the
 running rows, and a single prompt longer than the budget is prefilled apart, a budget's worth
-a gap, before its row joins: chunked_prefill.py) as rows of the running
-:class:`verispec.batch_text.TextBatch`, prefilled together in one pass, runs one round for all
+a gap, before its row joins: engine/prefill.py) as rows of the running
+:class:`verispec.text.batch.TextBatch`, prefilled together in one pass, runs one round for all
 rows, and hands every row's verified text delta to its
 request's event loop queue in one ``loop.call_soon_threadsafe`` per round, so every row's text
 goes out as soon as its round is verified.
@@ -119,7 +119,7 @@ class GenerationWorker:
         self.prefill_budget = prefill_budget
         self._thread: threading.Thread | None = None
         self._running: dict[int, tuple[Job, TextRow]] = {}  # row id -> its job; worker thread
-        # jobs whose long prompts are being prefilled apart (chunked_prefill.py), oldest first
+        # jobs whose long prompts are being prefilled apart (engine/prefill.py), oldest first
         self._prefilling: list[tuple[Job, PendingRow, ChunkedPrefill]] = []
         self._lock = threading.Lock()  # guards _running's and _prefilling's membership
         self._stopping = False
@@ -215,7 +215,7 @@ class GenerationWorker:
         waiting ones while there is room and prefill budget (at least one per round). Each is
         checked on its own (a bad request gets its error, the others go on); those that pass
         join together, in one prefill pass. A prompt longer than the budget left, while rows
-        are running, is prefilled apart a budget's worth a gap (chunked_prefill.py), ahead of
+        are running, is prefilled apart a budget's worth a gap (engine/prefill.py), ahead of
         later jobs, and joins once all of it is in."""
         prefilled, ready = self._advance_prefills()
         joining: list[tuple[Job, PendingRow]] = []

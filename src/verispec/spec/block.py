@@ -1,7 +1,7 @@
 """Block verification: the draft block is judged as a whole, not token by token.
 
 Reference: Sun, Mendlovic, Leviathan, Aharoni, Ro, Beirami, Suresh, "Block Verification
-Accelerates Speculative Decoding" (ICLR 2025), Algorithm 2. Token-wise verification (verify.py)
+Accelerates Speculative Decoding" (ICLR 2025), Algorithm 2. Token-wise verification (rejection.py)
 stops at the first draft token that fails its own test. Block verification carries a weight, the
 running target/draft ratio of the prefix clamped at 1, so a token the target under-weights can be
 kept when later tokens make up for it. The output has exactly the target's law (checked by exact
@@ -15,9 +15,9 @@ draft_probs[:, i-1] and p_i = target_probs[:, i-1] (the paper's M_s and M_b afte
   tau         the largest i in 0..k with eta_i < h_i, eta_i ~ U[0, 1)  -> num_accepted
   next token  bonus ~ p_{k+1} if tau = k, else recovered ~ norm(max(0, w_tau p_{tau+1} - q_{tau+1}))
 
-Vocabulary as in verify.py: accepted (X_1..X_tau), recovered, bonus. Every eta is read: tau is
+Vocabulary as in rejection.py: accepted (X_1..X_tau), recovered, bonus. Every eta is read: tau is
 the last position that passes, not the one before the first failure. At tau = 0 the recovered
-token comes from verify.py's residual norm(max(0, p_1 - q_1)). So P(tau = i | X) = h_i
+token comes from rejection.py's residual norm(max(0, p_1 - q_1)). So P(tau = i | X) = h_i
 prod_{j > i} (1 - h_j), which the tests use to compute the exact law.
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary. Probabilities are fp32 (float64
@@ -33,12 +33,12 @@ Worked example (k = 2, V = 3; tokens 0, 1, 2):
   residual norm(max(0, p_2 - q_2)) = [0, .4, .6] would emit 1 too: a wrong law.
   eta = [.9, .5]: position 2 passes -> tau = 2, bonus ~ p_3 -> output [0, 1, 0].
 
-Edge cases, as in verify.py: q(x) = 0 for a proposed token -> DraftContractError; NaN or inf ->
+Edge cases, as in rejection.py: q(x) = 0 for a proposed token -> DraftContractError; NaN or inf ->
 NonFiniteError; a recovered residual with no mass (rounding) is drawn from p_{tau+1} instead.
 
 Not here: point-mass proposals (draft_probs None, greedy and n-gram drafts) stay on
-verify.verify_rows and raise UnsupportedFeatureError here; the token-wise rule (verify.py); the
-temperature-0 forms (verify_greedy.py); the input checks (verify_checks.py); choosing between
+rejection.verify_rows and raise UnsupportedFeatureError here; the token-wise rule (rejection.py);
+the temperature-0 forms (greedy.py); the input checks (checks.py); choosing between
 rules (the engine).
 """
 
@@ -120,7 +120,7 @@ def verify_block_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                       generator: torch.Generator | Sequence[torch.Generator],
                       num_draft_tokens: Sequence[int] | None = None
                       ) -> tuple[list[int], list[list[int]]]:
-    """Block verification with host lists out: verify.verify_rows's contract, the block rule.
+    """Block verification with host lists out: rejection.verify_rows's contract, the block rule.
 
     Shapes: draft_tokens [B, K] int64; draft_probs [B, K, V], exactly the distributions the
     draft tokens were drawn from (None raises UnsupportedFeatureError: use verify_rows);

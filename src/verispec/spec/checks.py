@@ -1,4 +1,4 @@
-"""Input checks shared by the verification forms (verify.py, verify_greedy.py).
+"""Input checks shared by the verification forms (rejection.py, greedy.py, block.py).
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary.
 

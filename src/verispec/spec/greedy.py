@@ -3,13 +3,13 @@
 At temperature 0 the target's rows are point masses, and so are the proposals (a greedy draft,
 an n-gram lookup): the acceptance ratio p(x) / 1 is 1 when x is the target's token and 0
 otherwise, and the residual at a rejection is the target's point mass itself. So the rule of
-verify.py reduces to comparing token ids: no random numbers and no work over the vocabulary.
-Three forms of that one rule, checked against verify.verify in tests/spec/test_verify.py:
+rejection.py reduces to comparing token ids: no random numbers and no work over the vocabulary.
+Three forms of that one rule, checked against rejection.verify in tests/spec/test_verify.py:
 verify_greedy (probabilities in), verify_greedy_tokens (the target's tokens in) and
 verify_greedy_rows (host lists, what the engine calls).
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary. Vocabulary (accepted, recovered,
-bonus) and VerifyResult as in verify.py.
+bonus) and VerifyResult as in rejection.py.
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ Edge cases, made explicit:
     is never resampled in exact arithmetic; if rounding rejects anyway we draw from p.
   * NaN or inf in any probability -> NonFiniteError; never a silent sample.
 
-Not here: models, caches, sampling settings (see sampling.py), the decoding loop (batch.py;
-its verification step over a batch's rows is batch_verify.py), the temperature-0 forms that
-need no random numbers (verify_greedy.py), the input checks (verify_checks.py), and the
-formulas for expected acceptance and speedup (diagnostics.py).
+Not here: models, caches, sampling settings (see sampling.py), the decoding loop (engine/batch.py;
+its verification step over a batch's rows is engine/verification.py), the temperature-0 forms that
+need no random numbers (greedy.py), the input checks (checks.py), and the formulas for expected
+acceptance and speedup (theory.py).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def draw_rows_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor |
                          generator: torch.Generator | Sequence[torch.Generator],
                          num_draft_tokens: Sequence[int] | None
                          ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The random numbers of a rows-form rule (verify_rows, verify_block.verify_block_rows),
+    """The random numbers of a rows-form rule (verify_rows, block.verify_block_rows),
     drawn per generator group (:func:`_draw_grouped_uniforms`), and the inputs checked:
     -> (uniforms [B, K] fp32, next_uniforms [B] fp64, each row's k as host ints)."""
     batch_size, max_k = check_draft_tokens(draft_tokens)

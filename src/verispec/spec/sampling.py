@@ -13,7 +13,7 @@ uniform per row and float64 cumulative sums (:func:`sample`, and :func:`sample_w
 when the uniforms are given, as verification does so that tests can replay them).
 :func:`sample_from_logits` is to_probs and that draw in one call, for a sampling draft's step.
 
-Not here: models, caches, acceptance tests (see verify.py).
+Not here: models, caches, acceptance tests (see rejection.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig,
     """Turn logits into the fp32 distribution a token is sampled from.
 
     Shapes: logits [..., V] (any float dtype; -inf marks an impossible token) -> probs [..., V] fp32.
-    allowed [..., V] bool (a grammar's mask, constraints.py): tokens it excludes get probability
-    0 and the rest are renormalised, before temperature, top-k and top-p.
+    allowed [..., V] bool (a grammar's mask, engine/constraints.py): tokens it excludes get
+    probability 0 and the rest are renormalised, before temperature, top-k and top-p.
     temperature 0 gives a point mass on the argmax (ties go to the lowest id).
     Raises NonFiniteError for NaN or +inf logits or a row with no finite (allowed) logit.
     """

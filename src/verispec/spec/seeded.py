@@ -11,7 +11,7 @@ position) (:func:`position_key`), so:
   * the target's sample at a position is fixed by the seed and its own processed distribution
     there: plain decoding and speculative decoding with any proposer, k, depth policy or batch
     mates emit the same tokens (verification keeps draft tokens while they equal the target's
-    race winner, batch_verify.py);
+    race winner, engine/verification.py);
   * a draft model that races its own distribution on the same clocks proposes the target's
     token with probability >= (1 - TV) / (1 + TV) (Daliri, Musco, Suresh 2024, "Coupling
     without Communication and Drafter-Invariant Speculative Decoding"); a deterministic draft
@@ -28,8 +28,8 @@ is not below the best arrival found so far cannot. The clocks are the same which
 race opens (a block's excesses are read at its own counters of a counter-based generator), so
 the draft's race and the target's run on one set of clocks.
 
-Not here: the rejection rule for unseeded rows (verify.py, verify_block.py), where the rows'
-distributions come from (sampling.to_probs), the loop (batch.py).
+Not here: the rejection rule for unseeded rows (rejection.py, block.py), where the rows'
+distributions come from (sampling.to_probs), the loop (engine/batch.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def _mix64(value: int) -> int:
 
 def stream_key(seed: int, lane: int = 0) -> int:
     """The key of one seeded row's clocks. ``lane``: which row of a generation that gives every
-    row one seed (engine.DecodingRun: row i is lane i); rows seeded one by one are lane 0."""
+    row one seed (engine.decoder.DecodingRun: row i is lane i); rows seeded one by one are
+    lane 0."""
     return _mix64(_mix64(seed) ^ lane)
 
 

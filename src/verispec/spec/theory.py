@@ -3,7 +3,7 @@
 Reference: Leviathan, Kalman, Matias 2023, section 3 (expected tokens per target call, and the
 walltime improvement (1 - a^(k+1)) / ((1 - a)(k c + 1)) for acceptance rate a, k draft tokens and
 cost ratio c). Pure functions of numbers or distributions: no models, no random numbers. The
-verification rule itself is in verify.py.
+verification rule itself is in rejection.py.
 
 Legend: V vocabulary. Probabilities are fp32.
 """

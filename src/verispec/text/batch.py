@@ -1,14 +1,14 @@
-"""Text generation for many prompts at once: rows of text over the engine's batch.Batch.
+"""Text generation for many prompts at once: rows of text over the engine's engine.batch.Batch.
 
 A :class:`TextBatch` is what ``Decoder.generate`` / ``Decoder.stream`` over a list of prompts
 and the server's continuous batching run on: rows join with their own text-level settings
 (prompt, sampling, seed, stop strings, max_new_tokens, response_format; checked exactly as a
 one-prompt call checks them), every :meth:`TextBatch.step` is one verified round for all of
-them, and each row's tokens become text through its own text_stream.RowText. A row whose text
+them, and each row's tokens become text through its own stream.RowText. A row whose text
 is complete (a stop token, max_new_tokens, a stop string, or its grammar's end token under
 ignore_eos) leaves the batch at once.
 
-What this is not: the round (batch.py) or tokenisation and checks (api.Decoder).
+What this is not: the round (engine/batch.py) or tokenisation and checks (decoder.Decoder).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class TextBatch:
 
     def start_prefill(self, pending: PendingRow) -> ChunkedPrefill | None:
         """A prepared row's prompt prefilled apart, a chunk between rounds
-        (chunked_prefill.py), to join with :meth:`add_rows`' ``prefilled`` once done; None
+        (engine/prefill.py), to join with :meth:`add_rows`' ``prefilled`` once done; None
         where the target's backend cannot (the row then joins as any other)."""
         return self.batch.start_prefill(pending.prepared.prompt_ids)
 

@@ -1,4 +1,4 @@
-"""The text-level :class:`Decoder` that ``verispec.load()`` (loader.py) returns, and the
+"""The text-level :class:`Decoder` that ``verispec.load()`` (load.py) returns, and the
 adapter each loaded model gets (:func:`wrap_model`).
 
     dec = verispec.load()                       # the shipped demo pair, on the CPU
@@ -6,7 +6,7 @@ adapter each loaded model gets (:func:`wrap_model`).
     print(out.text, out.metrics.acceptance_rate)
 
 This layer owns tokenisation, context-length checks and structured-output constraints (stop
-strings and incremental detokenisation: text_stream.py); the engine below it sees token ids only.
+strings and incremental detokenisation: stream.py); the engine below it sees token ids only.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
                cuda_graphs: bool = True):
     """The LanguageModel adapter for ``model`` under ``backend`` (see :func:`load`); ``draft``:
     the model only drafts (the fast path may then pick kernels by batch size); ``cuda_graphs``:
-    the fast path captures its steps on a CUDA device (models/step_graphs.py)."""
+    the fast path captures its steps on a CUDA device (models/fast_llama/step_graphs.py)."""
     if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
         return LlamaCppLM(model, vocab_size, llama_cpp_config)
     if backend == "llama.cpp":
@@ -128,7 +128,7 @@ class Decoder:
         self.engine = SpeculativeDecoder(self.target, proposer)
         # the depth of calls that name none; None: the device's default (see config)
         # a pass over a few tokens costs far less than as many one-token passes on packed
-        # oneDNN weights (models/matmul.py) and on llama.cpp: the deeper default (config)
+        # oneDNN weights (models/fast_llama/matmul.py) and on llama.cpp: the deeper default (config)
         flat_verify = self.target.matmul in ("onednn", "llama.cpp")
         # a suffix drafter's own rule sets each row's depth (as deep as its match): k only caps it
         self.num_draft_tokens = (num_draft_tokens if num_draft_tokens is not None else
@@ -221,7 +221,7 @@ class Decoder:
 
     def open_batch(self, speculative: bool = True,
                    adaptive: AdaptivePolicyConfig | Literal[False] | None = None) -> TextBatch:
-        """An empty :class:`verispec.batch_text.TextBatch` (continuous batching): rows join with
+        """An empty :class:`verispec.text.batch.TextBatch` (continuous batching): rows join with
         ``add(prompt, **settings)`` and leave between rounds; ``step()`` runs one round.
         ``adaptive``: the depth policy of rows that follow one (default: the decoder's)."""
         self._check_speculative(speculative)
@@ -247,12 +247,12 @@ class Decoder:
         like any other token; for benchmarks that need a fixed length). ``min_new_tokens``: no
         end-of-generation token before this many new tokens (the target's distribution there is
         renormalised without them, exactly, as vLLM's min_tokens); stop strings still apply.
-        ``response_format``: constrain the output (constraints.compile_response_format: a JSON
-        schema, any JSON object, a regex, a Lark grammar, in OpenAI's dict shape); draft and
+        ``response_format``: constrain the output (engine.constraints.compile_response_format: a
+        JSON schema, any JSON object, a regex, a Lark grammar, in OpenAI's dict shape); draft and
         target are masked alike, so the output has exactly the constrained target's law.
         ``seed``: the text is then the same for any k, draft, depth policy and batch, and with
         ``speculative=False`` (each token is the target's sample on clocks keyed by the seed
-        and its position, seeded.py). ``verification``: "block" or "token", the rule that
+        and its position, spec/seeded.py). ``verification``: "block" or "token", the rule that
         tests an unseeded sampled row's draft-model tokens (default: the decoder's).
         For several prompts at once see :meth:`stream_batch`.
         """

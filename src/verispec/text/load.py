@@ -4,7 +4,7 @@ What it does: picks the backend (llama.cpp for GGUF files where installed, the f
 or transformers), loads both models and their tokenizers on the asked device and dtype, and
 checks before anything runs that the draft fits the target (the same tokenizer, settings that
 combine). What it is not: the models' own loading (models/loading.py) or the Decoder that wraps
-them (api.py).
+them (decoder.py).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
     ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
-    (models/fast_llama.py, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
-    llama.cpp's own forward (models/llama_cpp.py, the ``llamacpp`` extra; quantized files run
+    (models/fast_llama/, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
+    llama.cpp's own forward (models/llama_cpp/, the ``llamacpp`` extra; quantized files run
     natively, and the tokenizer is llama.cpp's); "auto" picks "llama.cpp" when the target and
     any draft model are ``.gguf`` files and llama-cpp-python is installed, else "fast" where
     supported. ``llama_cpp_config``: llama.cpp's threads, context and batch size
@@ -78,7 +78,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     none). A ``target`` or ``draft`` that is not a local path but a packaged model's name
     (models/packaged.py: "smollm2-135m-instruct", "gemma-3-270m") loads that package's GGUF file.
     ``cuda_graphs``: on a CUDA device the fast path's decoding steps are captured as CUDA graphs
-    and replayed (models/step_graphs.py); False runs them eagerly.
+    and replayed (models/fast_llama/step_graphs.py); False runs them eagerly.
     """
     target, draft = resolve_packaged(target), resolve_packaged(draft)
     hybrid_lookup(hybrid, draft, target)  # checked before anything loads

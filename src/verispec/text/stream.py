@@ -1,10 +1,10 @@
 """Text out of a decoding run: stop strings, incremental detokenisation, the Completion.
 
-A :class:`TextStream` turns the token chunks of one row of a :class:`verispec.engine.DecodingRun`
-into text deltas: never a split multi-byte character, never text that may turn out to be the
-start of a stop string; at the end, a :class:`Completion` whose text and token ids stop where the
-client's text stops. What this is not: the decoding (engine.py) or the tokenizer's loading
-(loader.py).
+A :class:`TextStream` turns the token chunks of one row of a
+:class:`verispec.engine.decoder.DecodingRun` into text deltas: never a split multi-byte character,
+never text that may turn out to be the start of a stop string; at the end, a :class:`Completion`
+whose text and token ids stop where the client's text stops. What this is not: the decoding
+(engine/decoder.py) or the tokenizer's loading (load.py).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class RowText:
     character and never showing text that may turn out to be the start of a stop string. Each
     chunk is detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole
     output. Used by :class:`TextStream` (one row of a run) and by batched text
-    (batch_text.py, one per row).
+    (batch.py, one per row).
 
     ``end_token_ids``: tokens after which the text is complete even where the engine goes on
     (a grammar's end tokens under ignore_eos: ConstraintSet.end_token_ids); the first one is

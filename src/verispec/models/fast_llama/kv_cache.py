@@ -1,4 +1,4 @@
-"""The fast path's key/value cache (fast_llama.py): per-layer keys and values in row slots
+"""The fast path's key/value cache (model.py): per-layer keys and values in row slots
 that rows join and leave without the others' caches being read or copied.
 
 Legend: R row slots, Hkv kv heads, T positions, D head dim.

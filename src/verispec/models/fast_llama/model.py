@@ -9,10 +9,10 @@ forward at batch 1 spends most of its time in Python module dispatch, not in ari
 fixed cost is what makes a draft step expensive relative to a target step (the cost ratio c).
 This module runs the same computation as ``LlamaForCausalLM`` as one function over the model's
 own weight tensors (q/k/v and gate/up fused in place, see _fuse_linears; with the oneDNN kernel
-the large projections are read from packed copies, see models/matmul.py), with the same
-preallocated per-row KV cache semantics as transformers.py (position-indexed writes, free
+the large projections are read from packed copies, see matmul.py), with the same
+preallocated per-row KV cache semantics as models/hf/adapter.py (position-indexed writes, free
 rewind, ragged rows; prefills and a draft's catch-ups lay their rows end to end, unpadded:
-models/packed.py; the session holding the rows is models/fast_llama_session.py). Per step it
+packed.py; the session holding the rows is session.py). Per step it
 issues about 20 ops a layer; at batch 1 on a CPU each costs a few microseconds whatever its
 size, which is what bounds a small draft's step.
 torch.compile was measured and does not pay here: a small gain a step costs a long compile per
@@ -77,12 +77,12 @@ def _plain_float_linears(model: PreTrainedModel) -> bool:
 class FastLlamaLM:
     """A Llama-family ``PreTrainedModel`` as a :class:`LanguageModel` with a flat forward.
 
-    ``matmul`` picks the kernel of every projection (models/matmul.py): "aten" (F.linear),
+    ``matmul`` picks the kernel of every projection (matmul.py): "aten" (F.linear),
     "onednn", or "auto" (oneDNN for float32 on x86 CPUs not made by Intel, where MKL is slow);
     the resolved name is ``self.matmul``. ``draft``: the model only drafts, so its numbers may
     differ between batch sizes, and under "onednn" each projection picks its kernel by the rows
     of the call (matmul.linear_kernel's ``by_rows``); a target's kernel is fixed per weight.
-    ``step_graphs``: how decoding steps run (models/step_graphs.py): "auto" captures them as
+    ``step_graphs``: how decoding steps run (step_graphs.py): "auto" captures them as
     CUDA graphs on a CUDA device and runs them eagerly elsewhere, "off" always eagerly, and
     "static" at the graphs' static shapes without capturing them (what a graph replays, on any
     device: for tests).
@@ -110,7 +110,7 @@ class FastLlamaLM:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
-        # what one more range of rows must save to pay (attention.SEGMENT_CALL_BYTES), in
+        # what one more range of rows must save to pay (models.attention.SEGMENT_CALL_BYTES), in
         # cached key-rows: a key and a value of every kv head, for one row
         self.segment_call_rows = SEGMENT_CALL_BYTES / (
             2 * self.num_kv_heads * self.head_dim * model.dtype.itemsize)
@@ -163,9 +163,9 @@ class FastLlamaLM:
         writes are slices and a single new token needs no mask. Ragged rows: ``positions`` [B, n]
         gives each token's position; writes are indexed and a [B, 1, n, used] mask hides what a
         row must not see (its stale tail, other rows' padding). ``segments``: ragged rows
-        attend in these ranges, each over its own keys (attention.segments_by_length).
+        attend in these ranges, each over its own keys (models.attention.segments_by_length).
 
-        ``packed``: more tokens for this pass (models/packed.py: joining rows' prompts), laid
+        ``packed``: more tokens for this pass (packed.py: joining rows' prompts), laid
         after the B n rows' tokens in every projection, their keys written before any
         attention, and no logits for them: a joining row's own tokens in ``tokens`` see its
         prompt. Nothing reads their last layer's output, so there they only write keys and
@@ -257,7 +257,7 @@ class FastLlamaLM:
 class _LayerWeights:
     """One decoder layer's tensors, looked up once; q/k/v and gate/up fused, projection weights
     in the layout the kernel reads (``prepare``: the same tensors for ATen, packed copies for
-    oneDNN, models/matmul.py)."""
+    oneDNN, matmul.py)."""
 
     def __init__(self, layer: torch.nn.Module,
                  prepare: Callable[[torch.Tensor], torch.Tensor]) -> None:

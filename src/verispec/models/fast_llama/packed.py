@@ -1,4 +1,4 @@
-"""A packed feed for the flat Llama forward (fast_llama.py): ragged rows' new tokens in one pass,
+"""A packed feed for the flat Llama forward (model.py): ragged rows' new tokens in one pass,
 laid end to end, with no padding and no logits.
 
 Legend: S segments (rows fed), N tokens fed in all (the sum of their widths), E hidden size,

@@ -3,12 +3,12 @@
 Legend: B batch, n fed tokens.
 
 What it is: the LMSession protocol (models/base.py) for the flat Llama forward, with the same
-per-row cache semantics as transformers.TransformersSession: rows of different lengths
+per-row cache semantics as hf.adapter.TransformersSession: rows of different lengths
 (host-side lengths choose the forward's uniform or ragged path), joins into free cache slots
 (prefilled in one packed pass, or riding the next pass), copies of rows prefilled apart
 (chunked prefill), rows kept or dropped between rounds, and rewinds that only move a length.
-What it is not: the forward pass itself (models/fast_llama.py), the cache's storage
-(models/kv_cache.py) or the packed layout of feeds (models/packed.py).
+What it is not: the forward pass itself (model.py), the cache's storage
+(kv_cache.py) or the packed layout of feeds (packed.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .protocol import FastLlama
 
 
 class FastLlamaSession:
-    """Same protocol and cache semantics as transformers.TransformersSession.
+    """Same protocol and cache semantics as hf.adapter.TransformersSession.
 
     Row lengths are kept on the host: every row holding the same number of tokens (always at
     batch 1) selects the uniform path of :meth:`FastLlamaLM.forward` without a device sync.
@@ -58,7 +58,7 @@ class FastLlamaSession:
         """New rows at the end holding these prompts, in the cache's free slots (the other
         rows' caches are neither read nor copied). Prefilled now in one packed pass
         (:meth:`feed` on empty rows), or with ``ride`` by the next pass: an ``extend`` lays
-        them beside the rows' own tokens (models/packed.py), so the join pays no pass of its
+        them beside the rows' own tokens (packed.py), so the join pays no pass of its
         own (in which every weight is read once more); a ``feed``
         puts each before its row's tokens, a ``rewind`` prefills them first, and a row that
         leaves before then is never prefilled. Returns whether the prompts ride."""
@@ -76,7 +76,7 @@ class FastLlamaSession:
 
     def adopt_rows(self, sessions: Sequence[FastLlamaSession]) -> None:
         """New rows at the end whose caches are copies of these one-row sessions of the same
-        model (a long prompt prefilled apart, over several rounds: chunked_prefill.py); the
+        model (a long prompt prefilled apart, over several rounds: engine/prefill.py); the
         other rows' caches are neither read nor copied."""
         sessions = list(sessions)
         if not all(isinstance(s, FastLlamaSession) and s.lm is self.lm and s.num_rows == 1
@@ -153,7 +153,7 @@ class FastLlamaSession:
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (a draft catching up, LMSession.feed; joining
         prompts, :meth:`add_rows`), every row's tokens packed end to end in one pass
-        (models/packed.py): the projections see only real tokens, attention runs row by row.
+        (packed.py): the projections see only real tokens, attention runs row by row.
         Rows with nothing to feed take no part. Packed, it is faster than right-padded passes
         in groups of near widths, for a target and for its draft (dev/LOG.md: fast path
         sessions).
@@ -200,7 +200,7 @@ class FastLlamaSession:
         if any(length != start for length in self.lengths):
             lengths = torch.tensor(self.lengths, dtype=torch.int64, device=tokens.device)
             positions = lengths[:, None] + torch.arange(num_new, device=tokens.device)  # [B, n]
-            if self.lm.device.type == "cpu":  # measured there (attention.py)
+            if self.lm.device.type == "cpu":  # measured there (models/attention.py)
                 segments = segments_by_length([length + num_new for length in self.lengths],
                                               self.lm.segment_call_rows)
                 segments = segments if len(segments) > 1 else None

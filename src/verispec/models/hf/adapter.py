@@ -2,10 +2,10 @@
 
 Legend: B batch, n fed tokens, T cache capacity, H kv heads, D head dim, V vocabulary.
 
-The only module (with loading.py and masks.py) that imports transformers. A session owns a preallocated
-:class:`RowCache`: per layer, keys and values [B, H, T, D] plus each row's length. Feeding n
-tokens writes their keys/values at positions length[b] .. length[b] + n - 1 of row b, with
-position ids and attention masks built from those lengths (models/masks.py: one per layer kind,
+The only module (with models/loading.py and masks.py) that imports transformers. A session owns a
+preallocated :class:`RowCache`: per layer, keys and values [B, H, T, D] plus each row's length.
+Feeding n tokens writes their keys/values at positions length[b] .. length[b] + n - 1 of row b, with
+position ids and attention masks built from those lengths (masks.py: one per layer kind,
 full, sliding-window or chunked, by transformers' own rules), so rows of a batch may hold
 different lengths (ragged acceptance). The cache keeps every key (a window is a mask, not a ring
 buffer), so a windowed layer rewinds exactly. Rewind only lowers the lengths: the stale entries are
@@ -13,8 +13,8 @@ masked out and overwritten by the next write. The prompt is prefilled once; each
 one forward pass over the new tokens; nothing re-runs the full context.
 
 After any propose / verify / rewind sequence the next logits equal a fresh forward over the same
-tokens (tests/models/test_transformers_adapter.py checks it; tests/models/test_architectures.py on every
-architecture accepted). A model verispec cannot run exactly is refused when it is wrapped
+tokens (tests/models/test_transformers_adapter.py checks it; tests/models/test_architectures.py on
+every architecture accepted). A model verispec cannot run exactly is refused when it is wrapped
 (UnsupportedModelError): transformers marks it stateful (recurrent, state-space, hybrid), its
 config lists non-attention layers, or a load-time check of prefill, extend and rewind on two
 ragged rows against fresh forwards fails.
@@ -111,7 +111,7 @@ def alibi_from_slots(model: PreTrainedModel) -> Iterator[None]:
 class TransformersLM:
     """Wraps a loaded ``PreTrainedModel`` (put in eval mode) as a :class:`LanguageModel`."""
 
-    matmul = "aten"  # the model's own nn.Linear modules (models/matmul.py names the kernels)
+    matmul = "aten"  # its own nn.Linear modules (models/fast_llama/matmul.py names the kernels)
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
         width = output_width(model)
@@ -261,7 +261,7 @@ class TransformersSession:
 
     def adopt_rows(self, sessions: Sequence[TransformersSession]) -> None:
         """New rows at the end whose caches are copies of these sessions of the same model (a
-        long prompt prefilled apart, over several rounds: chunked_prefill.py)."""
+        long prompt prefilled apart, over several rounds: engine/prefill.py)."""
         if not all(isinstance(s, TransformersSession) and s.lm is self.lm for s in sessions):
             raise ShapeError("adopt_rows expects sessions of this model")
         for session in sessions:

@@ -17,7 +17,7 @@ Which rule a layer gets follows ``create_masks_for_generate`` (transformers' own
 causal else. Any other layer type (linear attention, Mamba or convolution blocks) keeps a state
 that cannot drop rejected tokens and is refused at load (:func:`mask_plan`).
 
-Not here: the cache (models/transformers.py keeps every key, so a sliding-window layer rewinds
+Not here: the cache (adapter.py keeps every key, so a sliding-window layer rewinds
 exactly: the window is a mask over a full history, never a ring buffer).
 """
 

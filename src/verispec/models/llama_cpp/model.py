@@ -6,14 +6,14 @@ What this is: a :class:`~verispec.models.base.LanguageModel` whose sessions keep
 cache. ``extend`` decodes one ``llama_batch`` holding every row's new tokens (row b is llama.cpp
 sequence b, at positions length[b] .. length[b] + n - 1) with logits requested at every fed
 position; ``rewind`` removes the dropped positions of each row (``llama_memory_seq_rm``), so the
-engine's ragged acceptance works unchanged (the sessions: models/llama_cpp_session.py). Prompts
+engine's ragged acceptance works unchanged (the sessions: session.py). Prompts
 are prefilled without logits. Quantized files (Q8_0, Q4_K_M, ...) run natively, so exactness is
 with respect to llama.cpp's own forward of that file: verispec verifies the distributions
 llama.cpp computes, whatever its kernels are.
 
 What this is not: a sampler or a server. llama.cpp only computes logits here; temperature,
-top-k/top-p, acceptance and every random draw stay in verispec (sampling.py, verify.py), with
-an explicit torch.Generator. The tokenizer adapter is in llama_cpp_tokenizer.py.
+top-k/top-p, acceptance and every random draw stay in verispec (spec/sampling.py,
+spec/rejection.py), with an explicit torch.Generator. The tokenizer adapter is in tokenizer.py.
 
 Refused at load (UnsupportedModelError): models whose memory cannot drop a suffix of a
 sequence exactly (recurrent and hybrid state-space models such as Mamba or RWKV, whose state

@@ -3,7 +3,7 @@
 Legend: B batch (llama.cpp sequences), n tokens fed per row in one call, V vocabulary.
 
 What it is: the LMSession protocol (models/base.py) over a llama_context
-(models/llama_cpp.py): ``extend`` decodes every row's new tokens as one llama_batch with logits
+(model.py): ``extend`` decodes every row's new tokens as one llama_batch with logits
 at every fed position, ``feed`` and prefills decode packed (sequence, token, position) triples
 without logits, ``rewind`` removes each row's dropped positions, and joins and leaves take and
 free sequence ids. Rows joining with ``ride`` (``add_rows``) ride the next ``extend``: their
@@ -14,7 +14,7 @@ what several decoding rounds do; dev/LOG.md). ``start_through`` and
 each last token ride, so that the next ``extend``, which begins with the last, decodes the
 prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape).
 What it is not: loading, the context's lifetime or the llama.cpp bindings
-(models/llama_cpp.py).
+(model.py).
 """
 
 from __future__ import annotations

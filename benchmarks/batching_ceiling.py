@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_load import client_prompt, machine  # noqa: E402
+from common import client_prompt, command_line, machine  # noqa: E402
 
 from verispec.text.batch import TextBatch  # noqa: E402
 from verispec.text.demo import heldout_prompts  # noqa: E402
@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
           f" / {ratio(('speculative', low), ('plain', low)):.2f}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["python", "benchmarks/batching_ceiling.py"] + (
-        sys.argv[1:] if argv is None else argv)), "date": time.strftime("%Y-%m-%d %H:%M"),
-        **machine(), "max_tokens": args.max_tokens, "requests": args.requests}
+    meta = {"command": command_line("batching_ceiling.py", argv),
+            "date": time.strftime("%Y-%m-%d %H:%M"), **machine(), "max_tokens": args.max_tokens,
+            "requests": args.requests}
     report = {**meta, "rows": rows, "bounds": bounds}
     (out / "batching_ceiling.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0

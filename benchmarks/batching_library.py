@@ -31,6 +31,9 @@ import torch
 import verispec
 from verispec.text.demo import heldout_prompts
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import command_line, machine  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,8 +115,6 @@ def markdown(rows: list[dict]) -> str:
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
-    sys.path.insert(0, str(Path(__file__).parent))
-    from batching_load import machine
     return str(machine()["cpu"])
 
 
@@ -125,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
-              "command": " ".join(["python", "benchmarks/batching_library.py"]
-                                  + (sys.argv[1:] if argv is None else argv)),
+              "command": command_line("batching_library.py", argv),
               "device": device_name(args.device), "dtype": args.dtype,
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,

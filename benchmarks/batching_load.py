@@ -5,7 +5,7 @@ plain (``--no-draft``) servers, on loopback.
     python benchmarks/batching_load.py --clients 1,16 --requests-per-client 2
     python benchmarks/batching_load.py --server-arg=--max-batch-size=8 --server-args "--k 2"
 
-A demo server is started for each mode (load_test.start_server; extra flags with --server-arg
+A demo server is started for each mode (common.start_server; extra flags with --server-arg
 or --server-args, other models with --target/--draft; with --port P, P and P + 1), warmed up
 with two requests, and every prompt is sent alone to it (the reference texts). Then each client
 count runs on each mode in turn (the servers are up together, the idle one waits without using
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -39,18 +38,22 @@ from argparse import Namespace
 from collections import Counter
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).parent))
-from load_test import (  # noqa: E402
+from common import (  # noqa: E402
+    MODES,
+    command_line,
+    first_difference,
+    machine,
+    pass_rate,
+    per_client,
     percentile,
     prompts_for,
     rss_bytes,
+    run_level,
     start_server,
     wait_until_healthy,
 )
 
-MODES = {"speculative": [], "plain": ["--no-draft"]}
 NUM_WARMUP = 2
 
 
@@ -92,70 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
-                  ) -> dict:
-    """One greedy streaming completion: its text, status, TTFT, latency, tokens and mean k."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    out = {"prompt": prompt, "text": "", "status": "200", "ttft": None, "tokens": 0, "k": None}
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
-            if response.status != 200:
-                await response.read()
-                return {**out, "status": str(response.status)}
-            async for line in response.content:  # one server-sent event line at a time
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[len(b"data: "):])
-                if "error" in chunk:
-                    return {**out, "status": "stream-error"}
-                for choice in chunk.get("choices", []):
-                    if choice["text"] and out["ttft"] is None:
-                        out["ttft"] = time.perf_counter() - started
-                    out["text"] += choice["text"]
-                if chunk.get("speculation"):
-                    out["k"] = chunk["speculation"].get("mean_num_draft_tokens")
-                if chunk.get("usage"):
-                    out["tokens"] = chunk["usage"]["completion_tokens"]
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return {**out, "status": f"exception:{type(exc).__name__}"}
-    return {**out, "latency": time.perf_counter() - started}
-
-
-def client_prompt(client: int, request: int, num_prompts: int) -> int:
-    """The prompt client ``client`` sends as its ``request``-th: client i sends prompts i, i + 1,
-    ..., so that up to num_prompts clients send different prompts at the same time. (Before
-    2026-11-25 client i started at i * requests-per-client: with 16 prompts and 8 requests
-    each, 16 clients sent two prompts, 8 copies of each, in step.)"""
-    return (client + request) % num_prompts
-
-
-async def run_level(url: str, prompts: list[str], clients: int, per_client: int,
-                    max_tokens: int) -> tuple[list[dict], float]:
-    connector = aiohttp.TCPConnector(limit=clients + 4)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def loop(index: int) -> list[dict]:
-            return [await request(session, url, prompts[client_prompt(index, r, len(prompts))],
-                                  max_tokens) for r in range(per_client)]
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(loop(i) for i in range(clients)))
-        return [r for rs in results for r in rs], time.perf_counter() - started
-
-
-def first_difference(text: str, reference: str) -> int:
-    """The first character offset where ``text`` and ``reference`` differ."""
-    return next((i for i, (a, b) in enumerate(zip(text, reference)) if a != b),
-                min(len(text), len(reference)))
-
-
-def pass_rate(results: list[dict], elapsed: float) -> float:
-    """Completion tok/s of the successful requests of one pass."""
-    return sum(r["tokens"] for r in results if r["status"] == "200") / elapsed
-
-
 def mean_k(results: list[dict]) -> float | None:
     """The draft depth the server chose for these requests, weighted by their tokens (None for
     a plain server)."""
@@ -193,13 +132,6 @@ def reference_texts(url: str, prompts: list[str], max_tokens: int) -> dict[str, 
     if failed:
         raise SystemExit(f"the requests sent alone failed: {dict(failed)}")
     return {r["prompt"]: r["text"] for r in alone}
-
-
-def per_client(args: argparse.Namespace, clients: int) -> int:
-    """Requests each client sends at a level: --requests-per-client, more at low client counts
-    so that every level sends at least --min-requests (one client's 4 requests last under a
-    second, too short to time, and the depth policy of its batch size would still be learning)."""
-    return max(args.requests_per_client, -(-args.min_requests // clients))
 
 
 def start_mode(mode: str, args: argparse.Namespace, prompts: list[str]):
@@ -339,14 +271,6 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
-def machine() -> dict[str, object]:
-    import torch
-
-    from verispec.bench.run import cpu_label
-
-    return {"cpu": cpu_label(), "cores": os.cpu_count(), "torch": torch.__version__}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = prompts_for(Namespace(url=None, target=args.target))[:16]
@@ -356,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "benchmarks/batching_load.py"]
-                         + (sys.argv[1:] if argv is None else argv))
+    command = command_line("batching_load.py", argv)
     meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
             "models": args.target or "demo pair", "server_args": args.extra,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,

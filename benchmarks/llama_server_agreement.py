@@ -5,10 +5,10 @@ decoding, prompt by prompt.
     python benchmarks/llama_server_agreement.py --llama-server /path/to/llama-server
 
 For each model (the packaged SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M) and each
-prompt of benchmarks/real_models.py (rendered in the model's chat template, sent as token ids),
-greedy up to 128 tokens, ending at the model's end-of-generation tokens (no prompt cache;
-``ignore_eos`` is not used: llama-server bans those tokens under it, where verispec generates
-and keeps them, so the texts would part at the first one), from:
+prompt real_models.py sends (common.TASKS; rendered in the model's chat template, sent as
+token ids), greedy up to 128 tokens, ending at the model's end-of-generation tokens (no prompt
+cache; ``ignore_eos`` is not used: llama-server bans those tokens under it, where verispec
+generates and keeps them, so the texts would part at the first one), from:
 
     verispec                      verispec plain decoding in this process (llama-cpp-python;
                                   one KV stream per sequence, prompt prefilled in one pass)
@@ -34,8 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching_load import machine  # noqa: E402
-from real_models import MODELS, TASKS  # noqa: E402
+from common import MODELS, TASKS, command_line, first_difference, machine  # noqa: E402
 
 SETTINGS = {  # (slots, threads, extra flags)
     "llama -np 1": (1, 2, []),
@@ -80,13 +79,6 @@ def _without_stop(token_ids: list[int], stop_token_ids: tuple[int, ...]) -> list
     return token_ids[:-1] if token_ids and token_ids[-1] in stop_token_ids else token_ids
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def main(argv: list[str] | None = None) -> int:
     import verispec
     from verispec.models.packaged import packaged_model_path
@@ -121,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     out = Path(args.out)
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python benchmarks/llama_server_agreement.py "
-                       + " ".join(argv or sys.argv[1:])}
+            "command": command_line("llama_server_agreement.py", argv)}
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(f"Machine: {meta['machine']['cpu']}, "
                                       f"{meta['machine']['cores']} cores; {meta['date']}; "

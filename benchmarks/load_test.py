@@ -16,23 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-FALLBACK_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef read_lines(path):\n",
-                    "class Stack:\n    def __init__(self):\n", "for i in range(10):\n"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import LOOPBACK, percentile, prompts_for, rss_bytes, served  # noqa: E402
 
 
 @dataclass
@@ -68,83 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
     return args
-
-
-def rss_bytes(pid: int | None) -> int | None:
-    """Resident set size of ``pid``: psutil when installed, else /proc/<pid>/status."""
-    if pid is None:
-        return None
-    try:
-        import psutil
-    except ImportError:
-        status = Path(f"/proc/{pid}/status")
-        if not status.is_file():
-            return None
-        for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return None
-    return psutil.Process(pid).memory_info().rss
-
-
-def serve_command(args: argparse.Namespace, port: int) -> list[str]:
-    """``verispec serve`` on 127.0.0.1:port for the clients in ``args`` (also soak.py's): a
-    queue and a max_tokens limit large enough for them, --k when args has one."""
-    command = [sys.executable, "-m", "verispec.server", "--host", "127.0.0.1", "--port",
-               str(port), "--max-queue", str(max(64, 2 * args.clients)),
-               "--max-tokens-limit", str(max(1024, args.max_tokens))]
-    if getattr(args, "k", None):
-        command += ["--k", str(args.k)]
-    if args.target:
-        command += ["--target", args.target] + (["--draft", args.draft] if args.draft
-                                                else ["--no-draft"])
-    if args.api_key:
-        command += ["--api-key", args.api_key]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    return command
-
-
-def start_server(args: argparse.Namespace, extra: Sequence[str] = (), port: int | None = None
-                 ) -> tuple[subprocess.Popen, str]:
-    """A server for ``args`` (serve_command) on ``port`` (None: a free one), with ``extra``
-    flags appended."""
-    if port is None:
-        with socket.socket() as probe:  # a free loopback port (tiny race; fine for a benchmark)
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    command = serve_command(args, port) + list(extra)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the server
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    server.log = log  # type: ignore[attr-defined]
-    return server, f"http://127.0.0.1:{port}"
-
-
-def wait_until_healthy(url: str, server: subprocess.Popen | None, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server is not None and server.poll() is not None:
-            server.log.seek(0)  # type: ignore[attr-defined]
-            sys.exit(f"the server exited with {server.returncode}:\n{server.log.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"the server at {url} was not healthy within {timeout:.0f} s")
-
-
-def prompts_for(args: argparse.Namespace) -> list[str]:
-    if args.url is None and args.target is None:
-        from verispec.text.demo import heldout_prompts
-
-        try:
-            return heldout_prompts()[:64]
-        except OSError:
-            pass
-    return FALLBACK_PROMPTS
 
 
 async def one_request(client: httpx.AsyncClient, body: dict, tally: Tally) -> None:
@@ -202,14 +119,6 @@ async def run_clients(url: str, args: argparse.Namespace, prompts: list[str], cl
         return tally, time.perf_counter() - started
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
-
-
 def summarize(tally: Tally, elapsed: float, rss_before: int | None, rss_after: int | None,
               args: argparse.Namespace, url: str) -> dict[str, object]:
     ok = len(tally.latencies)
@@ -243,12 +152,7 @@ def print_table(report: dict[str, object]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    server, url, pid = None, args.url, args.server_pid
-    if url is None:
-        server, url = start_server(args)
-        pid = server.pid
-    try:
-        wait_until_healthy(url, server)
+    with served(args) as (url, pid):
         prompts = prompts_for(args)
         rss_start = rss_bytes(pid)
         warmup, _ = asyncio.run(run_clients(url, args, prompts, 1, 1, args.request_timeout))
@@ -257,10 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         tally, elapsed = asyncio.run(run_clients(url, args, prompts, args.clients,
                                                  args.max_requests, args.duration))
         rss_after = rss_bytes(pid)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
     report = summarize(tally, elapsed, rss_before, rss_after, args, url)
     report["rss_at_start_mb"] = None if rss_start is None else rss_start / 2**20
     print_table(report)

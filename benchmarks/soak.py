@@ -37,13 +37,14 @@ from urllib.parse import urlparse
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import (  # noqa: E402
+from common import (  # noqa: E402
     LOOPBACK,
+    launch,
     percentile,
     prompts_for,
     rss_bytes,
     serve_command,
-    wait_until_healthy,
+    served,
 )
 
 SERVING_LINE = re.compile(r"^verispec: serving .* on (http://\S+) ")
@@ -117,12 +118,8 @@ def open_fds(pid: int | None) -> int | None:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """``verispec serve`` on a port the OS picks (--port 0); its URL from the startup line.
     stdout and stderr go to files, not pipes: a full pipe (uvicorn's access log) would stall it."""
-    command = serve_command(args, 0)
     stdout = tempfile.NamedTemporaryFile("w+", prefix="soak-server-", suffix=".out")
-    log = tempfile.TemporaryFile("w+")
-    server = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=stdout,
-                              stderr=log, text=True)
-    server.log = log  # type: ignore[attr-defined]  (wait_until_healthy prints it on exit)
+    server = launch(serve_command(args, 0), stdout=stdout)
     server.stdout_file = stdout  # type: ignore[attr-defined]  (kept open while it runs)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and server.poll() is None:
@@ -133,6 +130,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
     server.kill()
     server.wait(30)
+    log = server.log  # type: ignore[attr-defined]
     log.seek(0)
     sys.exit(f"the server printed no 'verispec: serving' line (exit {server.returncode}):\n"
              f"{log.read()}")
@@ -300,17 +298,8 @@ def print_report(report: dict[str, object]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    server, url, pid = None, args.url, args.server_pid
-    if url is None:
-        server, url = start_server(args)
-        pid = server.pid
-    try:
-        wait_until_healthy(url, server)
+    with served(args, start=start_server) as (url, pid):
         tally, samples, fds = asyncio.run(soak(url, pid, args, prompts_for(args)))
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
     report = summarize(tally, samples, fds, args, url)
     print_report(report)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

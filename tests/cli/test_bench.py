@@ -197,9 +197,9 @@ def test_batching_ceiling_script_runs_the_workers_loop(tmp_path, capsys):
     # benchmarks/batching_ceiling.py on the shipped pair, shortened: every mode runs every
     # client count, each level completes all its requests, the ratios are within the run, and
     # the JSON holds the rows printed. The load benchmark's clients send different prompts at
-    # any moment (benchmarks/batching_load.py's client_prompt).
+    # any moment (common.client_prompt).
     script_dir = Path(__file__).parents[2] / "benchmarks"
-    client_prompt = runpy.run_path(str(script_dir / "batching_load.py"))["client_prompt"]
+    client_prompt = runpy.run_path(str(script_dir / "common.py"))["client_prompt"]
     for request in range(8):
         assert len({client_prompt(client, request, 16) for client in range(16)}) == 16
     main = runpy.run_path(str(script_dir / "batching_ceiling.py"))["main"]

@@ -1,6 +1,6 @@
 """What CUDA graphs save on a pair's decoding steps: each step run through a session of the
 fast backend eagerly (``load(..., cuda_graphs=False)``) against the same step replayed as a
-captured graph (the default on CUDA, models/step_graphs.py).
+captured graph (the default on CUDA, models/fast_llama/step_graphs.py).
 
     python benchmarks/cuda_graph_steps.py                       # the demo pair, bf16, CUDA
     python benchmarks/cuda_graph_steps.py --target T --draft D --dtype float32

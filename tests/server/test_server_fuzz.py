@@ -165,21 +165,24 @@ SPECULATION = {
 FINISH_REASON = {"enum": ["stop", "length"]}
 
 
-def body_schema(object_name: str, choice: dict) -> dict:
-    """A whole (not streamed) response body: one choice, usage and the speculation summary."""
+def body_schema(object_name: str, choice: dict, max_choices: int | None = 1) -> dict:
+    """A whole (not streamed) response body: its choices (at most ``max_choices``; None: one
+    per prompt of a list), usage and the speculation summary."""
+    choices = {"type": "array", "minItems": 1, "items": choice}
+    if max_choices is not None:
+        choices["maxItems"] = max_choices
     return {"type": "object",
             "required": ["id", "object", "created", "model", "choices", "usage", "speculation"],
             "properties": {"id": {"type": "string"}, "object": {"const": object_name},
                            "created": {"type": "integer"}, "model": {"const": SETTINGS.model_name},
-                           "choices": {"type": "array", "minItems": 1, "maxItems": 1,
-                                       "items": choice},
-                           "usage": USAGE, "speculation": SPECULATION}}
+                           "choices": choices, "usage": USAGE, "speculation": SPECULATION}}
 
 
+# a list of prompts gets one choice each, indexed in order (OpenAI's completions)
 COMPLETION_BODY = body_schema("text_completion", {
     "type": "object", "required": ["index", "text", "finish_reason"],
-    "properties": {"index": {"const": 0}, "text": {"type": "string"},
-                   "finish_reason": FINISH_REASON}})
+    "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+                   "finish_reason": FINISH_REASON}}, max_choices=None)
 CHAT_BODY = body_schema("chat.completion", {
     "type": "object", "required": ["index", "message", "finish_reason"],
     "properties": {"index": {"const": 0}, "finish_reason": FINISH_REASON,

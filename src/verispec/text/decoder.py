@@ -145,8 +145,7 @@ class Decoder:
                                  prepared.constraints)
         return TextStream(run, self.tokenizer, prepared.stop, len(prepared.prompt_ids))
 
-    def prepare(self, prompt: str | Sequence[int],
-                settings: RequestSettings = RequestSettings()) -> PreparedRow:
+    def prepare(self, prompt: str | Sequence[int], settings: RequestSettings) -> PreparedRow:
         """One prompt and its settings checked and turned into what the engine takes: its token
         ids, GenerationConfig, stop strings and grammar. Raises typed errors: ConfigError for a bad
         setting, InputError for a bad prompt, ContextLengthExceeded, InvalidConstraintError."""

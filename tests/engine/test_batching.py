@@ -370,7 +370,7 @@ def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
     # (RoundStats.timed False), the round after it is timed again, and the rows' greedy text
     # is the target's own. Control: the transformers backend prefills a join in a pass of
     # its own, so the same round is timed
-    from verispec.text.decoder import wrap_model
+    from verispec.text.assemble import wrap_model
 
     target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
     decoder = SpeculativeDecoder.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),

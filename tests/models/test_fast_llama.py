@@ -11,7 +11,7 @@ import torch
 
 from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.text.decoder import wrap_model
+from verispec.text.assemble import wrap_model
 from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import attention as attention_module
 from verispec.models.fast_llama import matmul as matmul_module

@@ -14,7 +14,7 @@ import torch
 from tiny_models import tiny_llama
 from verispec.proposers.base import DraftPlan
 from verispec import SamplingConfig
-from verispec.text.decoder import wrap_model
+from verispec.text.assemble import wrap_model
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.spec.sampling import to_probs
 

@@ -44,7 +44,7 @@ from verispec import (
     cli,
     make_generator,
 )
-from verispec.text.decoder import wrap_model
+from verispec.text.assemble import wrap_model
 from verispec.proposers.hybrid import HYBRID_LOOKUP
 from verispec.errors import ConfigError
 

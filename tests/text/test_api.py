@@ -128,6 +128,8 @@ def test_num_draft_tokens_default_is_the_devices(decoder, model_dirs):
     assert verispec.Decoder(target_model, cpu_default.tokenizer).num_draft_tokens == expected
     with pytest.raises(ConfigError, match="num_draft_tokens=0"):
         verispec.Decoder(target_model, cpu_default.tokenizer, num_draft_tokens=0)
+    with pytest.raises(TypeError, match=r"Decoder\(\) got an unexpected keyword argument 'k'"):
+        verispec.Decoder(target_model, cpu_default.tokenizer, k=2)
 
 
 def test_num_draft_tokens_per_call_overrides_default(decoder, model_dirs):
@@ -338,6 +340,18 @@ def test_prompt_of_the_wrong_kind_is_an_input_error(decoder, prompt, expected):
 def test_generate_arguments_of_the_wrong_type_are_config_errors(decoder, kwargs, field):
     with pytest.raises(ConfigError, match=field):
         decoder.generate("x", max_new_tokens=2, **kwargs)
+
+
+def test_an_unknown_setting_is_a_type_error_naming_the_settings(decoder):
+    """A keyword that is not a RequestSettings field, as Python's TypeError for a bad keyword,
+    and a ConfigError naming the fields there are."""
+    for call in (decoder.generate, decoder.stream, decoder.stream_batch):
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_tokens'"):
+            call(["x", "y"] if call == decoder.stream_batch else "x", max_tokens=2)
+    with pytest.raises(ConfigError, match="expected one of max_new_tokens, temperature"):
+        decoder.generate(["x", "y"], max_tokens=2)
+    with pytest.raises(ConfigError, match=r"TextBatch.add\(\) got an unexpected"):
+        decoder.open_batch().add("x", max_tokens=2)
 
 
 def test_speculative_without_draft(model_dirs):

@@ -34,7 +34,9 @@ from .base import DraftPlan, LookupSession, Proposal, RoundConstraint
 
 @dataclass(frozen=True)
 class NgramDraft:
-    """Settings of the n-gram proposer: suffix lengths tried, longest first."""
+    """Settings of the n-gram (prompt-lookup) proposer, NgramProposer: the lengths of the
+    history's suffix looked up, longest first. ``load(draft=NgramDraft())`` drafts by lookup
+    alone; ``load(hybrid=NgramDraft(...))`` sets a hybrid's lookup."""
 
     max_ngram: int = 3
     min_ngram: int = 1

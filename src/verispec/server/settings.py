@@ -24,7 +24,7 @@ from ..errors import ConfigError
 DEFAULT_DEPTH_POLICY = "goodput-plain"
 
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("auto", "fast", "transformers", "llama.cpp")  # text.decoder.BACKENDS (it imports torch)
+BACKENDS = ("auto", "fast", "transformers", "llama.cpp")  # = text.assemble.BACKENDS (imports torch)
 
 
 def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hybrid: bool,

@@ -22,7 +22,7 @@ from ..engine.constraints import ConstraintSet
 from ..errors import ConfigError
 from ..engine.rows import Row
 from ..spec.sampling import make_generator
-from .inputs import PreparedRow, RowPreparer
+from .inputs import PreparedRow, RequestSettings, RowPreparer, check_keywords
 from .stream import Completion, RowText, row_end_token_ids
 
 
@@ -77,10 +77,10 @@ class TextBatch:
         return len(self._rows)
 
     def add(self, prompt: str | Sequence[int], tag: object = None, **settings) -> TextRow:
-        """A row joins: ``settings`` are Decoder.stream's keyword arguments (max_new_tokens,
-        temperature, top_k, top_p, seed, stop, num_draft_tokens, adaptive, ignore_eos,
-        min_new_tokens, response_format), checked the same way. Its generator is its own,
-        seeded by ``seed``: the same seed gives the same text whatever else is in the batch."""
+        """A row joins: ``settings`` are RequestSettings' fields (text/inputs.py) but
+        ``speculative`` (the batch's), checked as Decoder.stream checks them. Its generator is
+        its own, seeded by ``seed``: the same seed gives the same text whatever else is in the
+        batch."""
         return self.add_rows([self.prepare(prompt, tag, **settings)])[0]
 
     def prepare(self, prompt: str | Sequence[int], tag: object = None,
@@ -88,7 +88,9 @@ class TextBatch:
         """:meth:`add`'s checks and encoding without joining: raises the row's typed error
         (ConfigError, InputError, ContextLengthExceeded, ...), so that rows prepared one by one
         can join together (:meth:`add_rows`) with every bad one already refused."""
-        prepared = self.decoder.prepare(prompt, speculative=self.batch.speculative, **settings)
+        check_keywords(RequestSettings, "TextBatch.add", settings)
+        request = RequestSettings(**settings, speculative=self.batch.speculative)
+        prepared = self.decoder.prepare(prompt, request)
         check_prompts([prepared.prompt_ids], self.batch.vocab_size)
         return PendingRow(prepared, tag)
 

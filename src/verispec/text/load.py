@@ -2,9 +2,10 @@
 
 What it does: picks the backend (llama.cpp for GGUF files where installed, the fast Llama path,
 or transformers), loads both models and their tokenizers on the asked device and dtype, and
-checks before anything runs that the draft fits the target (the same tokenizer, settings that
-combine). What it is not: the models' own loading (models/loading.py) or the Decoder that wraps
-them (decoder.py).
+checks before anything loads that the options combine and that the draft fits the target (the
+same tokenizer). The Decoder then holds what assemble.py builds from the loaded models (the
+adapters, the proposer, the default depth k). What it is not: the models' own loading
+(models/loading.py) or the Decoder (decoder.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..policy.base import AdaptivePolicyConfig
-from .decoder import BACKENDS, Decoder, hybrid_lookup
-from ..config import VERIFICATION_RULES, GenerationConfig, check_verification
+from ..config import VERIFICATION_RULES
 from ..errors import ConfigError
 from ..models.llama_cpp import model as llama_cpp
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppModel
@@ -32,8 +32,13 @@ from ..models.loading import (
 )
 from ..proposers import ModelFreeDraft
 from ..proposers.ngram import NgramDraft
+from .assemble import DecoderOptions, LoadedModel, hybrid_lookup
+from .decoder import Decoder
 
 ModelSource = str | Path | PreTrainedModel
+# what load() hands a Decoder: the target, its tokenizer, the draft (a model, model-free
+# settings, or None)
+LoadedPair = tuple[LoadedModel, object, LoadedModel | ModelFreeDraft | None]
 
 
 def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft | None = None, *,
@@ -47,78 +52,78 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
-    file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra).
+    file; quantized tensors are dequantized into ``dtype``; needs the ``gguf`` extra). A
+    ``target`` or ``draft`` that is not a local path but a packaged model's name
+    (models/packaged.py: "smollm2-135m-instruct", "gemma-3-270m") loads that package's GGUF file.
     ``draft=SuffixDraft()`` drafts without a model by the suffix-decoding rule (long drafts
     where the prompt, the output or an earlier request's text repeats, none elsewhere; what
     ``--ngram`` runs), ``draft=NgramDraft()`` by plain prompt lookup (no draft model at all;
-    with no target, the demo target). ``hybrid=True`` with a draft model drafts by lookup (of
-    the last 2-3 tokens; ``hybrid=NgramDraft(...)`` sets other lengths) in rounds where every
-    row's history has a match, and by the draft model otherwise (no target, no draft: the demo
-    pair).
+    with no target, the demo target). ``hybrid=True`` needs a draft model (no target, no draft:
+    the demo pair).
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
     otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
-    ``backend``: "transformers" runs the models' own forward; "fast" a flat Llama forward
-    (models/fast_llama/, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
-    llama.cpp's own forward (models/llama_cpp/, the ``llamacpp`` extra; quantized files run
-    natively, and the tokenizer is llama.cpp's); "auto" picks "llama.cpp" when the target and
-    any draft model are ``.gguf`` files and llama-cpp-python is installed, else "fast" where
-    supported. ``llama_cpp_config``: llama.cpp's threads, context and batch size
-    (LlamaCppConfig; defaults: all cores, the model's context up to 4096, 512).
-    ``num_draft_tokens``: the default depth k of every generation; None picks one for the
-    device: 4 on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and
-    other non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs
-    (with MKL on Intel verifying 4 or more tokens costs well over one step). ``adaptive``: the
-    default depth policy of every generation (GoodputPolicyConfig() measures which k is fastest
-    on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where it starts.
-    None: a fixed k. ``verification``: the default rule of unseeded sampled rows with a draft
-    model, "block" or "token" (GenerationConfig.verification); a call may override it.
-    ``chat_template``: what :meth:`Decoder.chat` renders messages with: "chatml", "gemma",
-    "plain" or a Jinja file (chat.py); None: the model's own (chat then refuses a model that has
-    none). A ``target`` or ``draft`` that is not a local path but a packaged model's name
-    (models/packaged.py: "smollm2-135m-instruct", "gemma-3-270m") loads that package's GGUF file.
-    ``cuda_graphs``: on a CUDA device the fast path's decoding steps are captured as CUDA graphs
-    and replayed (models/fast_llama/step_graphs.py); False runs them eagerly.
+    ``device`` and ``dtype`` place transformers models; the llama.cpp backend runs on the CPU in
+    the file's own types. The other keywords are DecoderOptions' fields (text/assemble.py, where
+    each is documented): num_draft_tokens, backend, adaptive, hybrid, llama_cpp_config,
+    verification, chat_template, cuda_graphs.
     """
-    target, draft = resolve_packaged(target), resolve_packaged(draft)
-    hybrid_lookup(hybrid, draft, target)  # checked before anything loads
-    check_verification(verification)
-    if target is None and (draft is None or isinstance(draft, ModelFreeDraft)):
-        from .demo import demo_pair  # the shipped assets; imported only when used
-
-        pair = demo_pair()
-        target, draft = pair.target, pair.draft if draft is None else draft
-    elif target is None:
-        raise ConfigError("draft was given without target; pass target=... as well (or neither "
-                          "to use the shipped demo pair).")
-    GenerationConfig(num_draft_tokens=1 if num_draft_tokens is None else num_draft_tokens,
-                     adaptive=adaptive)  # validated before anything loads
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
+    options = DecoderOptions(num_draft_tokens, backend, adaptive, hybrid, llama_cpp_config,
+                             verification, chat_template, cuda_graphs)  # checked before loading
+    target, draft = _sources(resolve_packaged(target), resolve_packaged(draft), hybrid)
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
     if _runs_on_llama_cpp(backend, target, draft, resolved_device):
         if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
             raise ConfigError(f"device={device!r}, dtype={dtype!r} do not apply to the llama.cpp "
                               "backend, which runs on the CPU in the GGUF file's own tensor "
                               "types; leave them at their defaults (or pick another backend).")
-        target_model = LlamaCppModel(target, "target")
-        draft_model = draft if isinstance(draft, ModelFreeDraft) else (
-            None if draft is None else LlamaCppModel(draft, "draft"))
-        target_tokenizer = LlamaCppTokenizer(target_model)
-        if isinstance(draft_model, LlamaCppModel):
-            check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
-        return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                       adaptive, hybrid, llama_cpp_config, verification, chat_template)
+        loaded = _load_llama_cpp(target, draft)
+    else:
+        loaded = _load_transformers(target, draft, tokenizer, resolved_device, resolved_dtype)
+    return Decoder(*loaded, **vars(options))
+
+
+def _sources(target: ModelSource | None, draft: ModelSource | ModelFreeDraft | None,
+             hybrid: bool | NgramDraft) -> tuple[ModelSource, ModelSource | ModelFreeDraft | None]:
+    """What to load: the demo pair (or its target, with a model-free draft) where no target is
+    named; hybrid's need of a draft model checked before anything loads."""
+    hybrid_lookup(hybrid, draft, target)
+    if target is None and (draft is None or isinstance(draft, ModelFreeDraft)):
+        from .demo import demo_pair  # the shipped assets; imported only when used
+
+        pair = demo_pair()
+        return pair.target, pair.draft if draft is None else draft
+    if target is None:
+        raise ConfigError("draft was given without target; pass target=... as well (or neither "
+                          "to use the shipped demo pair).")
+    return target, draft
+
+
+def _load_llama_cpp(target: ModelSource, draft: ModelSource | ModelFreeDraft | None
+                    ) -> LoadedPair:
+    """GGUF files loaded by llama.cpp, with llama.cpp's tokenizer (the draft's checked equal)."""
+    target_model = LlamaCppModel(target, "target")
+    draft_model = draft if isinstance(draft, ModelFreeDraft) else (
+        None if draft is None else LlamaCppModel(draft, "draft"))
+    target_tokenizer = LlamaCppTokenizer(target_model)
+    if isinstance(draft_model, LlamaCppModel):
+        check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
+    return target_model, target_tokenizer, draft_model
+
+
+def _load_transformers(target: ModelSource, draft: ModelSource | ModelFreeDraft | None,
+                       tokenizer: str | Path | None, device: torch.device,
+                       dtype: torch.dtype) -> LoadedPair:
+    """transformers models on ``device`` in ``dtype`` and the target's tokenizer (the draft's
+    checked equal before the draft loads)."""
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
-    target_model = load_model(target, device=resolved_device, dtype=resolved_dtype, role="target")
+    target_model = load_model(target, device=device, dtype=dtype, role="target")
     draft_model = draft if isinstance(draft, ModelFreeDraft) else None
     if draft is not None and draft_model is None:
         draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
         check_same_tokenizer(target_tokenizer, draft_tokenizer)
-        draft_model = load_model(draft, device=resolved_device, dtype=resolved_dtype, role="draft")
-    return Decoder(target_model, target_tokenizer, draft_model, num_draft_tokens, backend,
-                   adaptive, hybrid, verification=verification, chat_template=chat_template,
-                   cuda_graphs=cuda_graphs)
+        draft_model = load_model(draft, device=device, dtype=dtype, role="draft")
+    return target_model, target_tokenizer, draft_model
 
 
 def _runs_on_llama_cpp(backend: str, target: object, draft: object,

@@ -1,0 +1,200 @@
+"""From loaded models to what a :class:`~verispec.text.decoder.Decoder` holds: the adapters
+(:func:`wrap_model`), the proposer, the engine, the stop tokens and the default depth k.
+
+What this is: the assembly both ``verispec.load()`` (load.py, through the Decoder) and a
+Decoder built from models already in memory run, with the decoder's options
+(:class:`DecoderOptions`) checked once. What it is not: loading files (load.py,
+models/loading.py) or the text API (decoder.py), which holds what :func:`assemble` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from ..config import (VERIFICATION_RULES, GenerationConfig, check_verification,
+                      default_num_draft_tokens)
+from ..engine.decoder import SpeculativeDecoder
+from ..errors import ConfigError
+from ..models.base import LanguageModel
+from ..models.fast_llama import model as fast_llama
+from ..models.hf.adapter import TransformersLM, output_width
+from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
+from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
+from ..models.loading import common_vocab_size
+from ..policy.base import AdaptivePolicyConfig
+from ..proposers import ModelFreeDraft, model_free_proposer
+from ..proposers.base import Proposer
+from ..proposers.draft_model import DraftModelProposer
+from ..proposers.hybrid import HYBRID_LOOKUP, HybridProposer
+from ..proposers.ngram import NgramDraft
+from ..proposers.suffix import SuffixDraft
+from .chat import ChatTemplate, chat_template_for, end_of_turn_ids
+
+LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
+BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """A decoder's options: ``verispec.load()``'s and ``Decoder``'s keywords of these names.
+
+    num_draft_tokens: the default depth k of every generation; None picks one for the device: 4
+    on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and other
+    non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs (with MKL
+    on Intel verifying 4 or more tokens costs well over one step); a SuffixDraft's max_depth.
+    backend: "transformers" runs the models' own forward; "fast" a flat Llama forward
+    (models/fast_llama/, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
+    llama.cpp's own forward (models/llama_cpp/, the ``llamacpp`` extra; quantized files run
+    natively, and the tokenizer is llama.cpp's); "auto" picks "llama.cpp" when the target and
+    any draft model are ``.gguf`` files and llama-cpp-python is installed, else "fast" where
+    supported.
+    adaptive: the default depth policy of every generation (GoodputPolicyConfig() measures which
+    k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where
+    it starts. None: a fixed k.
+    hybrid: True with a draft model drafts by lookup (of the last 2-3 tokens;
+    ``NgramDraft(...)`` sets other lengths) in rounds where every row's history has a match, and
+    by the draft model otherwise.
+    llama_cpp_config: llama.cpp's threads, context and batch size (LlamaCppConfig; defaults: all
+    cores, the model's context up to 4096, 512).
+    verification: the default rule of unseeded sampled rows with a draft model, "block" or
+    "token" (GenerationConfig.verification); a call may override it.
+    chat_template: what ``Decoder.chat`` renders messages with: "chatml", "gemma", "plain" or a
+    Jinja file (chat.py); None: the model's own (chat then refuses a model that has none).
+    cuda_graphs: on a CUDA device the fast path's decoding steps are captured as CUDA graphs and
+    replayed (models/fast_llama/step_graphs.py); False runs them eagerly.
+    """
+
+    num_draft_tokens: int | None = None
+    backend: str = "auto"
+    adaptive: AdaptivePolicyConfig | None = None
+    hybrid: bool | NgramDraft = False
+    llama_cpp_config: LlamaCppConfig | None = None
+    verification: str = VERIFICATION_RULES[0]
+    chat_template: str | Path | None = None
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        check_verification(self.verification)
+        GenerationConfig(num_draft_tokens=1 if self.num_draft_tokens is None else
+                         self.num_draft_tokens, adaptive=self.adaptive)  # checks k and adaptive
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is invalid: expected one of "
+                              f"{', '.join(BACKENDS)}.")
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """What a Decoder holds: the adapters, the model-free draft's settings (``ngram``, None
+    with a draft model or none), the hybrid's lookup settings (None: not hybrid), the engine
+    over the proposer, the chat template, the tokens generation ends at, and the defaults of
+    calls that name none (k, depth policy, verification rule)."""
+
+    target: LanguageModel
+    draft: LanguageModel | None
+    ngram: ModelFreeDraft | None
+    hybrid: NgramDraft | None
+    engine: SpeculativeDecoder
+    chat_template: ChatTemplate | None
+    stop_token_ids: tuple[int, ...]
+    num_draft_tokens: int
+    adaptive: AdaptivePolicyConfig | None
+    verification: str
+
+
+def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | ModelFreeDraft
+             | None, options: DecoderOptions) -> DecoderParts:
+    """The parts a Decoder holds, built from loaded models; raises IncompatibleModelsError
+    where a model's output is narrower than the tokenizer, ConfigError for options that do not
+    combine with the models."""
+    hybrid = hybrid_lookup(options.hybrid, draft_model, target_model)
+    # a model-free draft (n-gram or suffix settings) drafts without a model adapter
+    ngram = draft_model if isinstance(draft_model, ModelFreeDraft) else None
+    draft_model = None if ngram is not None else draft_model
+    vocab_size = common_vocab_size(tokenizer, *(
+        _num_logits(model) for model in (target_model, draft_model) if model is not None))
+    chat_template = chat_template_for(options.chat_template, tokenizer)
+    stop_token_ids = _stop_token_ids(tokenizer, chat_template)
+    target = wrap_model(target_model, vocab_size, options.backend, options.llama_cpp_config,
+                        cuda_graphs=options.cuda_graphs)
+    draft = None if draft_model is None else wrap_model(
+        draft_model, vocab_size, options.backend, options.llama_cpp_config, draft=True,
+        cuda_graphs=options.cuda_graphs)
+    engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid))
+    return DecoderParts(target, draft, ngram, hybrid, engine, chat_template, stop_token_ids,
+                        _num_draft_tokens(options.num_draft_tokens, target, ngram),
+                        options.adaptive, options.verification)
+
+
+def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
+               llama_cpp_config: LlamaCppConfig | None = None, draft: bool = False,
+               cuda_graphs: bool = True) -> LanguageModel:
+    """The LanguageModel adapter for ``model`` under ``backend`` (DecoderOptions); ``draft``:
+    the model only drafts (the fast path may then pick kernels by batch size); ``cuda_graphs``:
+    the fast path captures its steps on a CUDA device (models/fast_llama/step_graphs.py)."""
+    if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
+        return LlamaCppLM(model, vocab_size, llama_cpp_config)
+    if backend == "llama.cpp":
+        raise ConfigError("backend='llama.cpp' runs GGUF files loaded by llama.cpp; this model "
+                          "is a transformers model: use backend='auto', 'fast' or "
+                          "'transformers'.")
+    if backend == "fast" or (backend == "auto" and fast_llama.supports(model)):
+        return fast_llama.FastLlamaLM(model, vocab_size, draft=draft,
+                                      step_graphs="auto" if cuda_graphs else "off")
+    return TransformersLM(model, vocab_size)
+
+
+def hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft | None:
+    """The lookup settings of a hybrid proposer (None: not hybrid), checked against the draft."""
+    if hybrid is False or hybrid is None:
+        return None
+    if not (hybrid is True or isinstance(hybrid, NgramDraft)):
+        raise ConfigError(f"hybrid={hybrid!r} is invalid: expected True, False or "
+                          "NgramDraft(...) (the lookup's settings).")
+    if isinstance(draft, ModelFreeDraft) or (draft is None and target is not None):
+        given = f"draft={type(draft).__name__}()" if draft is not None else "no draft"
+        raise ConfigError(f"hybrid falls back on a draft model where lookup finds nothing, and "
+                          f"{given} was given; pass a draft model (or drop hybrid for lookup "
+                          "only: draft=NgramDraft()).")
+    return HYBRID_LOOKUP if hybrid is True else hybrid
+
+
+def _proposer(vocab_size: int, draft: LanguageModel | None, ngram: ModelFreeDraft | None,
+              hybrid: NgramDraft | None) -> Proposer | None:
+    """What drafts: the model-free rule, else the draft model (behind lookup when hybrid);
+    None: no draft, the target decodes alone."""
+    if ngram is not None:
+        return model_free_proposer(vocab_size, ngram)
+    proposer = None if draft is None else DraftModelProposer(draft)
+    return proposer if hybrid is None else HybridProposer(proposer, hybrid)
+
+
+def _num_draft_tokens(asked: int | None, target: LanguageModel,
+                      ngram: ModelFreeDraft | None) -> int:
+    """The depth of calls that name none: ``asked``, else a suffix drafter's max_depth (its own
+    rule sets each row's depth, as deep as its match: k only caps it), else the device's."""
+    if asked is not None:
+        return asked
+    if isinstance(ngram, SuffixDraft):
+        return ngram.max_depth
+    # a pass over a few tokens costs far less than as many one-token passes on packed oneDNN
+    # weights (models/fast_llama/matmul.py) and on llama.cpp: the deeper default (config)
+    flat_verify = target.matmul in ("onednn", "llama.cpp")
+    return default_num_draft_tokens(target.device.type, flat_verify)
+
+
+def _num_logits(model: LoadedModel) -> int:
+    return model.num_logits if isinstance(model, LlamaCppModel) else output_width(model)
+
+
+def _stop_token_ids(tokenizer, chat_template: ChatTemplate | None) -> tuple[int, ...]:
+    """The tokens generation ends at: the tokenizer's end-of-generation tokens (llama.cpp's set,
+    EOS, EOT, ..., for its tokenizer; the EOS token for a transformers one) and the chat
+    template's end-of-turn tokens (a completion of chat-formatted text stops there too)."""
+    if isinstance(tokenizer, LlamaCppTokenizer):
+        own = tuple(tokenizer.stop_token_ids)
+    else:
+        own = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return tuple(sorted(set(own) | set(end_of_turn_ids(chat_template, tokenizer))))

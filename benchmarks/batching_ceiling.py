@@ -43,6 +43,7 @@ from common import client_prompt, command_line, machine  # noqa: E402
 
 from verispec.text.batch import TextBatch  # noqa: E402
 from verispec.text.demo import heldout_prompts  # noqa: E402
+from verispec.text.inputs import RequestSettings  # noqa: E402
 from verispec.server.run import load_decoder  # noqa: E402
 from verispec.server.settings import ServerSettings  # noqa: E402
 
@@ -147,8 +148,9 @@ def passes_bound(decoder, prompts: list[str], clients: int, max_tokens: int, bud
     n tokens a row and D the draft's 1-token step, both halfway through the decode (the
     draft's 2-token steps after a fully accepted round, and its prefills, left out): an upper
     bound for any server of this pair here."""
-    ids = sorted((decoder.prepare(prompts[client_prompt(c, 0, len(prompts))],
-                                  speculative=False).prompt_ids for c in range(clients)), key=len)
+    plain = RequestSettings(speculative=False)
+    ids = sorted((decoder.prepare(prompts[client_prompt(c, 0, len(prompts))], plain).prompt_ids
+                  for c in range(clients)), key=len)
     chunks, chunk = [], []
     for prompt in ids:  # run_level's admission: prompts until the budget is reached
         if chunk and sum(map(len, chunk)) >= budget:

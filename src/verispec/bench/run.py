@@ -6,7 +6,7 @@ every method back to back on each prompt (A B C, then C B A on the next prompt),
 machine load hits all methods alike. A method's time is the median of its per-repeat totals;
 its speedup is the median of its per-repeat ratios to the baseline (paired within a repeat).
 Ratios are taken within one run of this command, never across runs. On CUDA the warm-up runs
-every method on every prompt (see run_bench).
+every method on every prompt (see _warm_up).
 
 Methods: verispec plain decoding (the baseline every speedup divides by); transformers
 ``generate()`` with the target alone; transformers assisted generation with the same draft at its
@@ -214,19 +214,46 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float,
         name = "llama-server plain" if k is None else f"llama-server spec k={k}"
         methods.append(_llama_server_method(name, server, k, settings, temperature))
     if settings.include_hf:
-        methods.append(_hf_method(decoder, "hf generate (target)", None, False, False, settings,
+        methods += _hf_methods(decoder, settings, temperature)
+    methods += _fixed_k_methods(decoder, settings, temperature)
+    methods += _lookup_methods(decoder, settings, temperature)
+    if settings.include_adaptive:
+        methods += _adaptive_methods(decoder, settings, temperature)
+    return methods
+
+
+def _hf_methods(decoder: Decoder, settings: BenchSettings, temperature: float) -> list[_Method]:
+    """transformers generate() with the target alone, then assisted generation at its defaults
+    and matched to each of settings.hf_ks."""
+    methods = [_hf_method(decoder, "hf generate (target)", None, False, False, settings,
+                          temperature),
+               _hf_method(decoder, "hf assisted (defaults)", None, True, False, settings,
+                          temperature)]
+    for k in settings.hf_ks:
+        methods.append(_hf_method(decoder, f"hf assisted k={k}", k, True, True, settings,
                                   temperature))
-        methods.append(_hf_method(decoder, "hf assisted (defaults)", None, True, False, settings,
-                                  temperature))
-        for k in settings.hf_ks:
-            methods.append(_hf_method(decoder, f"hf assisted k={k}", k, True, True, settings,
-                                      temperature))
+    return methods
+
+
+def _fixed_k_methods(decoder: Decoder, settings: BenchSettings, temperature: float
+                     ) -> list[_Method]:
+    """verispec with the draft model at each fixed k, under each verification rule."""
+    methods: list[_Method] = []
     rules = settings.rules if temperature > 0 else settings.rules[:1]  # greedy: one rule
     for k in settings.ks:
         for rule in rules:
             name = f"verispec k={k}" + ("" if rule == rules[0] else f" {rule}")
             methods.append(_verispec_method(decoder, name, "verispec", k, True, settings,
                                             temperature, rule=rule))
+    return methods
+
+
+def _lookup_methods(decoder: Decoder, settings: BenchSettings, temperature: float
+                    ) -> list[_Method]:
+    """Drafting by lookup on the same target: n-gram at each k (each beside transformers'
+    prompt lookup at that k), the suffix drafter, and hybrid (n-gram first, the draft model
+    where there is no match)."""
+    methods: list[_Method] = []
     if settings.ngram_ks:
         ngram = SpeculativeDecoder(decoder.target,
                                    NgramProposer(decoder.target.vocab_size, NgramDraft()))
@@ -248,16 +275,19 @@ def build_methods(decoder: Decoder, settings: BenchSettings, temperature: float,
         for k in settings.hybrid_ks:
             methods.append(_verispec_method(decoder, f"verispec hybrid k={k}", "hybrid", k, True,
                                             settings, temperature, engine=hybrid))
-    if settings.include_adaptive:
-        methods.append(_verispec_method(decoder, "verispec threshold", "adaptive", 4, True,
-                                        settings, temperature, ThresholdPolicyConfig()))
-        methods.append(_verispec_method(decoder, "verispec goodput", "adaptive", 4, True,
-                                        settings, temperature, GoodputPolicyConfig()))
-        # the serving case: every prompt resumes from the estimates the previous ones left
-        methods.append(_verispec_method(decoder, "verispec goodput carry-over", "adaptive", 4,
-                                        True, settings, temperature,
-                                        GoodputPolicyConfig(carry_over=True)))
     return methods
+
+
+def _adaptive_methods(decoder: Decoder, settings: BenchSettings, temperature: float
+                      ) -> list[_Method]:
+    """verispec with each depth policy, starting at k = 4."""
+    return [_verispec_method(decoder, "verispec threshold", "adaptive", 4, True, settings,
+                             temperature, ThresholdPolicyConfig()),
+            _verispec_method(decoder, "verispec goodput", "adaptive", 4, True, settings,
+                             temperature, GoodputPolicyConfig()),
+            # the serving case: every prompt resumes from the estimates the previous ones left
+            _verispec_method(decoder, "verispec goodput carry-over", "adaptive", 4, True,
+                             settings, temperature, GoodputPolicyConfig(carry_over=True))]
 
 
 def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSettings,
@@ -272,9 +302,25 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
     """
     methods = build_methods(decoder, settings, temperature, llama_servers)
     results = {m.name: MethodResult(m.name, m.kind, m.k) for m in methods}
-    metrics = {m.name: GenerationMetrics() for m in methods}
-    outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
-    # warm-up: one prompt per method on a CPU; every prompt on CUDA, where kernels are planned
+    _warm_up(methods, decoder, prompts, settings, results)
+    metrics, outputs = _time_methods(methods, prompts, settings, temperature, progress, results)
+    num_tokens = settings.max_new_tokens * len(prompts)
+    baseline = results[methods[0].name]
+    plain_step = statistics.median(baseline.seconds) / num_tokens
+    for method in methods:
+        _summarise(results[method.name], metrics[method.name], num_tokens, plain_step,
+                   baseline.seconds)
+        if method.drafted:  # llama-server reports its drafts' fate itself
+            results[method.name].acceptance_rate = method.accepted / method.drafted
+        if temperature == 0:
+            results[method.name].matches_baseline = outputs[method.name] == outputs[methods[0].name]
+    return [results[m.name] for m in methods]
+
+
+def _warm_up(methods: list[_Method], decoder: Decoder, prompts: Sequence[list[int]],
+             settings: BenchSettings, results: dict[str, MethodResult]) -> None:
+    """Run each method untimed, then record the peak memory once it has run."""
+    # one prompt per method on a CPU; every prompt on CUDA, where kernels are planned
     # per input shape on first sight (transformers' bf16 attention there picks cuDNN, which
     # plans each new sequence length: models/attention.py), which must not land in one
     # method's runs
@@ -286,6 +332,16 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
         # method's own footprint shows as the rise over the methods before it
         results[method.name].peak_rss_mb = _peak_rss_mb()
         results[method.name].peak_gpu_mb = _peak_gpu_mb(decoder.target.device)
+
+
+def _time_methods(methods: list[_Method], prompts: Sequence[list[int]], settings: BenchSettings,
+                  temperature: float, progress: Callable[[str], None] | None,
+                  results: dict[str, MethodResult]
+                  ) -> tuple[dict[str, GenerationMetrics], dict[str, list[list[int]]]]:
+    """The timed repeats, interleaved (see run_bench): each repeat's seconds appended to the
+    methods' results; returns each method's summed metrics and its first repeat's tokens."""
+    metrics = {m.name: GenerationMetrics() for m in methods}
+    outputs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
     for repeat in range(settings.repeats):
         elapsed = dict.fromkeys(results, 0.0)
         for i, prompt in enumerate(prompts):
@@ -302,17 +358,7 @@ def run_bench(decoder: Decoder, prompts: Sequence[list[int]], settings: BenchSet
                     metrics[method.name] = metrics[method.name] + generation_metrics
         for method in methods:
             results[method.name].seconds.append(elapsed[method.name])
-    num_tokens = settings.max_new_tokens * len(prompts)
-    baseline = results[methods[0].name]
-    plain_step = statistics.median(baseline.seconds) / num_tokens
-    for method in methods:
-        _summarise(results[method.name], metrics[method.name], num_tokens, plain_step,
-                   baseline.seconds)
-        if method.drafted:  # llama-server reports its drafts' fate itself
-            results[method.name].acceptance_rate = method.accepted / method.drafted
-        if temperature == 0:
-            results[method.name].matches_baseline = outputs[method.name] == outputs[methods[0].name]
-    return [results[m.name] for m in methods]
+    return metrics, outputs
 
 
 def _summarise(result: MethodResult, metrics: GenerationMetrics, num_tokens: int,

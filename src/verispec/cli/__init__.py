@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="verispec", description="Exact speculative decoding.")
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    _add_generate_parser(commands)
+    _add_chat_parser(commands)
+    _add_export_parser(commands)
+    add_bench_parser(commands, _add_model_options)
+    _add_serve_parser(commands)
+    return parser
+
+
+def _add_generate_parser(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="complete a prompt, streaming the text",
                                    description="Complete PROMPT, streaming text to stdout and a "
                                    "metrics summary to stderr.")
@@ -95,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "speedup and its range (and, at temperature 0 or with --seed, "
                           "whether the tokens are identical)")
     generate.set_defaults(handler=_generate)
+
+
+def _add_chat_parser(commands: argparse._SubParsersAction) -> None:
     chat = commands.add_parser(
         "chat", help="answer a chat message with the model's chat template",
         description="Answer MESSAGE (or each line of stdin, as one conversation) in the model's "
@@ -108,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat)
     chat.add_argument("--quiet", action="store_true", help="no metrics summary on stderr")
     chat.set_defaults(handler=_chat)
+
+
+def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export-gguf", help="write a Llama checkpoint as a .gguf file (for the llama.cpp backend)",
         description="Write the Llama-architecture transformers checkpoint in DIR (byte-level BPE "
@@ -121,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quantization", default="F32", choices=["F32", "Q8_0"],
                         help="tensor type of the matrices (default: F32, exact)")
     export.set_defaults(handler=_export_gguf)
-    add_bench_parser(commands, _add_model_options)
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     from ..server.settings import add_settings_arguments  # dataclasses only; no FastAPI import
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
@@ -131,7 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 "'verispec[serve]'.")
     add_settings_arguments(serve)
     serve.set_defaults(handler=_serve)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from ..errors import ConfigError, UnsupportedFeatureError
 from .options import llama_cpp_config
 
 if TYPE_CHECKING:  # the measuring side pulls in torch and transformers: imported when run
-    from ..bench.run import MethodResult
+    from ..bench.run import BenchSettings, MethodResult
 
 
 def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) -> None:
@@ -155,15 +155,28 @@ def _require_extra(module: str) -> None:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    """Check the flags, load the pair, time every method at each temperature, report."""
     _check_args(args)
     texts = _load_prompts(args.prompts, args.num_prompts)
 
-    import torch
     from rich.console import Console
-    from rich.progress import Progress
+
+    decoder = _load_bench_decoder(args)
+    prompts = [decoder.tokenizer.encode(p) for p in texts]
+    settings = _bench_settings(args, on_llama_cpp=decoder.target.matmul == "llama.cpp")
+    console = Console(stderr=True)
+    _print_header(console, args, decoder, len(prompts), settings)
+    all_results = _run_temperatures(args, decoder, prompts, settings, console)
+    _report_results(args, decoder, all_results, settings, len(prompts))
+    return 0
+
+
+def _load_bench_decoder(args: argparse.Namespace):
+    """The decoder the model flags describe, on --threads threads; --llama-server needs it to
+    be a GGUF pair on the llama.cpp backend."""
+    import torch
 
     from ..text.load import load
-    from ..bench.run import BenchSettings, environment, run_bench, to_json
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -174,28 +187,51 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ConfigError("--llama-server compares llama.cpp's server with verispec on the same "
                           "GGUF pair: pass --target and --draft .gguf files on the llama.cpp "
                           "backend.")
-    prompts = [decoder.tokenizer.encode(p) for p in texts]
-    settings = BenchSettings(max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                             ks=tuple(args.ks),
-                             hf_ks=tuple(args.ks if args.hf_ks is None else args.hf_ks),
-                             temperatures=tuple(args.temperatures),
-                             seed=args.seed,
-                             # transformers' generate() needs a transformers model
-                             include_hf=not args.no_hf and not on_llama_cpp,
-                             include_adaptive=not args.no_adaptive,
-                             include_suffix=not args.no_suffix,
-                             ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks),
-                             rules=tuple(dict.fromkeys(args.rules)))
-    console = Console(stderr=True)
+    return decoder
+
+
+def _bench_settings(args: argparse.Namespace, on_llama_cpp: bool) -> BenchSettings:
+    """The flags as the run's settings."""
+    from ..bench.run import BenchSettings
+
+    return BenchSettings(max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                         ks=tuple(args.ks),
+                         hf_ks=tuple(args.ks if args.hf_ks is None else args.hf_ks),
+                         temperatures=tuple(args.temperatures),
+                         seed=args.seed,
+                         # transformers' generate() needs a transformers model
+                         include_hf=not args.no_hf and not on_llama_cpp,
+                         include_adaptive=not args.no_adaptive,
+                         include_suffix=not args.no_suffix,
+                         ngram_ks=tuple(args.ngram_ks), hybrid_ks=tuple(args.hybrid_ks),
+                         rules=tuple(dict.fromkeys(args.rules)))
+
+
+def _print_header(console, args: argparse.Namespace, decoder, num_prompts: int,
+                  settings: BenchSettings) -> None:
+    """One line on stderr: the run's size and where it runs."""
+    from ..bench.run import environment
+
     env = environment(decoder.target.device)
     # the projections' kernel of verispec's target (models/fast_llama/matmul.py); transformers' own
     # forward (generate(), assisted generation) always runs ATen's
     matmul = decoder.target.matmul
     device = args.device + (f" ({env['accelerator']})" if "accelerator" in env else "")
-    console.print(f"[bold]verispec bench[/]: {len(prompts)} prompts x {settings.max_new_tokens} "
+    console.print(f"[bold]verispec bench[/]: {num_prompts} prompts x {settings.max_new_tokens} "
                   f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
                   f"{env['processor']}, torch {env['torch']}, {device} {args.dtype}, "
                   f"matmul {matmul}")
+
+
+def _run_temperatures(args: argparse.Namespace, decoder, prompts: list[list[int]],
+                      settings: BenchSettings, console) -> dict[float, list[MethodResult]]:
+    """The bench at each temperature, with a progress bar on ``console`` and, with
+    --llama-server, llama-server processes started for the run and stopped after it."""
+    import torch
+    from rich.progress import Progress
+
+    from ..bench.run import run_bench
+
     all_results: dict[float, list[MethodResult]] = {}
     servers = _start_llama_servers(args, decoder) if args.llama_server else {}
     try:
@@ -210,18 +246,28 @@ def run_bench_command(args: argparse.Namespace) -> int:
     finally:
         for server in servers.values():
             server.stop()
+    return all_results
+
+
+def _report_results(args: argparse.Namespace, decoder,
+                    all_results: dict[float, list[MethodResult]], settings: BenchSettings,
+                    num_prompts: int) -> None:
+    """The tables on stdout, then the --json, --plot and --markdown files asked for."""
+    from rich.console import Console
+
+    from ..bench.run import to_json
+
     out = Console(width=200)  # the table is wide; do not wrap it in pipes and logs
     for temperature, results in all_results.items():
         out.print(results_table(results, temperature))
     extra = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
-             "matmul": matmul, "num_prompts": len(prompts)}
+             "matmul": decoder.target.matmul, "num_prompts": num_prompts}
     if args.json:
         Path(args.json).write_text(to_json(all_results, settings, extra, decoder.target.device))
     if args.plot:
         plot_speedups(all_results, Path(args.plot))
     if args.markdown:
         Path(args.markdown).write_text(markdown_tables(all_results))
-    return 0
 
 
 def _start_llama_servers(args: argparse.Namespace, decoder) -> dict:

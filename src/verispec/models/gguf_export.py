@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ..errors import UnsupportedFeatureError
+
+if TYPE_CHECKING:  # gguf is imported when a file is written
+    from gguf import GGUFWriter
+    from transformers import PretrainedConfig
 
 QUANTIZATIONS = ("F32", "Q8_0")
 
@@ -99,11 +104,22 @@ def save_gguf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path:
     """Write ``model`` and ``tokenizer`` to ``path`` (a .gguf file); ``quantization`` "Q8_0"
     stores the matrices as 8-bit blocks (None: F32). The tokenizer needs merges (a vocabulary
     larger than its byte alphabet). No checks: :func:`export_gguf` makes them."""
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
+    from gguf import GGUFWriter
 
-    config = model.config
     writer = GGUFWriter(str(path), architecture)
     writer.add_name(name)
+    _add_hyperparameters(writer, model.config)
+    _add_tokenizer(writer, tokenizer)
+    _add_tensors(writer, model, quantization)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_hyperparameters(writer: GGUFWriter, config: PretrainedConfig) -> None:
+    """The model's shape as llama.cpp's llama architecture keys."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -115,6 +131,12 @@ def save_gguf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config.vocab_size)
+
+
+def _add_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> None:
+    """The byte-level BPE tokenizer as llama.cpp's "gpt2" model: tokens in id order, their
+    types, merges, special ids and the chat template."""
+    from gguf import TokenType
 
     vocab = tokenizer.get_vocab()
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -135,6 +157,12 @@ def save_gguf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path:
     if getattr(tokenizer, "chat_template", None):  # as llama.cpp's converter writes it
         writer.add_chat_template(tokenizer.chat_template)
 
+
+def _add_tensors(writer: GGUFWriter, model: LlamaForCausalLM, quantization: str | None) -> None:
+    """Every weight under its GGUF name, in llama.cpp's order, q/k rows permuted; the matrices
+    quantized when ``quantization`` names a type, the norms always F32."""
+    from gguf import GGMLQuantizationType, quants
+
     def add(name: str, tensor: torch.Tensor) -> None:
         data = tensor.detach().float().numpy().astype(np.float32)
         if quantization is None or name.endswith("norm.weight"):  # norms stay F32
@@ -143,6 +171,7 @@ def save_gguf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path:
         kind = GGMLQuantizationType[quantization]
         writer.add_tensor(name, quants.quantize(data, kind), raw_dtype=kind)  # [rows, bytes]
 
+    config = model.config
     state = model.state_dict()
     add("token_embd.weight", state["model.embed_tokens.weight"])
     for layer in range(config.num_hidden_layers):
@@ -156,8 +185,3 @@ def save_gguf(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path:
     add("output_norm.weight", state["model.norm.weight"])
     if not config.tie_word_embeddings:
         add("output.weight", state["lm_head.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

@@ -165,65 +165,95 @@ class FastLlamaLM:
         row must not see (its stale tail, other rows' padding). ``segments``: ragged rows
         attend in these ranges, each over its own keys (models.attention.segments_by_length).
 
-        ``packed``: more tokens for this pass (packed.py: joining rows' prompts), laid
-        after the B n rows' tokens in every projection, their keys written before any
-        attention, and no logits for them: a joining row's own tokens in ``tokens`` see its
-        prompt. Nothing reads their last layer's output, so there they only write keys and
-        values (its attention, output projection and MLP run over the B n tokens alone).
-        Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the projections
-        see [x y a b c] ([1, 5, E]); attention runs for [a b c] against that row's keys (a
-        causal band), then for [x], [y] and the joining row's token as usual.
+        ``packed``: more tokens for this pass (packed.py: joining rows' prompts), laid after the
+        B n rows' tokens in every projection, with no logits of their own (see attend_packed).
         """
         batch, num_new = tokens.shape
-        hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
-        cos, signed_sin = self.rotary.lookup(positions, start, num_new, used)  # [B|1, n, 1, D]
-        width = batch * num_new  # the rows' own tokens on the joint token axis
-        if packed is not None:  # one token axis: the rows' B n tokens, then the N packed
-            extra, extra_cos, extra_sin = embed_packed(self, packed)  # [1, N, E], [1, N, 1, D]
-            hidden = torch.cat([hidden.reshape(1, width, -1), extra], dim=1)  # [1, Bn+N, E]
-            cos, signed_sin = (torch.cat([table.expand(batch, num_new, -1, -1).reshape(
-                1, width, 1, -1), extra_table], dim=1)
-                for table, extra_table in ((cos, extra_cos), (signed_sin, extra_sin)))
+        hidden, cos, signed_sin = self.embed(tokens, positions, start, used, packed)
         mask = _attention_mask(positions, start, num_new, used, self.dtype, tokens.device)
         rows = None if positions is None else torch.arange(batch, device=tokens.device)[:, None]
         last = len(self.layers) - 1
         for layer, (w, keys, values) in enumerate(zip(self.layers, cache.keys, cache.values)):
             query, key, value = self.rotated_qkv(w, hidden, cos, signed_sin)
             if packed is not None:  # packed keys first: a joining row's tokens attend to them
-                if layer < last:
-                    joined = write_and_attend(self, packed, query[0, width:], key[0, width:],
-                                              value[0, width:], keys, values)  # [1, N, H D]
-                else:  # no logits for packed tokens: their last layer writes keys, values only
-                    write_packed(packed, key[0, width:], value[0, width:], keys, values)
-                    hidden = hidden[:, :width]  # [1, Bn, E]
-                query, key, value = (x[0, :width].view(batch, num_new, *x.shape[2:])
-                                     for x in (query, key, value))  # [B, n, H|Hkv, D]
-            if positions is None:
-                keys[:, :, start : start + num_new] = key.transpose(1, 2)
-                values[:, :, start : start + num_new] = value.transpose(1, 2)
-            else:  # advanced indices around a slice: the indexed view is [B, n, Hkv, D]
-                keys[rows, :, positions] = key
-                values[rows, :, positions] = value
-            if segments is None:
-                out = attend(query.transpose(1, 2), keys[:, :, :used], values[:, :, :used],
-                             mask, self.scaling)  # [B, H, n, D]
-            else:
-                out = attend_segments(query.transpose(1, 2), keys, values, mask, self.scaling,
-                                      segments)  # [B, H, n, D]
+                query, key, value, joined = self.attend_packed(
+                    packed, query, key, value, keys, values, batch, num_new, layer == last)
+            _write_cache(keys, values, key, value, start, positions, rows)
+            out = self.attend_cache(query, keys, values, mask, used, segments)  # [B, H, n, D]
             out = out.transpose(1, 2).reshape(batch, num_new, -1)  # [B, n, H D]
-            if packed is not None:  # [1, Bn+N, H D], in the last layer [1, Bn, H D]
-                out = (torch.cat([out.reshape(1, width, -1), joined], dim=1) if layer < last
-                       else out.reshape(1, width, -1))
+            if packed is not None:
+                hidden, out = _rejoin_packed(hidden, out, joined)
             hidden = self.finish_layer(w, hidden, out)
+        return self.compute_logits(hidden, batch, num_new, logits_at, packed)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int, used: int,
+              packed: PackedRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [B, n] -> hidden [B, n, E] and cos, signed_sin [B|1, n, 1, D] (as
+        RotaryTable.lookup). With ``packed``, one token axis: the rows' B n tokens, then the N
+        packed ones: hidden [1, Bn+N, E], cos and signed_sin [1, Bn+N, 1, D]."""
+        batch, num_new = tokens.shape
+        hidden = F.embedding(tokens, self.embed_weight)  # [B, n, E]
+        cos, signed_sin = self.rotary.lookup(positions, start, num_new, used)  # [B|1, n, 1, D]
+        if packed is None:
+            return hidden, cos, signed_sin
+        width = batch * num_new  # the rows' own tokens on the joint token axis
+        extra, extra_cos, extra_sin = embed_packed(self, packed)  # [1, N, E], [1, N, 1, D]
+        hidden = torch.cat([hidden.reshape(1, width, -1), extra], dim=1)  # [1, Bn+N, E]
+        cos, signed_sin = (torch.cat([table.expand(batch, num_new, -1, -1).reshape(
+            1, width, 1, -1), extra_table], dim=1)
+            for table, extra_table in ((cos, extra_cos), (signed_sin, extra_sin)))
+        return hidden, cos, signed_sin
+
+    def attend_packed(self, packed: PackedRows, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: int,
+                      num_new: int, last: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One layer's packed tokens, before the rows' own attention: their keys and values
+        written and their attention run, so that a joining row's tokens see its prompt.
+        query [1, Bn+N, H, D], key and value [1, Bn+N, Hkv, D]; keys, values [B, Hkv, T, D]
+        (one layer's cache) -> the rows' query, key, value [B, n, H|Hkv, D] and the packed
+        tokens' attention output [1, N, H D]. In the ``last`` layer nothing reads the packed
+        tokens' output (they have no logits): their keys and values are written, no more, and
+        the output is None.
+
+        Worked example: rows [x], [y] and a joining row's prompt [a b c] -> the projections
+        see [x y a b c] ([1, 5, E]); attention runs for [a b c] against that row's keys (a
+        causal band), then for [x], [y] and the joining row's token as usual.
+        """
+        width = batch * num_new  # the rows' own tokens on the joint token axis
+        if last:
+            write_packed(packed, key[0, width:], value[0, width:], keys, values)
+            joined = None
+        else:
+            joined = write_and_attend(self, packed, query[0, width:], key[0, width:],
+                                      value[0, width:], keys, values)  # [1, N, H D]
+        query, key, value = (x[0, :width].view(batch, num_new, *x.shape[2:])
+                             for x in (query, key, value))  # [B, n, H|Hkv, D]
+        return query, key, value, joined
+
+    def attend_cache(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None, used: int,
+                     segments: Sequence[tuple[int, int, int]] | None) -> torch.Tensor:
+        """query [B, n, H, D] against one layer's cache (keys, values [B, Hkv, T, D]): its first
+        ``used`` positions, or each segment's own range -> [B, H, n, D]."""
+        if segments is None:
+            return attend(query.transpose(1, 2), keys[:, :, :used], values[:, :, :used], mask,
+                          self.scaling)
+        return attend_segments(query.transpose(1, 2), keys, values, mask, self.scaling, segments)
+
+    def compute_logits(self, hidden: torch.Tensor, batch: int, num_new: int,
+                       logits_at: int | torch.Tensor | None, packed: PackedRows | None
+                       ) -> torch.Tensor:
+        """The last layer's hidden [B, n, E] ([1, Bn, E] with ``packed``) -> logits [B, n, V],
+        or [B, 1, V] at ``logits_at`` (as forward)."""
         if packed is not None:
-            hidden = hidden[0, :width].view(batch, num_new, -1)  # [B, n, E]
+            hidden = hidden[0, :batch * num_new].view(batch, num_new, -1)  # [B, n, E]
         if isinstance(logits_at, int):  # [B, 1, E]
             hidden = hidden[:, logits_at : logits_at + 1]
         elif logits_at is not None:
             hidden = hidden[torch.arange(batch, device=hidden.device), logits_at][:, None]
         hidden = self.rms_norm(hidden, self.norm_weight, self.eps)
         return self.linear(hidden, self.head_weight)
-
 
     def rotated_qkv(self, w: _LayerWeights, hidden: torch.Tensor, cos: torch.Tensor,
                     signed_sin: torch.Tensor
@@ -252,6 +282,33 @@ class FastLlamaLM:
         gate_up = self.linear(x, w.gate_up, w.gate_up_bias)  # [B, n, 2 I], one matmul
         gate, up = gate_up[..., : w.gate_width], gate_up[..., w.gate_width :]
         return hidden + self.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _write_cache(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, start: int, positions: torch.Tensor | None,
+                 rows: torch.Tensor | None) -> None:
+    """The rows' key, value [B, n, Hkv, D] written to one layer's cache (keys, values
+    [B, Hkv, T, D]): slices from ``start`` for uniform rows (positions None), indexed writes at
+    positions [B, n] (rows [B, 1]) for ragged ones."""
+    if positions is None:
+        num_new = key.shape[1]
+        keys[:, :, start : start + num_new] = key.transpose(1, 2)
+        values[:, :, start : start + num_new] = value.transpose(1, 2)
+    else:  # advanced indices around a slice: the indexed view is [B, n, Hkv, D]
+        keys[rows, :, positions] = key
+        values[rows, :, positions] = value
+
+
+def _rejoin_packed(hidden: torch.Tensor, out: torch.Tensor, joined: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' attention output out [B, n, H D] back on the joint token axis of hidden
+    [1, Bn+N, E], followed by the packed tokens' output joined [1, N, H D] -> out
+    [1, Bn+N, H D]. In the last layer (joined None) the packed tokens drop out: hidden
+    [1, Bn, E], out [1, Bn, H D]."""
+    width = out.shape[0] * out.shape[1]  # B n
+    if joined is None:
+        return hidden[:, :width], out.reshape(1, width, -1)
+    return hidden, torch.cat([out.reshape(1, width, -1), joined], dim=1)
 
 
 class _LayerWeights:

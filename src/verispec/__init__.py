@@ -3,7 +3,7 @@
 The public surface is re-exported here; nothing runs at import time.
 """
 
-from .policy.base import ThresholdPolicyConfig
+from .policy.threshold import ThresholdPolicyConfig
 from .config import GenerationConfig, SamplingConfig
 from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (

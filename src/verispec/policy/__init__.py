@@ -1,14 +1,16 @@
 """How deep to draft: the depth policies and their registry by name; never changes the output law.
 
-base.py holds the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig) and the threshold
-policy, goodput.py the goodput policy. The CLI and the server name a policy; this module builds it.
+base.py holds the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig), threshold.py the
+threshold policy, goodput.py the goodput policy. The CLI and the server name a policy; this module
+builds it.
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .base import AdaptivePolicyConfig, ThresholdPolicyConfig
+from .base import AdaptivePolicyConfig
 from .goodput import GoodputPolicyConfig
+from .threshold import ThresholdPolicyConfig
 
 # the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
 POLICY_NAMES = ("goodput", "goodput-plain", "threshold")

@@ -41,7 +41,8 @@ from verispec import (
 )
 from verispec.config import VERIFICATION_RULES
 from verispec.spec.sampling import sample_with_uniform
-from verispec.spec.rejection import PAD_TOKEN, VerifyResult, point_mass, residual_probs
+from verispec.spec.rejection import point_mass, residual_probs
+from verispec.spec.result import PAD_TOKEN, VerifyResult
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -19,13 +19,8 @@ import torch
 from transformers import PreTrainedModel
 
 from ..policy.base import AdaptivePolicyConfig
-from ..engine.constraints import (
-    ConstraintSet,
-    Grammar,
-    InvalidConstraintError,
-    TokenizerIndex,
-    compile_response_format,
-)
+from ..engine.constraints import ConstraintSet
+from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
 from ..config import (VERIFICATION_RULES, GenerationConfig, SamplingConfig, as_index,
                      check_text, check_verification, default_num_draft_tokens)
 from ..engine.decoder import SpeculativeDecoder

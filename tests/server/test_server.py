@@ -24,7 +24,7 @@ import uvicorn
 import verispec
 from verispec import cli
 from verispec.text.chat import ChatTemplateMissing
-from verispec.config import default_num_draft_tokens
+from verispec.policy import default_num_draft_tokens
 from verispec.errors import ConfigError
 from verispec.models.fast_llama.matmul import resolve_matmul
 from verispec.server import ServerSettings, create_app
@@ -37,7 +37,7 @@ from verispec.server.settings import add_settings_arguments
 from tiny_models import build_tokenizer, save_model, tiny_llama
 
 # the depth a server on this machine's CPU uses when --k is not given (4 where the fast path
-# multiplies by packed oneDNN weights, 2 with MKL; config.default_num_draft_tokens)
+# multiplies by packed oneDNN weights, 2 with MKL; policy.default_num_draft_tokens)
 CPU_DEFAULT_K = default_num_draft_tokens(
     "cpu", flat_verify=resolve_matmul("auto", torch.device("cpu"), torch.float32) == "onednn")
 

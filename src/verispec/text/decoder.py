@@ -21,8 +21,10 @@ from transformers import PreTrainedModel
 from ..policy.base import AdaptivePolicyConfig
 from ..engine.constraints import ConstraintSet
 from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
-from ..config import (VERIFICATION_RULES, GenerationConfig, SamplingConfig, as_index,
-                     check_text, check_verification, default_num_draft_tokens)
+from ..config import VERIFICATION_RULES, GenerationConfig, SamplingConfig, check_verification
+from ..policy import default_num_draft_tokens
+from ..spec.checks import as_index
+from .prompts import check_text
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from ..models.loading import common_vocab_size
@@ -121,14 +123,13 @@ class Decoder:
         if hybrid is not None:
             proposer = HybridProposer(proposer, hybrid)
         self.engine = SpeculativeDecoder(self.target, proposer)
-        # the depth of calls that name none; None: the device's default (see config)
-        # a pass over a few tokens costs far less than as many one-token passes on packed
-        # oneDNN weights (models/fast_llama/matmul.py) and on llama.cpp: the deeper default (config)
-        flat_verify = self.target.matmul in ("onednn", "llama.cpp")
-        # a suffix drafter's own rule sets each row's depth (as deep as its match): k only caps it
+        # the depth of calls that name none; None: the target adapter's default (its flat_verify,
+        # policy.default_num_draft_tokens); a suffix drafter's own rule sets each row's depth (as
+        # deep as its match): k only caps it
         self.num_draft_tokens = (num_draft_tokens if num_draft_tokens is not None else
                                  ngram.max_depth if isinstance(ngram, SuffixDraft) else
-                                 default_num_draft_tokens(self.target.device.type, flat_verify))
+                                 default_num_draft_tokens(self.target.device.type,
+                                                          self.target.flat_verify))
         GenerationConfig(num_draft_tokens=self.num_draft_tokens, adaptive=adaptive)  # checked
         self.adaptive = adaptive
         check_verification(verification)

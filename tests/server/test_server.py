@@ -4,6 +4,7 @@ for what the client hides (server-sent event framing, error bodies, disconnects)
 Tiny random models saved to a temporary directory keep it fast; the greedy comparison with
 ``verispec generate`` also runs on the shipped demo pair when its assets are present.
 """
+# ruff: noqa: F811 (the tests take live_server's module fixture model_dirs by name)
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Shared pytest fixtures, and the import path of the tests.
 
-The tests mirror src/verispec (tests/spec, tests/engine, tests/policy, ...); the models and
-statistics they share live in tests/helpers (tiny_models, arch_specs, helpers_stats,
-markov_chains). pytest imports each test module by its file name (the folders are not packages),
-and a few test modules lend helpers to others (test_server's ServerThread, test_losslessness's
-inject_verify), so every folder goes on sys.path: ``from tiny_models import ...`` and
-``from test_server import ServerThread`` work from any folder and name one module each.
+The tests mirror src/verispec (tests/spec, tests/engine, tests/policy, ...); what they share lives
+in tests/helpers, the one folder put on sys.path: the models and statistics (tiny_models,
+arch_specs, helpers_stats, markov_chains), the law harnesses (law_checks, injected_rules,
+real_law), a live server (live_server) and the fast path's pair (fast_llama_pair). pytest imports
+each test module by its file name (the folders are not packages); no test module imports another.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
-    if (_folder.is_dir() and not _folder.name.startswith((".", "_"))
-            and str(_folder) not in sys.path):
-        sys.path.append(str(_folder))
+_HELPERS = str(Path(__file__).resolve().parent / "helpers")
+if _HELPERS not in sys.path:
+    sys.path.append(_HELPERS)
 
 
 @pytest.fixture(scope="module")

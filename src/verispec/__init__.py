@@ -3,7 +3,7 @@
 The public surface is re-exported here; nothing runs at import time.
 """
 
-from .policy.base import ThresholdPolicyConfig
+from .policy.threshold import ThresholdPolicyConfig
 from .config import GenerationConfig, SamplingConfig
 from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (
@@ -31,7 +31,8 @@ from .models.llama_cpp.model import LlamaCppConfig
 from .proposers import (DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal,
                         SuffixDraft, SuffixProposer)
 from .spec.sampling import greedy_tokens, make_generator, sample, to_probs
-from .spec.rejection import VerifyResult, verify, verify_rows
+from .spec.rejection import verify, verify_rows
+from .spec.result import VerifyResult
 from .spec.block import verify_block_rows
 from .spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 

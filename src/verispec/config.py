@@ -8,48 +8,17 @@ field, the value and the fix. Configs are passed explicitly and never mutated: u
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError
 
 MAX_NUM_DRAFT_TOKENS = 32
-# The depth a loaded decoder uses when none is given, by the device type its target runs on. On
-# a CPU with MKL (Intel) a verification pass over k + 1 tokens costs little more than a plain
-# step for k = 1-2 but far more from k = 3 (MKL's matmuls over 4+ rows), so deeper drafts lose
-# and k = 2 is the default. With packed oneDNN weights (the fast path's kernel on AMD and other
-# non-Intel x86 CPUs) and on an accelerator a pass over a few tokens costs about one step, so
-# the depth is 4, the usual choice on accelerators (dev/LOG.md, 2026-11-27, default depth).
-DEFAULT_NUM_DRAFT_TOKENS = {"cpu": 2}
-DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY = 4
-
-
-def default_num_draft_tokens(device_type: str, flat_verify: bool = False) -> int:
-    """The speculation depth k to use on a device of this type ("cpu", "cuda", "mps", ...) when
-    the caller chose none. ``flat_verify``: the target's passes over a few tokens cost about what
-    one token's does on this CPU too (its projections run on packed oneDNN weights)."""
-    if flat_verify:
-        return DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY
-    return DEFAULT_NUM_DRAFT_TOKENS.get(device_type, DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY)
 
 
 def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.")
-
-
-def check_text(text: str, field_name: str) -> None:
-    """Text a tokenizer can encode: no lone surrogates. Those are what bytes that are not UTF-8
-    become when Python decodes argv or a POSIX-locale stdin (errors="surrogateescape"), and what
-    a JSON escape such as \\ud800 decodes to; tokenizers reject them with a bare TypeError.
-    InputError names the field, the character and its position."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InputError(f"{field_name} holds {text[exc.start]!r} at character {exc.start}, which "
-                         "is not valid Unicode (a lone surrogate: bytes that were not UTF-8, or a "
-                         "JSON \\ud800-style escape); pass UTF-8 text.") from None
 
 
 def check_seed(seed: object) -> None:
@@ -58,16 +27,6 @@ def check_seed(seed: object) -> None:
     if seed is not None:
         _require(_is_int(seed) and 0 <= seed < 2**63, "seed", seed,
                  "an integer in [0, 2**63) or None")
-
-
-def as_index(value: object) -> int | None:
-    """value as an int when it is an integer (numpy's too; not bool), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _is_int(value: object) -> bool:

@@ -25,17 +25,14 @@ from verispec.models.fixtures import MarkovLM
 from verispec.models.hf.adapter import TransformersLM
 from verispec.spec.sampling import make_generator
 
-from test_losslessness import (
+from injected_rules import _accept_all, _residual, _rule_verify, inject_verify
+from law_checks import (
     PROMPT,
     VOCAB_SIZE,
-    _accept_all,
     _assert_control_rejected,
     _assert_target_law,
     _check_law,
     _pair,
-    _residual,
-    _rule_verify,
-    inject_verify,
 )
 from tiny_models import build_tokenizer, save_model, tiny_gpt2, tiny_llama
 

@@ -8,8 +8,8 @@
     which the mask reaches only the target's side of the acceptance test (the draft draws under
     the mask but reports its unmasked distribution) is rejected by the same test;
   * every output of a suite of 12 JSON schemas validates with the jsonschema package, greedy and
-    sampled;
-  * bad constraints are typed errors naming the problem.
+    sampled.
+Compiling a response_format (text/grammar.py) is tested in tests/text/test_grammar.py.
 
 Legend: B batch, V vocabulary.
 """
@@ -17,7 +17,6 @@ Legend: B batch, V vocabulary.
 from __future__ import annotations
 
 import json
-import sys
 
 import jsonschema
 import numpy as np
@@ -34,16 +33,12 @@ from verispec import (
     make_generator,
     to_probs,
 )
-from verispec.engine.constraints import (
-    ConstraintSet,
-    InvalidConstraintError,
-    TokenizerIndex,
-    compile_response_format,
-)
+from verispec.engine.constraints import ConstraintSet
 from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
+from verispec.text.grammar import TokenizerIndex, compile_response_format
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -296,38 +291,3 @@ def test_ignore_eos_ends_where_the_grammar_is_complete(demo_decoder):
     assert (constrained.text, constrained.token_ids, constrained.finish_reason) == (
         expected.text, expected.token_ids, "stop")
     assert free.finish_reason == "length" and len(free.token_ids) == 40
-
-
-# ---------------------------------------------------------------------------------------------
-# bad constraints
-
-
-@pytest.mark.parametrize("response_format, match", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
-     "Invalid type"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "if": {"required": ["a"]}, "then": {}}}}, "Unimplemented keys"),
-    ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs json_schema"),
-    ({"type": "regex", "regex": "a("}, "unclosed group"),
-    ({"type": "regex", "regex": ""}, "non-empty"),
-    ({"type": "grammar", "grammar": "start: 'a' missing_rule"}, "does not compile"),
-    ({"type": "yaml"}, "expected a dict whose type is one of"),
-    ("json", "expected a dict"),
-])
-def test_bad_constraints_are_typed_errors(response_format, match):
-    with pytest.raises(InvalidConstraintError, match=match):
-        compile_response_format(response_format)
-
-
-def test_text_and_none_are_unconstrained():
-    assert compile_response_format(None) is None
-    assert compile_response_format({"type": "text"}) is None
-
-
-def test_unconstrained_text_never_imports_the_grammar_engine(monkeypatch):
-    """A request without response_format works where llguidance cannot be imported (a GPU
-    image without it ran the library this way): the engine is imported only for a constraint."""
-    monkeypatch.setitem(sys.modules, "llguidance", None)  # any `import llguidance` now fails
-    assert compile_response_format(None) is None
-    with pytest.raises(ImportError):
-        compile_response_format({"type": "regex", "regex": "[0-9]+"})

@@ -10,6 +10,8 @@ pooled). A case passes at p > ALPHA.
 The harness is shown to have teeth: the same engine, sample size and G-test with the acceptance
 rule swapped (monkeypatched into verispec.engine.verification.verify_rows) for three classic
 mistakes is rejected at p < 1e-6, while the same injected code with the correct rule passes.
+The pairs and the law checks live in tests/helpers/law_checks.py, the injected rules in
+tests/helpers/injected_rules.py.
 
 Deep positions. The engine never drafts past max_new_tokens (k = min(k, remaining - 1)), so a run
 with max_new_tokens = 2 would verify at most one draft token whatever k is. Each case therefore
@@ -21,115 +23,43 @@ Legend: N samples (rows), V vocabulary, k draft tokens.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
+from helpers_stats import first_two_law, g_test, pair_law
+from injected_rules import (
+    _accept_all,
+    _exact_accept,
+    _residual,
+    _rule_verify,
+    _target,
+    _threshold_accept,
+    inject_verify,
+)
+from law_checks import (
+    NUM_SAMPLES,
+    PAIR_NAMES,
+    PROMPT,
+    Pair,
+    _assert_control_rejected,
+    _assert_target_law,
+    _check_law,
+    _pair,
+)
 
-import verispec.engine.verification
-import verispec.engine.decoder
-from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 from verispec import (
-    FixedDistributionLM,
     GenerationConfig,
+    GenerationMetrics,
     MarkovLM,
     SamplingConfig,
     SpeculativeDecoder,
     make_generator,
 )
 from verispec.config import VERIFICATION_RULES
-from verispec.spec.sampling import sample_with_uniform
-from verispec.spec.rejection import PAD_TOKEN, VerifyResult, point_mass, residual_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-VOCAB_SIZE = 8
-PROMPT = [3, 5]
-NUM_SAMPLES = 20_000
-# A correct sampler fails one given G-test with probability ALPHA. The module runs ~105 of them
-# on fixed seeds, so a chance failure somewhere has probability ~10% per choice of seeds: a
-# failure must be re-run on that case with fresh seeds and 10x the samples before it is read as
-# chance (done once while writing this file: argmax_draft k=2 T=0.7 gave p=0.00085 for
-# (x2, x3) on one seed, then p=0.75 on 200,000 fresh samples; the seed scheme was changed).
-# Again when verification moved from an exponential race to an inverse-CDF draw (the random
-# streams changed): disjoint k=4 T=1 gave p=0.00079 for (x4, x5), then p=0.57 and p=0.22 on two
-# fresh 200,000-sample runs; the seed base moved from 20,000 to 30,000.
-ALPHA = 1e-3
-CONTROL_ALPHA = 1e-6  # a broken one must be rejected far beyond chance
 K_VALUES = (1, 2, 4, 8)
-BASE_PROBS = [0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02]
-
-
-# --- adversarial draft / target pairs --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pair:
-    """A target and a draft over VOCAB_SIZE tokens, and the truncation both are sampled with."""
-
-    target: MarkovLM | FixedDistributionLM
-    draft: MarkovLM | FixedDistributionLM
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def sampling(self, temperature: float) -> SamplingConfig:
-        return SamplingConfig(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
-
-
-def _fixed(probs) -> FixedDistributionLM:
-    return FixedDistributionLM.from_probs(torch.tensor(probs))  # log(0) = -inf: impossible
-
-
-def _markov(seed: int, order: int = 1, zero_fraction: float = 0.0,
-            sharpness: float = 1.5) -> MarkovLM:
-    return MarkovLM.random(VOCAB_SIZE, make_generator(seed), order=order, sharpness=sharpness,
-                           zero_fraction=zero_fraction)
-
-
-def _argmax_draft(target: MarkovLM) -> MarkovLM:
-    """A context-dependent deterministic-like draft: all its mass on the target's argmax."""
-    table = target.table
-    is_max = table == table.amax(-1, keepdim=True)
-    return MarkovLM(torch.where(is_max, 0.0, float("-inf")), order=target.order)
-
-
-def _build_pair(name: str) -> Pair:
-    if name == "equal":
-        return Pair(_fixed(BASE_PROBS), _fixed(BASE_PROBS))
-    if name == "disjoint":  # every draft token has target probability 0: always rejected
-        return Pair(_fixed([0.4, 0.3, 0.2, 0.1, 0, 0, 0, 0]),
-                    _fixed([0, 0, 0, 0, 0.1, 0.2, 0.3, 0.4]))
-    if name == "one_hot_draft":
-        return Pair(_fixed(BASE_PROBS), _fixed([0, 0, 0, 1.0, 0, 0, 0, 0]))
-    if name == "draft_zero_where_target_positive":  # the draft never proposes the target's head
-        return Pair(_fixed(BASE_PROBS), _fixed([0, 0, 0, 0.1, 0.2, 0.3, 0.2, 0.2]))
-    if name == "reversed":  # the draft's mass sits on the target's least likely tokens
-        return Pair(_fixed(BASE_PROBS), _fixed(BASE_PROBS[::-1]))
-    if name == "argmax_draft":
-        target = _markov(21, order=1, zero_fraction=0.3)
-        return Pair(target, _argmax_draft(target))
-    if name == "top_k":  # both truncated to their own top 3, which differ by context
-        return Pair(_markov(31, sharpness=1.0), _markov(32, sharpness=1.0), top_k=3)
-    if name == "top_p":
-        return Pair(_markov(41, sharpness=1.0), _markov(42, sharpness=1.0), top_p=0.7)
-    if name == "markov1_zeros":
-        return Pair(_markov(51, order=1, zero_fraction=0.4),
-                    _markov(52, order=1, zero_fraction=0.4))
-    if name == "markov2_zeros":
-        return Pair(_markov(61, order=2, zero_fraction=0.4),
-                    _markov(62, order=2, zero_fraction=0.4))
-    raise KeyError(name)
-
-
-PAIR_NAMES = ("equal", "disjoint", "one_hot_draft", "draft_zero_where_target_positive",
-              "reversed", "argmax_draft", "top_k", "top_p", "markov1_zeros", "markov2_zeros")
-
-
-@functools.lru_cache(maxsize=None)
-def _pair(name: str) -> Pair:
-    return _build_pair(name)
 
 
 # Coverage: every pair x every k at temperature 1 (40 cases); at temperature 0.7 every pair runs
@@ -149,7 +79,7 @@ def _cases() -> list:
 
 def _generate(pair: Pair, k: int, temperature: float, seed: int,
               num_samples: int = NUM_SAMPLES, verification: str = "token"
-              ) -> tuple[np.ndarray, verispec.GenerationMetrics]:
+              ) -> tuple[np.ndarray, GenerationMetrics]:
     """Emitted tokens [N, k+1] of N identical prompts in one batch, and the run's metrics.
     Unseeded rows (rejection sampling under ``verification``) drawing from one generator
     seeded by ``seed``; seeded rows race on keyed clocks instead (test_seed_invariance.py)."""
@@ -159,48 +89,6 @@ def _generate(pair: Pair, k: int, temperature: float, seed: int,
     result = decoder.generate([PROMPT] * num_samples, config, generator=make_generator(seed))
     assert set(result.finish_reasons) == {"length"}
     return np.array(result.token_ids, dtype=np.int64), result.metrics
-
-
-def _check_law(target, tokens: np.ndarray, sampling: SamplingConfig,
-               prompt: list[int] = PROMPT) -> list:
-    """G-tests of (x1, x2) and, when k >= 2, of (x_k, x_{k+1}) of tokens [N, k+1] generated
-    after ``prompt`` against ``target``'s law; returns the (label, result) pairs."""
-    num_new = tokens.shape[1]
-    results = [("x1,x2", g_test(pair_counts(tokens, 0, VOCAB_SIZE),
-                                first_two_law(target, prompt, sampling)))]
-    if num_new > 2:
-        results.append((f"x{num_new - 1},x{num_new}",
-                        g_test(pair_counts(tokens, num_new - 2, VOCAB_SIZE),
-                               pair_law(target, prompt, sampling, num_new))))
-    return results
-
-
-def _proposer_law(target, proposer, k: int, temperature: float, seed: int,
-                  prompt: list[int], verification: str = "block"
-                  ) -> tuple[list, verispec.GenerationMetrics]:
-    """_check_law of NUM_SAMPLES rows of k + 1 tokens that ``proposer`` drafts for ``target``
-    after ``prompt`` (one batch: the first round drafts k for every row), and the metrics."""
-    sampling = SamplingConfig(temperature=temperature)
-    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                              verification=verification)
-    result = SpeculativeDecoder(target, proposer).generate([prompt] * NUM_SAMPLES, config,
-                                                           generator=make_generator(seed))
-    tokens = np.array(result.token_ids, dtype=np.int64)
-    return _check_law(target, tokens, sampling, prompt=prompt), result.metrics
-
-
-def _assert_control_rejected(tag: str, results: list) -> None:
-    """A broken rule's (x1, x2) G-test must fail far beyond chance (p < CONTROL_ALPHA)."""
-    print(f"PVALUE control {tag}: " + "; ".join(f"{l} {r}" for l, r in results))
-    assert results[0][1].p_value < CONTROL_ALPHA, (
-        f"the G-test failed to reject {tag}: {results[0][1]}")
-
-
-def _assert_target_law(tag: str, results: list) -> None:
-    """Print the p-values (grep PVALUE in the log) and require each G-test to pass at ALPHA."""
-    print(f"PVALUE {tag}: " + "; ".join(f"{label} {r}" for label, r in results))
-    for label, result in results:
-        assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
 
 
 # --- the harness itself ----------------------------------------------------------------------
@@ -269,94 +157,6 @@ def test_batch_one_calls_have_the_target_law(pair_name, k, temperature):
 
 
 # --- negative controls: the same harness must reject broken acceptance rules -----------------
-
-
-def _exact_accept(uniforms, target_at_draft, draft_at_draft):
-    return uniforms < (target_at_draft / draft_at_draft).clamp(max=1.0)
-
-
-def _threshold_accept(uniforms, target_at_draft, draft_at_draft):
-    return target_at_draft / draft_at_draft >= 0.5  # deterministic: ignores the uniforms
-
-
-def _accept_all(uniforms, target_at_draft, draft_at_draft):
-    return torch.ones_like(uniforms, dtype=torch.bool)
-
-
-def _residual(draft_row, target_row):
-    return residual_probs(draft_row, target_row)
-
-
-def _target(draft_row, target_row):
-    return target_row  # resample from the target: overweights tokens the draft covers
-
-
-def _rule_verify(accept, recover):
-    """A verify() with the same signature and random-number order as verispec.spec.rejection.verify,
-    whose acceptance test and post-rejection distribution are ``accept`` and ``recover``.
-
-    Shapes as in verify: draft_tokens [B, K], draft_probs [B, K, V] | None,
-    target_probs [B, K+1, V]; uniforms [B, K] then next_uniforms [B] drawn from ``generator``.
-    """
-
-    def rule_verify(draft_tokens, draft_probs, target_probs, generator, num_draft_tokens=None):
-        assert num_draft_tokens is None  # the engine drafts the same k for every row
-        batch_size, max_k = draft_tokens.shape
-        vocab_size = target_probs.shape[-1]
-        uniforms = torch.rand((batch_size, max_k), generator=generator)
-        next_uniforms = torch.rand((batch_size,), generator=generator, dtype=torch.float64)
-        if draft_probs is None:
-            draft_probs = point_mass(draft_tokens, vocab_size)
-        target_at_draft = target_probs[:, :max_k].gather(-1, draft_tokens[..., None])[..., 0]
-        draft_at_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]
-        accepted = accept(uniforms, target_at_draft, draft_at_draft)
-        num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
-        all_accepted = num_accepted == max_k
-        rows = torch.arange(batch_size)
-        next_probs = target_probs[rows, num_accepted]  # bonus distribution [B, V]
-        if max_k > 0:
-            rejected_at = num_accepted.clamp(max=max_k - 1)
-            recovered = recover(draft_probs[rows, rejected_at], target_probs[rows, rejected_at])
-            next_probs = torch.where(all_accepted[:, None], next_probs, recovered)
-        next_tokens = sample_with_uniform(next_probs, next_uniforms)  # [B]
-        positions = torch.arange(max_k + 1)[None, :]
-        padded = torch.cat([draft_tokens, draft_tokens.new_full((batch_size, 1), PAD_TOKEN)], 1)
-        output_tokens = torch.where(positions < num_accepted[:, None], padded, PAD_TOKEN)
-        output_tokens.scatter_(1, num_accepted[:, None], next_tokens[:, None])
-        return VerifyResult(num_accepted=num_accepted, output_tokens=output_tokens,
-                            num_emitted=num_accepted + 1, first_rejection=num_accepted,
-                            all_accepted=all_accepted)
-
-    return rule_verify
-
-
-def inject_verify(monkeypatch, verify_fn) -> None:
-    """Make the engine verify with ``verify_fn`` (verify's signature and result, one generator)
-    at temperature > 0, where it calls spec.rejection.verify_rows: verify read back as host
-    lists."""
-
-    def injected_verify_rows(draft_tokens, draft_probs, target_probs, generators,
-                             num_draft_tokens=None):
-        # rows of equal depth k sharing a generator are verified together on their first k
-        # tokens (rows near max_new_tokens draft fewer than the round's width)
-        width = draft_tokens.shape[1]
-        counts = list(num_draft_tokens or [width] * draft_tokens.shape[0])
-        groups = {}
-        for b, (count, generator) in enumerate(zip(counts, generators)):
-            groups.setdefault((count, id(generator)), (generator, []))[1].append(b)
-        num_accepted, output_tokens = [0] * len(counts), [[]] * len(counts)
-        for (k, _), (generator, rows) in groups.items():
-            index = torch.tensor(rows)
-            result = verify_fn(draft_tokens[index, :k],
-                               None if draft_probs is None else draft_probs[index, :k],
-                               target_probs[index, : k + 1], generator)
-            for b, n, tokens in zip(rows, result.num_accepted.tolist(),
-                                    result.output_tokens.tolist()):
-                num_accepted[b], output_tokens[b] = n, tokens
-        return num_accepted, output_tokens
-
-    assert hasattr(verispec.engine.verification, "verify_rows")  # the name the engine really calls
-    monkeypatch.setattr(verispec.engine.verification, "verify_rows", injected_verify_rows)
 
 
 CONTROL_PAIR = "reversed"

@@ -20,9 +20,8 @@ import pytest
 import torch
 from arch_specs import Arch
 from helpers_stats import g_test, pair_counts
-from test_losslessness import inject_verify
-from test_real_losslessness import accept_every_draft_token
-from test_real_losslessness import first_two_tokens as real_first_two_tokens
+from injected_rules import accept_every_draft_token, inject_verify
+from real_law import first_two_tokens as real_first_two_tokens
 
 from verispec import SamplingConfig, SpeculativeDecoder, to_probs
 from verispec.models.hf.masks import MaskPlan

@@ -1,4 +1,5 @@
 """The flat Llama forward (models/fast_llama/) against its reference, the transformers forward."""
+# ruff: noqa: F811 (the tests take fast_llama_pair's module fixtures target and draft by name)
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import sys
 import pytest
 import torch
 
+from fast_llama_pair import (  # noqa: F401 (draft, target: its module fixtures)
+    PROMPTS,
+    VOCAB,
+    check_logits_after_random_extend_and_rewind,
+    draft,
+    target,
+)
 from tiny_models import tiny_gpt2, tiny_llama
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.text.assemble import wrap_model
@@ -24,48 +32,9 @@ from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-VOCAB = 97
 # both projection kernels, whichever "auto" picks on this machine (models/fast_llama/matmul.py)
 MATMULS = ["aten", pytest.param("onednn", marks=pytest.mark.skipif(
     not onednn_available(), reason="this torch build has no oneDNN"))]
-PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12, 13], [20], [30, 31, 32]]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(VOCAB, seed=11, hidden=64, layers=3)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(VOCAB, seed=12, hidden=32, layers=1)
-
-
-def check_logits_after_random_extend_and_rewind(model, session, vocab_size: int,
-                                               steps: int = 12,
-                                               prompts: list[list[int]] | None = None) -> None:
-    """Random extends and rewinds of ``session`` on ragged rows (``prompts``, by default three);
-    after each extend every row's last logits must equal a fresh forward of ``model`` over that
-    row's history (on the model's device). Shared with tests/models/test_gpu.py."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = prompts or [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
-    num_rows = len(prompts)
-    session.start(prompts)
-    history = [list(p) for p in prompts]
-    for _ in range(steps):
-        n = int(torch.randint(1, 5, (1,), generator=generator))
-        tokens = torch.randint(0, vocab_size, (num_rows, n), generator=generator)
-        logits = session.extend(tokens.to(model.device))  # [B, n, V]
-        for row in range(num_rows):
-            history[row].extend(tokens[row].tolist())
-            with torch.inference_mode():
-                fresh = model(torch.tensor([history[row]], device=model.device)).logits[0, -1]
-            torch.testing.assert_close(logits[row, -1], fresh, atol=1e-4, rtol=1e-4)
-        rewind = [int(torch.randint(0, n + 1, (1,), generator=generator))
-                  for _ in range(num_rows)]
-        session.rewind(rewind)
-        for row in range(num_rows):
-            del history[row][len(history[row]) - rewind[row]:]
 
 
 @pytest.mark.parametrize("matmul", MATMULS)

@@ -20,7 +20,7 @@ from verispec.errors import ModelLoadError
 from verispec.server import ServerSettings, create_app
 
 from verispec.models.gguf_export import save_gguf
-from test_server import ServerThread
+from live_server import ServerThread
 from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 PROMPT = "def add(a, b):"

@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from test_fast_llama import check_logits_after_random_extend_and_rewind
+from fast_llama_pair import check_logits_after_random_extend_and_rewind
 from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 import verispec
@@ -349,18 +349,17 @@ def test_graphed_steps_stay_exact_as_rows_join_and_leave(models):
 
 def test_graphed_first_two_tokens_follow_the_target_law_and_the_control_fails(monkeypatch):
     from helpers_stats import g_test, pair_counts
-    from test_losslessness import inject_verify
-    from test_real_losslessness import (
+    from injected_rules import accept_every_draft_token, inject_verify
+    from real_law import (
         CONTROL_P_THRESHOLD,
         P_THRESHOLD,
         VOCAB_SIZE,
-        accept_every_draft_token,
         exact_first_two_law,
         first_two_tokens,
     )
-    from test_real_losslessness import LM_HEAD_SCALE as LAW_HEAD_SCALE
+    from real_law import LM_HEAD_SCALE as LAW_HEAD_SCALE
     target = untied_llama(VOCAB_SIZE, seed=11, hidden=32, layers=2, max_positions=64)
-    with torch.no_grad():  # the law test's pair (test_real_losslessness.models), on CUDA
+    with torch.no_grad():  # the law test's pair (real_law.py, test_real_losslessness.models), on CUDA
         target.lm_head.weight.mul_(LAW_HEAD_SCALE)
     target, draft = target.to(CUDA), layer_dropped_draft(target, num_layers=1).to(CUDA)
     engine = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 from helpers_stats import first_two_in_runs, g_test, pair_counts
-from test_losslessness import inject_verify
-from test_real_losslessness import accept_every_draft_token, truncation_margin
+from injected_rules import accept_every_draft_token, inject_verify
+from real_law import truncation_margin
 from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 import verispec
@@ -564,7 +564,7 @@ def test_cli_export_and_generate_on_llama_cpp(tmp_path, capsys):
 def test_server_serves_the_llama_cpp_backend(tiny):
     import httpx
 
-    from test_server import ServerThread
+    from live_server import ServerThread
     from verispec.server import ServerSettings, create_app
     from verispec.server.run import load_decoder
 
@@ -593,7 +593,7 @@ def test_chat_on_a_gguf_model_with_a_template_answers_with_the_templates_prompt(
     # the chat route encodes the rendered template with add_special_tokens=False; the GGUF
     # tokenizer did not take that argument, and every chat request on such a model was a 500
     from openai import OpenAI
-    from test_server import ServerThread
+    from live_server import ServerThread
 
     from verispec.server import ServerSettings, create_app
 

@@ -21,33 +21,28 @@ Legend: N samples, V vocabulary, K draft tokens.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from helpers_stats import g_test, pair_counts
-from test_losslessness import inject_verify
+from injected_rules import accept_every_draft_token, inject_verify
+from real_law import (
+    CONTROL_P_THRESHOLD,
+    LM_HEAD_SCALE,
+    P_THRESHOLD,
+    PROMPT,
+    VOCAB_SIZE,
+    exact_first_two_law,
+    first_two_tokens,
+    next_token_logits,
+    truncation_margin,
+)
 from tiny_models import layer_dropped_draft, untied_llama
 
 import verispec.spec.block
-from verispec import (
-    GenerationConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-    to_probs,
-)
+from verispec import SamplingConfig, SpeculativeDecoder
 from verispec.models.hf.adapter import TransformersLM
-from verispec.spec.rejection import verify
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
-
-VOCAB_SIZE = 24
-PROMPT = [3, 17, 5]
-NUM_SAMPLES = 20_000
-LM_HEAD_SCALE = 40.0  # random init gives near-uniform logits; this makes them peaky
-P_THRESHOLD = 1e-3
-CONTROL_P_THRESHOLD = 1e-6
-
 
 # the whole stack on each device; on CUDA the 20k-row batch takes verification's tensor path
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -67,56 +62,6 @@ def models(request):
 def engine(models):
     target, draft = models
     return SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
-
-
-def next_token_logits(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh forwards: logits after the prompt [V] and after prompt + [x1] for every x1 [V, V]."""
-    contexts = torch.tensor([prompt + [x1] for x1 in range(VOCAB_SIZE)])  # [V, T+1]
-    with torch.inference_mode():
-        first = model(torch.tensor([prompt], device=model.device)).logits[0, -1]  # [V]
-        second = model(contexts.to(model.device)).logits[:, -1]  # [V, V]: x1 -> logits of x2
-    return first.cpu(), second.cpu()
-
-
-def exact_first_two_law(model, sampling: SamplingConfig) -> np.ndarray:
-    """P(x1, x2) by enumeration over x1, from the model's own distributions. -> [V, V] float64."""
-    first_logits, second_logits = next_token_logits(model, PROMPT)
-    first = to_probs(first_logits, sampling).double()  # [V]
-    second = to_probs(second_logits, sampling).double()  # [V, V]
-    return (first[:, None] * second).numpy()
-
-
-def truncation_margin(logits: torch.Tensor, sampling: SamplingConfig) -> float:
-    """How far the top-k / top-p cut is from a tie, over rows of logits [R, V].
-
-    The engine's batched cached forward and the fresh forward here differ by float rounding
-    (~1e-6); a cut that close to a tie could change the support and fail the test spuriously.
-    """
-    margins = [float("inf")]
-    scaled = logits.float() / sampling.temperature
-    if sampling.top_k is not None:
-        top = scaled.topk(sampling.top_k + 1, dim=-1).values
-        margins.append(float((top[:, -2] - top[:, -1]).min()))
-    if sampling.top_p is not None:
-        probs = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True).values
-        mass_before = probs.cumsum(-1) - probs
-        margins.append(float((mass_before - sampling.top_p).abs().min()))
-    return min(margins)
-
-
-def first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
-                     seed: int, prompt: list[int] = PROMPT, verification: str = "block"
-                     ) -> tuple[np.ndarray, float]:
-    """One batched generation of NUM_SAMPLES copies of prompt -> tokens [N, 2], acceptance.
-    Unseeded rows (rejection sampling under ``verification``) from a generator seeded here."""
-    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                              verification=verification)
-    run = engine.stream([prompt] * NUM_SAMPLES, config, generator=make_generator(seed))
-    for _ in run:
-        if min(map(len, run.token_ids)) >= 2:
-            break
-    tokens = np.array([row[:2] for row in run.token_ids])  # [N, 2]
-    return tokens, run.metrics.acceptance_rate
 
 
 CASES = {  # sampling, k, verification rule
@@ -144,16 +89,6 @@ def test_first_two_tokens_follow_target_law(models, engine, case):
     assert 0.2 < acceptance_rate < 0.95, acceptance_rate
     assert result.num_impossible_hits == 0, result
     assert result.p_value > P_THRESHOLD, f"{case}: {result}"
-
-
-def accept_every_draft_token(draft_tokens, draft_probs, target_probs, generator,
-                             num_draft_tokens=None):
-    """Wrong on purpose: each draft token is tested against its own distribution (p/q = 1),
-    so every draft token is accepted; the bonus still comes from the target."""
-    num_drafted = draft_tokens.shape[1]
-    if draft_probs is not None and num_drafted > 0:
-        target_probs = torch.cat([draft_probs, target_probs[:, num_drafted:]], dim=1)
-    return verify(draft_tokens, draft_probs, target_probs, generator, num_draft_tokens)
 
 
 def test_negative_control_wrong_verification_is_detected(models, engine, monkeypatch):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_server import ServerThread
+from live_server import ServerThread
 
 import verispec
 from verispec import cli

@@ -1,13 +1,13 @@
 """The fast path's static-shape steps (models/fast_llama/step_graphs.py) on the CPU: what a CUDA
 graph replays, run eagerly, must give the reference's logits and the eager path's tokens. The
 capture itself needs a GPU (tests/models/test_gpu.py)."""
-# ruff: noqa: F811 (the tests take test_fast_llama's module fixtures target and draft by name)
+# ruff: noqa: F811 (the tests take fast_llama_pair's module fixtures target and draft by name)
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fast_llama import (  # noqa: F401 (draft, target: its module fixtures)
+from fast_llama_pair import (  # noqa: F401 (draft, target: its module fixtures)
     PROMPTS,
     VOCAB,
     check_logits_after_random_extend_and_rewind,

@@ -3,7 +3,7 @@
 Three layers: the draft model's catch-up after rounds it did not propose (ragged rows) against a
 fresh session on tiny real models (both backends); greedy equality with plain decoding on
 fixture Markov chains and real models (library, CLI), with both kinds of round shown to occur;
-and the output law at temperature > 0 by tests/engine/test_losslessness.py's G-test harness, for
+and the output law at temperature > 0 by the G-test harness (tests/helpers/law_checks.py), for
 n-gram drafting alone and for the hybrid (whose first round is a lookup round that leaves rows
 ragged, followed by draft-model rounds that catch up), with negative controls that must fail.
 """
@@ -16,18 +16,15 @@ import pytest
 import torch
 
 import verispec
-from test_losslessness import (
-    VOCAB_SIZE,
+from injected_rules import (
     _accept_all,
-    _assert_control_rejected,
-    _assert_target_law,
     _exact_accept,
-    _proposer_law,
     _residual,
     _rule_verify,
     _target,
     inject_verify,
 )
+from law_checks import VOCAB_SIZE, _assert_control_rejected, _assert_target_law, _proposer_law
 from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
 from verispec.proposers.base import DraftPlan
 from verispec import (
@@ -142,7 +139,7 @@ PROMPT = [3, 5, 3, 5, 2, 3]  # repeats: the first round is a lookup round (5, 2,
 
 def _law_results(kind: str, k: int, temperature: float, seed: int,
                  verification: str = "block"):
-    """(G-test results, metrics, proposer) of test_losslessness's harness for one proposer."""
+    """(G-test results, metrics, proposer) of the law harness (law_checks.py) for one proposer."""
     proposer = (NgramProposer(VOCAB_SIZE) if kind == "ngram" else
                 _CountingHybrid(DraftModelProposer(_markov(12, order=1)), NgramDraft()))
     results, metrics = _proposer_law(_markov(11), proposer, k, temperature, seed, PROMPT,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import verispec
-from test_losslessness import VOCAB_SIZE
+from law_checks import VOCAB_SIZE
 from tiny_models import save_untied_pair
 from verispec.proposers.base import DraftPlan
 from verispec import (

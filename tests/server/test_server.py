@@ -4,13 +4,13 @@ for what the client hides (server-sent event framing, error bodies, disconnects)
 Tiny random models saved to a temporary directory keep it fast; the greedy comparison with
 ``verispec generate`` also runs on the shipped demo pair when its assets are present.
 """
+# ruff: noqa: F811 (the tests take live_server's module fixture model_dirs by name)
 
 from __future__ import annotations
 
 import json
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -24,20 +24,25 @@ import uvicorn
 import verispec
 from verispec import cli
 from verispec.text.chat import ChatTemplateMissing
-from verispec.config import default_num_draft_tokens
+from verispec.policy import default_num_draft_tokens
 from verispec.errors import ConfigError
 from verispec.models.fast_llama.matmul import resolve_matmul
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
-from verispec.server.http import VerispecServer, uvicorn_config
 from verispec.server.prompts import ChatMessage, ChatPrompt
 from verispec.server.run import adaptive_policy
 from verispec.server.settings import add_settings_arguments
 
+from live_server import (  # noqa: F401 (model_dirs: a fixture)
+    ServerThread,
+    metric_values,
+    model_dirs,
+    wait_for,
+)
 from tiny_models import build_tokenizer, save_model, tiny_llama
 
 # the depth a server on this machine's CPU uses when --k is not given (4 where the fast path
-# multiplies by packed oneDNN weights, 2 with MKL; config.default_num_draft_tokens)
+# multiplies by packed oneDNN weights, 2 with MKL; policy.default_num_draft_tokens)
 CPU_DEFAULT_K = default_num_draft_tokens(
     "cpu", flat_verify=resolve_matmul("auto", torch.device("cpu"), torch.float32) == "onednn")
 
@@ -51,44 +56,6 @@ SETTINGS = ServerSettings(api_key=API_KEY, model_name=MODEL, max_tokens_limit=20
                           max_prompt_tokens=64, max_queue=2, max_body_bytes=16_384,
                           max_batch_size=1,  # one row at a time: the queue tests below fill it
                           chat_template="plain")  # the tiny tokenizer has no template of its own
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on an ephemeral 127.0.0.1 port from a background thread."""
-
-    def __init__(self, app) -> None:
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        # as `verispec serve` runs it: the guarded protocol, timeouts, draining on shutdown
-        self.server = VerispecServer(uvicorn_config(app, app.state.settings,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
-                                       daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.socket.close()
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    tokenizer = build_tokenizer()
-    root = tmp_path_factory.mktemp("server_models")
-    target = save_model(tiny_llama(len(tokenizer), seed=1, max_positions=2048), tokenizer,
-                        root / "target")
-    draft = save_model(tiny_llama(len(tokenizer), seed=2, layers=1, max_positions=2048),
-                       tokenizer, root / "draft")
-    return target, draft
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +315,7 @@ def test_health_needs_no_key(server):
 def test_metrics(client, server):
     assert_serving(client)
     text = httpx.get(server.url + "/metrics").text
-    values = _metric_values(text)
+    values = metric_values(text)
     assert values['verispec_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     for name in ("verispec_generated_tokens_total", "verispec_prompt_tokens_total",
                  "verispec_drafted_tokens_total", "verispec_accepted_tokens_total",
@@ -361,11 +328,6 @@ def test_metrics(client, server):
     assert "verispec_queue_depth" in values
     assert values["verispec_running_requests"] == 0  # nothing in flight between requests
     assert sum(v for name, v in values.items() if name.startswith("verispec_rounds_total")) > 0
-
-
-def _metric_values(text: str) -> dict[str, float]:
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 # --- errors: the documented status and OpenAI error JSON, and the server keeps serving ------
@@ -475,7 +437,7 @@ def _long_body(stream: bool) -> dict:
 
 
 def _cancelled_generations(server) -> float:
-    values = _metric_values(httpx.get(server.url + "/metrics").text)
+    values = metric_values(httpx.get(server.url + "/metrics").text)
     return values.get('verispec_generations_total{outcome="cancelled"}', 0.0)
 
 
@@ -515,7 +477,7 @@ def test_queue_overflow_gets_503_and_the_queue_drains(server, http, client):
         with ThreadPoolExecutor(2) as pool:
             waiting = [pool.submit(httpx.post, server.url + "/v1/completions", json=GOOD,
                                    headers=http.headers, timeout=60) for _ in range(2)]
-            _wait_for(lambda: http.get("/health").json()["queue_depth"] == 2)
+            wait_for(lambda: http.get("/health").json()["queue_depth"] == 2)
             refused = http.post("/v1/completions", json=GOOD)
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == "1"
@@ -523,13 +485,6 @@ def test_queue_overflow_gets_503_and_the_queue_drains(server, http, client):
             running.close()  # the client goes away: the waiting requests run
             assert [w.result(timeout=30).status_code for w in waiting] == [200, 200]
     assert_serving(client)
-
-
-def _wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 # --- settings and the serve command ---------------------------------------------------------

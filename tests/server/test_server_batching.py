@@ -28,10 +28,10 @@ from verispec.server import worker as worker_module
 from verispec.server.worker import Event, GenerationWorker, Job
 from verispec.text.stream import Completion
 
-from test_server import (  # noqa: F401 (model_dirs: a fixture)
+import live_server
+from live_server import (  # noqa: F401 (model_dirs: a fixture)
     ServerThread,
-    _metric_values,
-    _wait_for,
+    metric_values,
     model_dirs,
 )
 
@@ -76,7 +76,7 @@ def test_concurrent_greedy_requests_are_batched_and_equal_each_alone(server, cli
 
 def _round_counts(server) -> tuple[dict[int, float], dict[int, float], float]:
     """/metrics' rounds and rows by depth, and the running requests."""
-    values = _metric_values(httpx.get(server.url + "/metrics").text)
+    values = metric_values(httpx.get(server.url + "/metrics").text)
     by_depth = {"verispec_rounds_total": {}, "verispec_round_rows_total": {}}
     for name, value in values.items():
         metric, _, label = name.partition('{draft_tokens="')
@@ -302,7 +302,7 @@ class _RecordedWorker:
 
     @staticmethod
     def wait_for(condition) -> None:
-        _wait_for(condition, timeout=60)
+        live_server.wait_for(condition, timeout=60)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_row_streams(model_dirs,

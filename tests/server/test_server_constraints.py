@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import ServerThread
+from live_server import ServerThread
 
 from verispec.server import ServerSettings, create_app
 

@@ -50,7 +50,7 @@ import verispec
 from verispec.server import ServerSettings, create_app
 from verispec.server.schemas import ChatCompletionRequest, CompletionRequest
 
-from test_server import ServerThread
+from live_server import ServerThread
 from tiny_models import build_tokenizer, save_model, tiny_llama
 
 API_KEY = "fuzz-key"

@@ -4,8 +4,9 @@ The numbers follow the issue's list: 1 DNS rebinding and cross-site requests, 2 
 3 overload replies and logs, 4 deeply nested JSON, 5 extreme sampling values, 6 aborted uploads,
 7 loose types, 8 seeds under an adaptive depth, 9 stream_options.include_usage, 10 usage past a
 stop string, 11 a non-ASCII API key, 12 two servers on one port, 13 SIGTERM with requests in
-flight. A real uvicorn on 127.0.0.1 (tests/server/test_server.py's ServerThread, which runs the server
-class and protocol `verispec serve` runs), raw sockets and httpx for what a client library hides.
+flight. A real uvicorn on 127.0.0.1 (tests/helpers/live_server.py's ServerThread, which runs the
+server class and protocol `verispec serve` runs), raw sockets and httpx for what a client library
+hides.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_server import ServerThread
-from test_server import _wait_for as wait_for
+from live_server import ServerThread, wait_for
 from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 import verispec

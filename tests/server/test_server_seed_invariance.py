@@ -22,7 +22,7 @@ from verispec.text.demo import heldout_prompts
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import load_decoder
 
-from test_server import ServerThread, _wait_for
+from live_server import ServerThread, wait_for
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -110,7 +110,7 @@ def test_a_seeded_request_among_eight_clients_equals_the_plain_server_alone(
         others = [pool.submit(_keep_busy, client, prompts[10:], i, stop)
                   for i in range(NUM_OTHER_CLIENTS)]
         try:
-            _wait_for(lambda: worker.num_running >= NUM_OTHER_CLIENTS // 2, timeout=60)
+            wait_for(lambda: worker.num_running >= NUM_OTHER_CLIENTS // 2, timeout=60)
             rounds_before, rows_before = worker.num_rounds, worker.num_row_rounds
             for stream in (False, True):
                 for (index, settings), text in zip(SEEDED, expected):

@@ -38,13 +38,13 @@ from verispec import (
 from verispec.config import SamplingConfig
 from verispec.spec.theory import expected_acceptance
 from verispec.spec.rejection import (
-    PAD_TOKEN,
     acceptance_probs,
     point_mass,
     residual_probs,
     verify_rows,
     verify_with_randomness,
 )
+from verispec.spec.result import PAD_TOKEN
 from verispec.spec.checks import check_stop_token_ids
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -31,7 +31,7 @@ from verispec import (
 )
 from verispec.spec import block as verify_block
 from verispec.errors import UnsupportedFeatureError
-from verispec.spec.rejection import PAD_TOKEN
+from verispec.spec.result import PAD_TOKEN
 from verispec.spec.block import block_weights, verify_block_rows, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -29,7 +29,7 @@ from verispec import (
     InputError,
     ModelLoadError,
 )
-from verispec.config import default_num_draft_tokens
+from verispec.policy import default_num_draft_tokens
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -120,6 +120,8 @@ def test_num_draft_tokens_default_is_the_devices(decoder, model_dirs):
     assert verispec.load(*model_dirs, num_draft_tokens=None).num_draft_tokens == expected
     on_mkl = verispec.load(*model_dirs, backend="transformers")  # no packed weights
     assert on_mkl.num_draft_tokens == 2
+    # the default follows the target adapter's flat_verify, not its kernel's name
+    assert cpu_default.target.flat_verify == (expected == 4) and not on_mkl.target.flat_verify
     assert default_num_draft_tokens("cpu") == 2
     assert default_num_draft_tokens("cpu", flat_verify=True) == 4  # packed oneDNN weights
     assert default_num_draft_tokens("cuda") == default_num_draft_tokens("mps") == 4

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy.base import ThresholdPolicyConfig
+from ..policy.threshold import ThresholdPolicyConfig
 from ..text.decoder import Decoder
 from ..config import BENCH_RULES, GenerationConfig, SamplingConfig
 from ..spec.theory import theoretical_speedup

@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import BENCH_RULES, MAX_NUM_DRAFT_TOKENS, SamplingConfig, check_text
+from ..config import BENCH_RULES, MAX_NUM_DRAFT_TOKENS, SamplingConfig
 from ..errors import ConfigError, UnsupportedFeatureError
+from ..text.prompts import check_text
 from .options import llama_cpp_config
 
 if TYPE_CHECKING:  # the measuring side pulls in torch and transformers: imported when run

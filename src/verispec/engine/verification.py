@@ -24,7 +24,8 @@ import torch
 from .rows import Row
 from ..spec.sampling import greedy_tokens, to_probs
 from ..spec.seeded import race
-from ..spec.rejection import PAD_TOKEN, verify_rows
+from ..spec.rejection import verify_rows
+from ..spec.result import PAD_TOKEN
 from ..spec.block import verify_block_rows
 from ..spec.checks import raise_out_of_range
 from ..spec.greedy import verify_greedy_rows

@@ -1,14 +1,16 @@
 """How deep to draft: the depth policies and their registry by name; never changes the output law.
 
-base.py holds the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig) and the threshold
-policy, goodput.py the goodput policy. The CLI and the server name a policy; this module builds it.
+base.py holds the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig), threshold.py the
+threshold policy, goodput.py the goodput policy. The CLI and the server name a policy; this module
+builds it, and gives the fixed depth a loaded decoder starts from when the caller names none.
 """
 
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .base import AdaptivePolicyConfig, ThresholdPolicyConfig
+from .base import AdaptivePolicyConfig
 from .goodput import GoodputPolicyConfig
+from .threshold import ThresholdPolicyConfig
 
 # the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
 POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
@@ -29,3 +31,24 @@ def named_policy(name: str | None, carry_over: bool = False) -> AdaptivePolicyCo
         return ThresholdPolicyConfig(carry_over=carry_over)
     raise ConfigError(f"adaptive={name!r} is invalid: expected one of {', '.join(POLICY_NAMES)}, "
                       "or none for a fixed k.")
+
+
+# The depth a loaded decoder uses when none is given, by its target adapter's ``flat_verify`` and
+# the device type it runs on. On a CPU with MKL (Intel) a verification pass over k + 1 tokens
+# costs little more than a plain step for k = 1-2 but far more from k = 3 (MKL's matmuls over 4+
+# rows), so deeper drafts lose and k = 2 is the default. With packed oneDNN weights (the fast
+# path's kernel on AMD and other non-Intel x86 CPUs), on llama.cpp's forward and on an
+# accelerator a pass over a few tokens costs about one step, so the depth is 4, the usual
+# choice on accelerators (dev/LOG.md, 2026-11-27, default depth).
+DEFAULT_NUM_DRAFT_TOKENS = {"cpu": 2}
+DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY = 4
+
+
+def default_num_draft_tokens(device_type: str, flat_verify: bool = False) -> int:
+    """The speculation depth k to use on a device of this type ("cpu", "cuda", "mps", ...) when
+    the caller chose none. ``flat_verify``: the target adapter's attribute of that name, True
+    where its passes over a few tokens cost about what one token's does on a CPU too (packed
+    oneDNN weights, llama.cpp's forward)."""
+    if flat_verify:
+        return DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY
+    return DEFAULT_NUM_DRAFT_TOKENS.get(device_type, DEFAULT_NUM_DRAFT_TOKENS_FLAT_VERIFY)

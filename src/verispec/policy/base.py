@@ -1,8 +1,8 @@
 """Adaptive speculation depth: small policy objects the engine asks for k between rounds.
 
-This module is the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig) and the simpler
-of the two policies; policy.named_policy builds either by name:
-  * threshold (here): grow k by one when the recent acceptance rate is above ``grow_above``,
+This module is the interface (RoundStats, AdaptivePolicy, AdaptivePolicyConfig) the policies
+implement; policy.named_policy builds either by name:
+  * threshold (threshold.py): grow k by one when the recent acceptance rate is above ``grow_above``,
     shrink it when below ``shrink_below``, always within [min, max] (a common heuristic, e.g.
     the "heuristic" schedule of Hugging Face assisted generation).
   * goodput (goodput.py): estimate the per-position acceptance rates and the costs of a round
@@ -129,54 +129,3 @@ class AdaptivePolicyConfig:
             raise ConfigError("carry-over needs the previous policy of the same config; got "
                               f"{type(previous).__name__} from another one.")
         return copy.deepcopy(previous)  # the copy shares only the frozen config
-
-
-@dataclass(frozen=True)
-class ThresholdPolicyConfig(AdaptivePolicyConfig):
-    """Grow k when recent acceptance > grow_above, shrink when < shrink_below.
-
-    window: how many recent rounds the acceptance rate is pooled over.
-    """
-
-    grow_above: float = 0.8
-    shrink_below: float = 0.4
-    window: int = 3
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.shrink_below < self.grow_above <= 1.0:
-            raise ConfigError(
-                f"shrink_below={self.shrink_below!r}, grow_above={self.grow_above!r} are invalid:"
-                " expected 0 <= shrink_below < grow_above <= 1.")
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ConfigError(f"window={self.window!r} is invalid: expected an integer >= 1.")
-
-    def build(self, initial_num_draft_tokens: int,
-              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
-        if previous is not None:
-            return self._resume(previous)
-        return ThresholdPolicy(self, self.clamp(initial_num_draft_tokens))
-
-
-class ThresholdPolicy(AdaptivePolicy):
-    def __init__(self, config: ThresholdPolicyConfig, initial_num_draft_tokens: int) -> None:
-        self.config = config
-        self.num_draft_tokens = initial_num_draft_tokens
-        self._recent: list[tuple[int, int]] = []  # (drafted, accepted) of recent rounds
-
-    def next_num_draft_tokens(self, stats: RoundStats) -> int:
-        if stats.num_draft_tokens == 0:
-            return self.num_draft_tokens
-        drafted = sum(stats.num_reached)
-        accepted = sum(stats.num_accepted_at)
-        self._recent = (self._recent + [(drafted, accepted)])[-self.config.window:]
-        total_drafted = sum(d for d, _ in self._recent)
-        rate = sum(a for _, a in self._recent) / max(total_drafted, 1)
-        if rate > self.config.grow_above:
-            self.num_draft_tokens = self.config.clamp(self.num_draft_tokens + 1)
-        elif rate < self.config.shrink_below:
-            self.num_draft_tokens = self.config.clamp(self.num_draft_tokens - 1)
-        else:
-            return self.num_draft_tokens
-        self._recent = []  # judge the new k on its own rounds
-        return self.num_draft_tokens

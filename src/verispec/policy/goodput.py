@@ -15,8 +15,8 @@ To see more than one depth, every ``probe_every`` rounds one round runs at a nei
 best k. With ``min_num_draft_tokens=0`` a plain round (k = 0) is one of its choices, taken while
 no depth beats it by ``plain_margin``.
 
-What this is not: the policy interface, carry-over and the threshold policy (base.py); the
-batch's per-bucket policies and the timings it hands them (scheduler.py).
+What this is not: the policy interface and carry-over (base.py); the threshold policy
+(threshold.py); the batch's per-bucket policies and the timings it hands them (scheduler.py).
 """
 
 from __future__ import annotations

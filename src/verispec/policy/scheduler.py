@@ -17,7 +17,7 @@ itself stays the five steps of the algorithm:
   * draft lag: after plain rounds the proposer owes their tokens, and catches up before the
     next drafting round's clock starts.
 
-What it is not: a policy (base.py, goodput.py decide k from the stats) and never a part of
+What it is not: a policy (threshold.py, goodput.py decide k from the stats) and never a part of
 the output law: any plan gives exact samples, and a seeded row the same tokens.
 """
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import check_text
 from ..errors import EmptyPromptError
+from ..text.prompts import check_text
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
 from ..config import GenerationConfig, SamplingConfig
-from ..engine.constraints import Grammar, InvalidConstraintError, compile_response_format
 from ..errors import EmptyPromptError
+from ..text.grammar import Grammar, InvalidConstraintError, compile_response_format
 from .errors import ParameterError, UnsupportedParameter
 from .prompts import ChatMessage, ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
@@ -163,7 +163,7 @@ class GenerationParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
-    grammar: Grammar | None = None  # response_format or tools, compiled (engine/constraints.py)
+    grammar: Grammar | None = None  # response_format or tools, compiled (text/grammar.py)
     tool_names: tuple[str, ...] = ()  # tools: the output is a call of one of these functions
     n: int = 1  # choices per prompt
 

@@ -50,15 +50,8 @@ import torch
 
 from ..errors import DraftContractError, UnsupportedFeatureError
 from .sampling import sample_with_host_uniforms
-from .rejection import (
-    PAD_TOKEN,
-    VerifyResult,
-    checked_draft_rows,
-    draw_rows_randomness,
-    plain_rows,
-    result_from_rows,
-    rows_at,
-)
+from .rejection import checked_draft_rows, draw_rows_randomness, plain_rows, rows_at
+from .result import VerifyResult, assemble_rows, result_from_rows
 from .checks import (
     check_draft_tokens,
     check_inputs,
@@ -189,9 +182,7 @@ def _verify_block_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     next_tokens = sample_with_host_uniforms(next_probs, next_uniforms.tolist(),
                                             fallback=next_target).tolist()
     # 5. Assemble: accepted prefix, then the next token, then padding.
-    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
-                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
-    return num_accepted, output_tokens
+    return num_accepted, assemble_rows(draft_rows, num_accepted, next_tokens)
 
 
 def _weights_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Input checks shared by the verification forms (rejection.py, greedy.py, block.py).
+"""Input checks shared by the verification forms (rejection.py, greedy.py, block.py), and
+as_index, the integer test of theory.py's arguments and of token-id prompts (text/decoder.py).
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary.
 
@@ -11,6 +12,7 @@ vocabulary, ConfigError for a generator that is not a torch.Generator. Not here:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -134,3 +136,13 @@ def raise_out_of_range(tokens: list[int], vocab_size: int) -> None:
     bad = next(token for token in tokens if not 0 <= token < vocab_size)
     raise TokenOutOfRangeError(f"draft token id {bad} is outside the vocabulary [0, "
                                f"{vocab_size}); draft and target must share a tokenizer.")
+
+
+def as_index(value: object) -> int | None:
+    """value as an int when it is an integer (numpy's too; not bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -9,7 +9,7 @@ verify_greedy (probabilities in), verify_greedy_tokens (the target's tokens in) 
 verify_greedy_rows (host lists, what the engine calls).
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary. Vocabulary (accepted, recovered,
-bonus) and VerifyResult as in rejection.py.
+bonus) as in rejection.py, VerifyResult as in result.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError, TokenOutOfRangeError
-from .rejection import PAD_TOKEN, VerifyResult, _assemble
+from .result import PAD_TOKEN, VerifyResult, assemble_output
 from .checks import (
     check_draft_tokens,
     check_inputs,
@@ -128,4 +128,4 @@ def _verify_point_masses(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     accepted = valid & (draft_tokens == target_tokens[:, :max_k])  # [B, K]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
-    return _assemble(draft_tokens, num_accepted, next_tokens, num_draft)
+    return assemble_output(draft_tokens, num_accepted, next_tokens, num_draft)

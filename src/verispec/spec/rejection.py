@@ -26,19 +26,19 @@ Edge cases, made explicit:
 
 Not here: models, caches, sampling settings (see sampling.py), the decoding loop (engine/batch.py;
 its verification step over a batch's rows is engine/verification.py), the temperature-0 forms that
-need no random numbers (greedy.py), the input checks (checks.py), and the formulas for expected
-acceptance and speedup (theory.py).
+need no random numbers (greedy.py), the input checks (checks.py), VerifyResult and the output's
+assembly (result.py), and the formulas for expected acceptance and speedup (theory.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import DraftContractError, ShapeError
 from .sampling import generator_groups, sample_with_host_uniforms, sample_with_uniform
+from .result import VerifyResult, assemble_output, assemble_rows, result_from_rows
 from .checks import (
     check_draft_tokens,
     check_generator,
@@ -48,37 +48,10 @@ from .checks import (
     raise_out_of_range,
 )
 
-PAD_TOKEN = -1  # fills output_tokens after each row's emitted tokens
 _DRAFT_GAVE_ZERO = (
     "the draft proposed a token to which its own reported distribution gives probability 0; "
     "draft_probs must be exactly the distributions the draft tokens were sampled from (or None "
     "for a deterministic proposal).")
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """The outcome of one verification round for a batch.
-
-    Shapes:
-      num_accepted    [B] int64: accepted draft tokens per row (0..num_draft_tokens[b]).
-      output_tokens   [B, K+1] int64: accepted tokens, then the recovered or bonus token, then
-                      PAD_TOKEN. Row b holds num_accepted[b] + 1 real tokens.
-      num_emitted     [B] int64: num_accepted + 1.
-      first_rejection [B] int64: position of the first rejected draft token; num_draft_tokens[b]
-                      when every draft token was accepted (the next token is then a bonus).
-      all_accepted    [B] bool: whether the last token of the row is a bonus token.
-    """
-
-    num_accepted: torch.Tensor
-    output_tokens: torch.Tensor
-    num_emitted: torch.Tensor
-    first_rejection: torch.Tensor
-    all_accepted: torch.Tensor
-
-    @property
-    def next_tokens(self) -> torch.Tensor:
-        """The recovered or bonus token of each row. -> [B] int64."""
-        return self.output_tokens.gather(1, self.num_accepted[:, None]).squeeze(1)
 
 
 def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -263,9 +236,7 @@ def _verify_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     next_tokens = _next_tokens_rows(draft_rows, draft_probs, target_probs, next_uniforms,
                                     num_accepted, num_draft)
     # 3. Assemble: accepted prefix, then the next token, then padding.
-    output_tokens = [row[:n] + [token] + [PAD_TOKEN] * (max_k - n)
-                     for row, n, token in zip(draft_rows, num_accepted, next_tokens)]
-    return num_accepted, output_tokens
+    return num_accepted, assemble_rows(draft_rows, num_accepted, next_tokens)
 
 
 def checked_draft_rows(draft_tokens: torch.Tensor, num_draft: list[int],
@@ -358,7 +329,7 @@ def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
     check_token_range(draft_tokens, valid, vocab_size)
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample
         next_tokens = sample_with_uniform(target_probs[:, 0], next_uniforms)  # [B]
-        return _assemble(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
+        return assemble_output(draft_tokens, torch.zeros_like(num_draft), next_tokens, num_draft)
 
     # 1. Acceptance test at every proposed position (positions past a row's length count as
     # rejected: valid [B, K] is False there).
@@ -388,7 +359,7 @@ def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
     next_tokens = sample_with_uniform(next_probs, next_uniforms)  # [B]
 
     # 3. Assemble: accepted prefix, then the next token, then padding.
-    return _assemble(draft_tokens, num_accepted, next_tokens, num_draft)
+    return assemble_output(draft_tokens, num_accepted, next_tokens, num_draft)
 
 
 def _row_at(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -404,34 +375,3 @@ def rows_at(probs: torch.Tensor, positions: list[int]) -> torch.Tensor:
     if len(positions) == 1:
         return probs[0, positions[0]][None]
     return torch.stack([probs[b, n] for b, n in enumerate(positions)])
-
-
-def result_from_rows(num_accepted: list[int], output_tokens: list[list[int]],
-                     num_draft: list[int], device: torch.device) -> VerifyResult:
-    """A :class:`VerifyResult` built from host ints (rows as in :func:`_assemble`)."""
-    accepted = torch.tensor(num_accepted, dtype=torch.int64, device=device)
-    max_k = len(output_tokens[0]) - 1 if output_tokens else 0
-    return VerifyResult(
-        num_accepted=accepted,
-        output_tokens=torch.tensor(output_tokens, dtype=torch.int64,
-                                   device=device).reshape(len(output_tokens), max_k + 1),
-        num_emitted=accepted + 1, first_rejection=accepted,
-        all_accepted=torch.tensor([n == k for n, k in zip(num_accepted, num_draft)],
-                                  dtype=torch.bool, device=device))
-
-
-def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
-              num_draft: torch.Tensor) -> VerifyResult:
-    """Rows of accepted draft tokens, then the next token, then PAD_TOKEN. -> [B, K+1].
-
-    Example: draft [7, 8, 9], num_accepted 1, next token 5 -> [7, 5, PAD, PAD].
-    """
-    batch_size, max_k = draft_tokens.shape
-    positions = torch.arange(max_k + 1, device=draft_tokens.device)[None, :]
-    padded_draft = torch.cat([draft_tokens, draft_tokens.new_full((batch_size, 1), PAD_TOKEN)], 1)
-    output_tokens = torch.where(positions < num_accepted[:, None], padded_draft,
-                                torch.full_like(padded_draft, PAD_TOKEN))
-    output_tokens.scatter_(1, num_accepted[:, None], next_tokens[:, None])
-    return VerifyResult(num_accepted=num_accepted, output_tokens=output_tokens,
-                        num_emitted=num_accepted + 1, first_rejection=num_accepted,
-                        all_accepted=num_accepted == num_draft)

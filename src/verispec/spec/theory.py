@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import as_index
 from ..errors import ConfigError
+from .checks import as_index
 
 
 def expected_acceptance(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from ..config import (VERIFICATION_RULES, GenerationConfig, check_verification,
-                      default_num_draft_tokens)
+from ..config import VERIFICATION_RULES, GenerationConfig, check_verification
+from ..policy import default_num_draft_tokens
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError
 from ..models.base import LanguageModel
@@ -179,10 +179,9 @@ def _num_draft_tokens(asked: int | None, target: LanguageModel,
         return asked
     if isinstance(ngram, SuffixDraft):
         return ngram.max_depth
-    # a pass over a few tokens costs far less than as many one-token passes on packed oneDNN
-    # weights (models/fast_llama/matmul.py) and on llama.cpp: the deeper default (config)
-    flat_verify = target.matmul in ("onednn", "llama.cpp")
-    return default_num_draft_tokens(target.device.type, flat_verify)
+    # the target adapter's flat_verify: a pass over a few tokens costs far less than as many
+    # one-token passes (policy.default_num_draft_tokens)
+    return default_num_draft_tokens(target.device.type, target.flat_verify)
 
 
 def _num_logits(model: LoadedModel) -> int:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import check_text
 from ..errors import ConfigError, InputError, UnsupportedFeatureError
+from .prompts import check_text
 
 CHAT_TEMPLATES: dict[str, str] = {
     "chatml": (

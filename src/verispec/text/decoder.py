@@ -18,14 +18,11 @@ from typing import Literal
 import torch
 
 from ..policy.base import AdaptivePolicyConfig
-from ..engine.constraints import (
-    ConstraintSet,
-    Grammar,
-    InvalidConstraintError,
-    TokenizerIndex,
-    compile_response_format,
-)
-from ..config import GenerationConfig, SamplingConfig, as_index, check_text
+from ..engine.constraints import ConstraintSet
+from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
+from ..config import GenerationConfig, SamplingConfig
+from ..spec.checks import as_index
+from .prompts import check_text
 from ..errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from ..proposers import ModelFreeDraft
 from .assemble import DecoderOptions, LoadedModel, assemble

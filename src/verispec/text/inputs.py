@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, TypeVar
 
 from ..config import GenerationConfig
-from ..engine.constraints import ConstraintSet, Grammar
+from ..engine.constraints import ConstraintSet
+from .grammar import Grammar
 from ..errors import ConfigError
 from ..policy.base import AdaptivePolicyConfig
 
@@ -44,7 +45,7 @@ class RequestSettings:
     min_new_tokens: no end-of-generation token before this many new tokens (the target's
     distribution there is renormalised without them, exactly, as vLLM's min_tokens); stop
     strings still apply.
-    response_format: constrain the output (engine.constraints.compile_response_format: a JSON
+    response_format: constrain the output (text.grammar.compile_response_format: a JSON
     schema, any JSON object, a regex, a Lark grammar, in OpenAI's dict shape, or a Grammar);
     draft and target are masked alike, so the output has exactly the constrained target's law.
     verification: "block" or "token", the rule that tests an unseeded sampled row's draft-model

@@ -118,6 +118,9 @@ class FastLlamaLM:
         self.dtype = model.dtype
         self._device = model.device  # cached: the model property walks every parameter
         self.matmul = resolve_matmul(matmul, self._device, self.dtype)
+        # on packed oneDNN weights a pass over a few tokens costs about one token's: the deeper
+        # default depth (policy.default_num_draft_tokens)
+        self.flat_verify = self.matmul == "onednn"
         kernel = linear_kernel(self.matmul, by_rows=draft)
         self.linear = kernel.linear  # x [.., E], weight [O, E] as prepared, bias -> [.., O]
         inner = model.model

@@ -112,6 +112,9 @@ class TransformersLM:
     """Wraps a loaded ``PreTrainedModel`` (put in eval mode) as a :class:`LanguageModel`."""
 
     matmul = "aten"  # its own nn.Linear modules (models/fast_llama/matmul.py names the kernels)
+    # a pass over k + 1 tokens costs more than one token's on a CPU (MKL's matmuls over rows):
+    # the shallower default depth there (policy.default_num_draft_tokens)
+    flat_verify = False
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
         width = output_width(model)

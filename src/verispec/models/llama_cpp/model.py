@@ -207,6 +207,9 @@ class LlamaCppLM:
     resets the context, and the old session raises if it is used again."""
 
     matmul = "llama.cpp"  # names the kernel, as FastLlamaLM.matmul does
+    # a pass over a few tokens costs about one token's: the deeper default depth
+    # (policy.default_num_draft_tokens)
+    flat_verify = True
 
     def __init__(self, model: LlamaCppModel, vocab_size: int | None = None,
                  config: LlamaCppConfig | None = None) -> None:

@@ -74,6 +74,24 @@ def _plain_float_linears(model: PreTrainedModel) -> bool:
                for linear in linears)
 
 
+def _checked_vocab_size(model: PreTrainedModel, vocab_size: int | None,
+                        step_graphs: str) -> int:
+    """FastLlamaLM's arguments checked: the vocabulary it serves (default: every logit)."""
+    if not supports(model):
+        raise ConfigError(f"the fast Llama path does not support model_type="
+                          f"{getattr(model.config, 'model_type', None)!r} with this config; "
+                          "use the transformers backend.")
+    if step_graphs not in STEP_GRAPHS:
+        raise ConfigError(f"step_graphs={step_graphs!r} is invalid: expected one of "
+                          f"{', '.join(STEP_GRAPHS)}.")
+    width = output_width(model)
+    vocab_size = width if vocab_size is None else vocab_size
+    if not 1 <= vocab_size <= width:
+        raise ConfigError(f"vocab_size={vocab_size} is invalid for a model with {width} "
+                          "output logits.")
+    return vocab_size
+
+
 class FastLlamaLM:
     """A Llama-family ``PreTrainedModel`` as a :class:`LanguageModel` with a flat forward.
 
@@ -90,18 +108,7 @@ class FastLlamaLM:
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None,
                  matmul: str = "auto", draft: bool = False, step_graphs: str = "auto") -> None:
-        if not supports(model):
-            raise ConfigError(f"the fast Llama path does not support model_type="
-                              f"{getattr(model.config, 'model_type', None)!r} with this config; "
-                              "use the transformers backend.")
-        if step_graphs not in STEP_GRAPHS:
-            raise ConfigError(f"step_graphs={step_graphs!r} is invalid: expected one of "
-                              f"{', '.join(STEP_GRAPHS)}.")
-        width = output_width(model)
-        vocab_size = width if vocab_size is None else vocab_size
-        if not 1 <= vocab_size <= width:
-            raise ConfigError(f"vocab_size={vocab_size} is invalid for a model with {width} "
-                              "output logits.")
+        vocab_size = _checked_vocab_size(model, vocab_size, step_graphs)
         self.model = model.eval()
         self.vocab_size = vocab_size
         self.max_positions = max_positions(model)

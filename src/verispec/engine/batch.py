@@ -79,10 +79,13 @@ class Batch:
         self.recorder = MetricsRecorder(cost_ratio)
         windows = [lm.max_positions for lm in (target, proposer) if lm is not None
                    and lm.max_positions is not None]
-        self.scheduler = Scheduler(
-            policy, initial_num_draft_tokens, carried, proposer is not None,
-            min(windows) if windows else None,
-            [m for m in (target, proposer) if m is not None and isinstance(m, CapturesSteps)])
+        self.scheduler = Scheduler(policy, initial_num_draft_tokens, carried,
+                                   proposer is not None, min(windows) if windows else None)
+        # the models that capture steps as CUDA graphs: a round in which one captured reaches
+        # the policy as a first use (a capture costs tens of steps, and a new cache layout or
+        # key bucket brings one long after a depth's first round; taken at full weight, such
+        # rounds priced drafting out of reach)
+        self._capturers = [m for m in (target, proposer) if isinstance(m, CapturesSteps)]
 
     @property
     def device(self) -> torch.device:
@@ -171,7 +174,7 @@ class Batch:
         plan = self.scheduler.plan(self.rows)
         if plan.catch_up:  # the tokens of plain rounds, before the round's clock starts
             self.proposer.catch_up()
-        captures = self.scheduler.num_captured()
+        captures = self._num_captured()
         started = time.perf_counter()
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
         draft_tokens, draft_probs, num_draft, allowed = self._propose(plan.num_draft_tokens)
@@ -196,10 +199,13 @@ class Batch:
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
         self._record(RoundReport(draft_tokens.shape[1], plan.num_draft_tokens, num_draft,
-                                 measured, times, self.scheduler.num_captured() > captures),
+                                 measured, times, self._num_captured() > captures),
                      emitted, plan.measuring)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
+
+    def _num_captured(self) -> int:
+        return sum(model.num_captured for model in self._capturers)
 
     def _commit(self, num_accepted: list[int], next_tokens: list[int]) -> None:
         """Each side keeps its row's accepted prefix, then the recovered or bonus token."""

@@ -43,13 +43,6 @@ class ScheduledRow(Protocol):
     def num_draft_tokens(self, policy_k: int | None) -> int: ...
 
 
-class CountsCaptures(Protocol):
-    """A model that captures steps as CUDA graphs (models.base.CapturesSteps)."""
-
-    @property
-    def num_captured(self) -> int: ...
-
-
 @dataclass(frozen=True)
 class RoundPlan:
     """What the next round does. num_draft_tokens [B]: the depth each row is asked to draft
@@ -84,20 +77,19 @@ class Scheduler:
     own k); ``carried``: where policies with carry_over are kept between batches;
     ``speculative``: a proposer drafts (else every round is plain); ``max_positions``: the
     longest sequence every model takes (None: no limit), so k is capped by the room of the row
-    nearest its end; ``capturers``: the models that capture steps as CUDA graphs.
+    nearest its end.
     """
 
     def __init__(self, policy: AdaptivePolicyConfig | None, initial_num_draft_tokens: int,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None, speculative: bool,
-                 max_positions: int | None, capturers: Sequence[CountsCaptures]) -> None:
+                 max_positions: int | None) -> None:
         self.speculative = speculative
         self.config = policy if speculative else None
         self.initial_num_draft_tokens = initial_num_draft_tokens
         self.carried = carried
         self.policies: dict[int, AdaptivePolicy] = {}  # batch-size bucket -> its policy
         self._policy_k: dict[int, int] = {}  # bucket -> the k its policy returned for next round
-        self._round_policy: AdaptivePolicy | None = None  # the policy the planned round runs
-        self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round
+        self.last_policy: AdaptivePolicy | None = None  # the policy of the latest round planned
         self.last_num_draft_tokens = 0  # the width of the latest round (0: plain)
         self.max_positions = max_positions
         self._draft_lags = False  # the last round was plain: the draft has tokens to catch up
@@ -113,11 +105,6 @@ class Scheduler:
         # rows come and go: otherwise most first rounds go unpriced and the policy drafts deep
         # on its defaults
         self._shapes_run: set[tuple[int, int]] = set()
-        # a round in which a model captured a step graph reaches the policy as a first use. A
-        # capture costs tens of steps, and a new cache layout or key bucket brings one long
-        # after a depth's first round; taken at full weight, such rounds priced drafting out
-        # of reach
-        self._capturers = list(capturers)
 
     # --- rows joining -----------------------------------------------------------------------
 
@@ -143,12 +130,9 @@ class Scheduler:
 
     # --- rounds -----------------------------------------------------------------------------
 
-    def num_captured(self) -> int:
-        return sum(model.num_captured for model in self._capturers)
-
     def plan(self, rows: Sequence[ScheduledRow]) -> RoundPlan:
         """The next round over ``rows``."""
-        policy = self._round_policy = self._policy(rows)
+        policy = self.last_policy = self._policy(rows)
         # the k the policy returned last (a probe of a neighbouring depth included), else its own
         policy_k = None if policy is None else self._policy_k.get(_bucket(len(rows)),
                                                                   policy.num_draft_tokens)
@@ -167,7 +151,7 @@ class Scheduler:
 
     def report(self, report: RoundReport, num_rows: int) -> None:
         """A round over ``num_rows`` rows ran: give the policy of its bucket its stats."""
-        policy = self.last_policy = self._round_policy
+        policy = self.last_policy
         self.last_num_draft_tokens = report.width
         draft_timed = not self._draft_lags  # this round's draft fed only its own k steps
         self._draft_lags = report.width == 0 and self.speculative

@@ -10,6 +10,7 @@ torch.Generator, and leave it when they finish or are removed. What this is not:
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,19 @@ from .metrics import GenerationMetrics, MetricsRecorder
 from ..spec.seeded import RaceClocks, stream_key
 
 _ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target's processed distribution at its
+    position (bias, penalties, min_new_tokens, grammar mask, temperature, top-k/p, min-p:
+    spec.sampling.to_logprobs; at temperature 0 the processed logits at temperature 1), and
+    the ``top`` most likely (token id, logprob) pairs there, most likely first (as many as the
+    config's ``logprobs`` asks). -inf for a token the distribution excludes."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Row:

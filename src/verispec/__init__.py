@@ -4,7 +4,7 @@ The public surface is re-exported here; nothing runs at import time.
 """
 
 from .policy.threshold import ThresholdPolicyConfig
-from .config import GenerationConfig, SamplingConfig
+from .config import GenerationConfig, PenaltyConfig, SamplingConfig
 from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (
     BackendError,
@@ -25,12 +25,13 @@ from .errors import (
 from .spec.theory import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
 from .policy.goodput import GoodputPolicyConfig
 from .engine.metrics import GenerationMetrics
+from .engine.rows import TokenLogprob
 from .models import FixedDistributionLM, MarkovLM
 # llama_cpp itself is imported when a model loads
 from .models.llama_cpp.model import LlamaCppConfig
 from .proposers import (DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal,
                         SuffixDraft, SuffixProposer)
-from .spec.sampling import greedy_tokens, make_generator, sample, to_probs
+from .spec.sampling import greedy_tokens, make_generator, sample, to_logprobs, to_probs
 from .spec.rejection import verify, verify_rows
 from .spec.result import VerifyResult
 from .spec.block import verify_block_rows
@@ -59,11 +60,12 @@ __all__ = [
     "ConfigError", "ContextLengthExceeded", "DraftContractError", "EmptyPromptError",
     "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
     "TokenOutOfRangeError", "UnsupportedFeatureError", "UnsupportedModelError", "VerispecError",
-    "GenerationConfig", "SamplingConfig", "ThresholdPolicyConfig", "GoodputPolicyConfig",
+    "GenerationConfig", "SamplingConfig", "PenaltyConfig", "TokenLogprob",
+    "ThresholdPolicyConfig", "GoodputPolicyConfig",
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal", "SuffixDraft", "SuffixProposer", "ChatTemplateMissing",
-    "make_generator", "sample", "to_probs", "greedy_tokens", "verify", "verify_rows",
+    "make_generator", "sample", "to_probs", "to_logprobs", "greedy_tokens", "verify", "verify_rows",
     "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

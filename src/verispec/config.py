@@ -44,11 +44,14 @@ class SamplingConfig:
     temperature: 0 means greedy (a point mass on the argmax, ties to the lowest id).
     top_k: keep the k most likely tokens (None = all).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (None = all).
+    min_p: keep the tokens whose probability is at least min_p times the most likely one's,
+        after temperature, top-k and top-p (None or 0 = all).
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -61,10 +64,62 @@ class SamplingConfig:
         if self.top_p is not None:
             _require(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
                      "a number in (0, 1], or None to disable top-p")
+        if self.min_p is not None:
+            _require(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
+                     "a number in [0, 1], or None to disable min-p")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's API takes them
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's API takes it
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list, as OpenAI's API
+
+
+@dataclass(frozen=True)
+class PenaltyConfig:
+    """What reshapes a row's logits from its own history, before temperature (spec/penalties.py
+    applies it, at every verified position counting the block's earlier draft tokens).
+
+    presence_penalty: subtracted once from each token generated so far (OpenAI's).
+    frequency_penalty: subtracted per occurrence of each token generated so far (OpenAI's).
+    repetition_penalty: Hugging Face's, over prompt and output: a seen token's positive logit is
+        divided by it, a negative one multiplied (1 = off; > 1 discourages repeats).
+    logit_bias: (token id, bias) pairs, each bias added to its token's logit; sorted by id.
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
+                     f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
+        rp = self.repetition_penalty
+        _require(_is_real(rp) and 0 < rp < math.inf, "repetition_penalty", rp,
+                 "a finite number > 0 (1 = off)")
+        bias = self.logit_bias
+        _require(isinstance(bias, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+            and _is_real(pair[1]) and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS
+            for pair in bias) and len({pair[0] for pair in bias}) == len(bias),
+            "logit_bias", bias, f"(token id, bias) pairs with distinct ids >= 0 and biases in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether a token's shaped logit depends on the tokens before it."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def active(self) -> bool:
+        return self.uses_history or bool(self.logit_bias)
 
 
 @runtime_checkable
@@ -89,6 +144,9 @@ class GenerationConfig:
     adaptive: an adaptive-depth policy config (ThresholdPolicyConfig, GoodputPolicyConfig) or None.
     cost_ratio: c = time of one draft step / time of one target step, for the modelled speedup;
         None uses the ratio measured during the generation.
+    penalty: presence, frequency and repetition penalties and logit_bias (PenaltyConfig).
+    logprobs: None, or how many alternatives (0 to 20) each emitted token's logprob comes with
+        (engine/rows.py TokenLogprob: of the distribution the token was drawn from).
     verification: how an unseeded sampled row tests a draft model's tokens: "block" (block
         verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average) or
         "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
@@ -105,6 +163,8 @@ class GenerationConfig:
     adaptive: DepthPolicyConfig | None = None
     cost_ratio: float | None = None
     verification: str = "block"
+    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
@@ -130,6 +190,12 @@ class GenerationConfig:
             _require(_is_real(self.cost_ratio) and 0 < self.cost_ratio < math.inf, "cost_ratio",
                      self.cost_ratio, "a finite number > 0 (draft step time / target step time)")
         check_verification(self.verification)
+        _require(isinstance(self.penalty, PenaltyConfig), "penalty", self.penalty,
+                 "a verispec.PenaltyConfig")
+        if self.logprobs is not None:
+            _require(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                     "logprobs", self.logprobs,
+                     f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), or None")
 
 
 VERIFICATION_RULES = ("block", "token")  # the first is the default

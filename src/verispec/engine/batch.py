@@ -6,8 +6,10 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
   1. propose: the proposer drafts k_b tokens for each row b, under the row's own sampling
               settings and from the row's own generator (proposers.base.DraftPlan);
   2. score:   the target runs ONE pass over [last committed token, d_1 .. d_K] for every row
-              -> K+1 logits per row; each row's are processed by spec.sampling.to_probs under its
-              own settings (at temperature 0 only their argmax, spec.sampling.greedy_tokens);
+              -> K+1 logits per row; each row's are reshaped by its penalties and logit bias
+              (position j counting d_1 .. d_j, spec/penalties.py) and processed by
+              spec.sampling.to_probs under its own settings (at temperature 0 only their
+              argmax, spec.sampling.greedy_tokens);
   3. verify:  greedy rows by spec.greedy.verify_greedy_rows (no random numbers), seeded
               sampled rows against the target's race winners on their keyed clocks
               (spec/seeded.py), other sampled rows by block or token-wise rejection sampling
@@ -17,8 +19,8 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
   4. commit:  both sides rewind each row to its accepted prefix and append the new token (a
               round that only measures drafting for the depth policy keeps the first token
               of every row: policy.scheduler.Scheduler._measuring);
-  5. emit:    each row's new tokens, cut at its first stop token and at its max_new_tokens;
-              finished rows leave the batch.
+  5. emit:    each row's new tokens (and their logprobs where asked), cut at its first stop
+              token and at its max_new_tokens; finished rows leave the batch.
 Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
 caches untouched) and leave (:meth:`Batch.remove`, or by finishing).
 
@@ -44,7 +46,8 @@ from collections.abc import Sequence
 import torch
 
 from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
-from .verification import ban_early_stops, target_outputs, verify_batch
+from .verification import (ban_early_stops, emitted_logprobs, shape_target_logits,
+                           target_outputs, verify_batch)
 from .prefill import ChunkedPrefill
 from ..config import GenerationConfig
 from .constraints import ConstraintSet
@@ -181,7 +184,8 @@ class Batch:
         draft_time = _synced_elapsed(started, draft_tokens)
         # 2. score: one target pass over each row's pending token and its k_b draft tokens
         target_started = time.perf_counter()
-        target_logits = ban_early_stops(self.rows, self.target.score(draft_tokens, num_draft))
+        target_logits = ban_early_stops(self.rows, shape_target_logits(
+            self.rows, self.target.score(draft_tokens, num_draft), draft_tokens, num_draft))
         target_out = target_outputs(self.rows, target_logits, allowed)  # [B, K+1, V] each
         target_time = _synced_elapsed(target_started, target_logits)
         # 3. verify each row on its first k_b tokens
@@ -192,9 +196,11 @@ class Batch:
         num_accepted = [0] * len(self.rows) if plan.measuring else measured
         # 4. commit / rewind both sides (and the grammar) to the accepted prefix + the new token
         self._commit(num_accepted, [row[n] for row, n in zip(output_tokens, num_accepted)])
-        # 5. emit
-        emitted = [(row, row.emit(tokens[: n + 1]))
-                   for row, tokens, n in zip(self.rows, output_tokens, num_accepted)]
+        # 5. emit (with their logprobs, for the rows that ask)
+        logprobs = emitted_logprobs(self.rows, target_logits, allowed, output_tokens,
+                                    num_accepted)
+        emitted = [(row, row.emit(tokens[: n + 1], row_logprobs)) for row, tokens, n, row_logprobs
+                   in zip(self.rows, output_tokens, num_accepted, logprobs)]
         times = {"draft_time": draft_time, "target_time": target_time,
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
@@ -244,9 +250,11 @@ class Batch:
             return (torch.empty((len(self.rows), 0), dtype=torch.int64, device=self.device),
                     None, [0] * len(self.rows))
         keyed = [row if row.keyed else None for row in self.rows]
+        shapers = [row if row.config.penalty.active else None for row in self.rows]
         plan = DraftPlan(num_draft, [row.config.sampling for row in self.rows],
                          [row.generator for row in self.rows],
-                         keyed if any(row is not None for row in keyed) else None)
+                         keyed if any(row is not None for row in keyed) else None,
+                         shapers if any(row is not None for row in shapers) else None)
         proposal = self.proposer.propose(plan, constraints)
         width = proposal.draft_tokens.shape[1]
         found = proposal.num_proposed or [width] * len(num_draft)

@@ -10,12 +10,14 @@ torch.Generator, and leave it when they finish or are removed. What this is not:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..config import GenerationConfig
 from .metrics import GenerationMetrics, MetricsRecorder
+from ..spec.penalties import seen_tokens, shape_logits
 from ..spec.seeded import RaceClocks, stream_key
 
 _ids = itertools.count()
@@ -59,6 +61,8 @@ class Row:
         self._clocks: dict[int, RaceClocks] = {}  # position -> its clocks, until emitted
         self.stop_ids = frozenset(config.stop_token_ids)
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token_ids entry when config.logprobs
+        self._prompt_seen: torch.Tensor | None = None  # [V] bool, for a repetition penalty
         self.num_generated = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -100,9 +104,30 @@ class Row:
             return 0
         return max(0, self.config.min_new_tokens - self.num_generated)
 
-    def emit(self, tokens: list[int]) -> list[int]:
-        """Take a round's accepted + recovered/bonus tokens, cut at max_new_tokens and after the
-        first stop token (which is kept); returns what was taken."""
+    def shape_logits(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor:
+        """Its logits [P, V] reshaped by its penalties and logit bias, position j counting its
+        tokens so far and drafted[:j] (spec.penalties.shape_logits) -> [P, V] fp32. The
+        target's block and each draft step (proposers.base.LogitShaper) call this."""
+        return shape_logits(logits, self.config.penalty, self._seen_for(logits), self.token_ids,
+                            drafted)
+
+    def shape_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
+        """One draft step's logits [V] after ``drafted`` (this round's draft tokens so far),
+        shaped as the target's position len(drafted) will be -> [V] fp32."""
+        return shape_logits(logits[None], self.config.penalty, self._seen_for(logits),
+                            [*self.token_ids, *drafted])[0]
+
+    def _seen_for(self, logits: torch.Tensor) -> torch.Tensor | None:
+        if self.config.penalty.repetition_penalty == 1.0:
+            return None
+        if self._prompt_seen is None:
+            self._prompt_seen = seen_tokens(self.prompt, logits.shape[-1], logits.device)
+        return self._prompt_seen
+
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Take a round's accepted + recovered/bonus tokens (and, when the config asks for
+        them, their logprobs), cut at max_new_tokens and after the first stop token (which is
+        kept); returns what was taken."""
         new = tokens[: self.config.max_new_tokens - self.num_generated]
         for i, token in enumerate(new):
             if token in self.stop_ids:
@@ -111,6 +136,8 @@ class Row:
                 break
         self.num_generated += len(new)
         self.token_ids.extend(new)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs[: len(new)])
         for position in [p for p in self._clocks if p < self.num_generated]:
             del self._clocks[position]
         if self.finish_reason is None and self.num_generated >= self.config.max_new_tokens:

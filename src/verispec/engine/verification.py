@@ -10,7 +10,10 @@ spec.greedy.verify_greedy_rows); a seeded sampled row the target's race winner o
 position-keyed clocks (spec/seeded.py); another sampled row its own temperature/top-k/top-p
 distributions and its own generator's uniforms under block or token-wise verification
 (spec/block.py, spec/rejection.py). A row with min_new_tokens has its stop tokens masked out of the
-target's distribution where they are not yet allowed.
+target's distribution where they are not yet allowed. A row with penalties or a logit bias has its logits
+reshaped first, position j counting the row's first j draft tokens (spec/penalties.py). A row
+that asks for logprobs gets them for its emitted tokens from the same processed logits
+(emitted_logprobs).
 What it is not: the acceptance math (spec/rejection.py, spec/block.py, spec/greedy.py,
 spec/seeded.py), the loop, its policy and its caches (batch.py).
 """
@@ -21,14 +24,59 @@ from collections.abc import Sequence
 
 import torch
 
-from .rows import Row
-from ..spec.sampling import greedy_tokens, to_probs
+from .rows import Row, TokenLogprob
+from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
 from ..spec.seeded import race
 from ..spec.rejection import verify_rows
 from ..spec.result import PAD_TOKEN
 from ..spec.block import verify_block_rows
 from ..spec.checks import raise_out_of_range
 from ..spec.greedy import verify_greedy_rows
+
+
+def shape_target_logits(rows: Sequence[Row], target_logits: torch.Tensor,
+                        draft_tokens: torch.Tensor, num_draft: Sequence[int]) -> torch.Tensor:
+    """Each row with penalties or a logit bias gets its k_b + 1 positions reshaped, position
+    j counting its committed tokens and its draft tokens d_1 .. d_j (Row.shape_logits); the
+    others are untouched. target_logits [B, K+1, V]; draft_tokens [B, K] -> [B, K+1, V]."""
+    shaped_rows = [b for b, row in enumerate(rows) if row.config.penalty.active]
+    if not shaped_rows:
+        return target_logits
+    shaped = target_logits.float().clone()  # fp32 whatever the model's dtype, as to_probs
+    drafted = draft_tokens.tolist()
+    for b in shaped_rows:
+        positions = num_draft[b] + 1
+        shaped[b, :positions] = rows[b].shape_logits(target_logits[b, :positions],
+                                                     drafted[b][: num_draft[b]])
+    return shaped
+
+
+def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
+                     allowed: torch.Tensor | None, output_tokens: Sequence[Sequence[int]],
+                     num_accepted: Sequence[int]) -> list[list[TokenLogprob] | None]:
+    """Per row, None or (when its config asks for logprobs) the TokenLogprob of each token it
+    takes this round: output_tokens[b][: n_b + 1], position j under the processed logits
+    target_logits[b, j] (shaped and stop-banned) and the grammar's mask allowed[b, j] [B, K+1,
+    V] (spec.sampling.to_logprobs)."""
+    out: list[list[TokenLogprob] | None] = [None] * len(rows)
+    for b, row in enumerate(rows):
+        num_top = row.config.logprobs
+        if num_top is None:
+            continue
+        tokens = list(output_tokens[b][: num_accepted[b] + 1])
+        logprobs = to_logprobs(target_logits[b, : len(tokens)], row.config.sampling,
+                               None if allowed is None else allowed[b, : len(tokens)])
+        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])
+        chosen_values = chosen[:, 0].tolist()
+        if num_top:
+            top = torch.topk(logprobs, num_top, dim=-1)  # sorted, most likely first
+            top_pairs = [tuple(zip(ids, values)) for ids, values
+                         in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            top_pairs = [()] * len(tokens)
+        out[b] = [TokenLogprob(token, value, pairs)
+                  for token, value, pairs in zip(tokens, chosen_values, top_pairs)]
+    return out
 
 
 def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.Tensor:

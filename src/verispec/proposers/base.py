@@ -46,12 +46,17 @@ class DraftPlan:
     sampling draft then draws each of the row's tokens by a race on the clocks of its position
     instead of from the generator (the row is verified by comparison with the target's race
     winner, so the draft's probs are not used for it). None: no keyed rows.
+    shapers: per row, None or what reshapes its logits by penalties and logit bias (a
+    LogitShaper: the engine's row): a sampling draft shapes each step's logits as the target's
+    position there will be, so that it proposes what the penalised target would and reports
+    the distribution it drew from. None: no row has one.
     """
 
     num_draft_tokens: list[int]
     samplings: list[SamplingConfig]
     generators: list[torch.Generator]
     keyed: list[KeyedClocks | None] | None = None
+    shapers: list[LogitShaper | None] | None = None
 
     @classmethod
     def uniform(cls, num_rows: int, num_draft_tokens: int, sampling: SamplingConfig,
@@ -70,6 +75,14 @@ class KeyedClocks(Protocol):
 
     def clocks(self, step: int, vocab_size: int) -> RaceClocks:
         """The clocks of the row's position ``step`` of this round."""
+
+
+class LogitShaper(Protocol):
+    """A row's penalties and logit bias (engine.rows.Row.shape_draft)."""
+
+    def shape_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
+        """One draft step's logits [V] after this round's draft tokens ``drafted`` -> the
+        shaped logits [V] fp32 (the target's at position len(drafted), spec/penalties.py)."""
 
 
 class RoundConstraint(Protocol):

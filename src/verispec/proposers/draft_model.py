@@ -30,7 +30,7 @@ from ..config import SamplingConfig
 from ..models.base import CapturesSteps, LanguageModel, LMSession, as_ints
 from ..spec.sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
 from ..spec.seeded import race
-from .base import DraftPlan, KeyedClocks, Proposal, RoundConstraint
+from .base import DraftPlan, KeyedClocks, LogitShaper, Proposal, RoundConstraint
 
 
 class DraftModelProposer:
@@ -93,7 +93,9 @@ class DraftModelSession:
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
         """Draft plan.num_draft_tokens[b] tokens for row b, each sampled under the row's own
         settings; draft_probs are exactly the distributions sampled from (with a
-        ``constraint``: masked by the grammar state each token extends, engine/constraints.py). A
+        ``constraint``: masked by the grammar state each token extends, engine/constraints.py;
+        with ``plan.shapers``: after the row's penalties and logit bias, counting its draft
+        tokens so far). A
         row past its k_b (or at temperature 0) takes the argmax: padding, never verified, and no
         random number; its draft_probs there are zeros."""
         num_steps = plan.num_steps
@@ -109,6 +111,8 @@ class DraftModelSession:
         draft_tokens, draft_probs = [], []
         for step in range(num_steps):
             logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
+            if plan.shapers is not None:
+                logits = _shaped(logits, plan.shapers, draft_tokens)
             allowed = None if constraint is None else constraint.allowed()  # [B, V] or None
             token, probs = _draw_step(logits, allowed, step, plan.samplings, sampled, uniforms)
             if plan.keyed is not None:
@@ -159,6 +163,18 @@ class DraftModelSession:
             self.session.rewind([max(num_draft_tokens - 1 - n, 0) for n in num_accepted])
             self.unfed = [[token] if n < num_draft_tokens else [drafted[-1], token]
                           for drafted, n, token in zip(proposal, num_accepted, next_tokens)]
+
+
+def _shaped(logits: torch.Tensor, shapers: Sequence[LogitShaper | None],
+            draft_tokens: list[torch.Tensor]) -> torch.Tensor:
+    """One step's logits [B, V] with each row that has a shaper reshaped by it after the row's
+    draft tokens so far (draft_tokens: one [B] tensor per earlier step) -> [B, V] fp32."""
+    drafted = torch.stack(draft_tokens, dim=1).tolist() if draft_tokens else [[]] * len(shapers)
+    shaped = logits.float().clone()
+    for b, shaper in enumerate(shapers):
+        if shaper is not None:
+            shaped[b] = shaper.shape_draft(logits[b], drafted[b])
+    return shaped
 
 
 def _race_keyed(tokens: torch.Tensor, probs: torch.Tensor | None, step: int,

@@ -2,7 +2,7 @@
 
 Legend: B batch, K draft tokens, V vocabulary; ``...`` is any leading shape.
 
-:func:`to_probs` is the single place where temperature, top-k and top-p are applied. The draft
+:func:`to_probs` is the single place where temperature, top-k, top-p and min-p are applied. The draft
 samples from its output and reports exactly that tensor as its probabilities, and the target's
 scores go through the same function, so the acceptance test compares the two distributions that
 were really in play (the exactness requirement of Leviathan et al. 2023, Chen et al. 2023).
@@ -94,7 +94,34 @@ def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     probs = torch.softmax(logits, dim=-1)
     if sampling.top_p is not None and sampling.top_p < 1.0:
         probs = _truncate_top_p(probs, sampling.top_p)
+    if sampling.min_p:
+        # min-p last (Hugging Face's warper order): the most likely token always stays
+        kept = probs >= sampling.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(~kept, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def to_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The log-probabilities of the distribution a token is drawn from: [..., V] -> [..., V]
+    fp32, -inf for tokens it excludes (a grammar's mask, top-k, top-p, min-p).
+
+    At temperature > 0 this is log(to_probs(logits, sampling, allowed)), computed as a
+    log-softmax of the tempered logits over the tokens to_probs keeps (no log of a rounded
+    probability). At temperature 0 the point mass would give 0 and -inf only: the
+    log-probabilities are those of the masked logits at temperature 1, the distribution whose
+    argmax greedy decoding takes (OpenAI's logprobs at temperature 0 are the model's too).
+    """
+    _check_floating("logits", logits)
+    logits = _masked(logits.float(), allowed)
+    if sampling.is_greedy:
+        return torch.log_softmax(logits, dim=-1)
+    kept = _sampled_probs(logits, sampling) > 0  # [..., V]
+    tempered = logits - logits.amax(dim=-1, keepdim=True)
+    if sampling.temperature >= _FP32_TINY:
+        tempered = tempered / sampling.temperature
+    return torch.log_softmax(tempered.masked_fill(~kept, float("-inf")), dim=-1)
 
 
 def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

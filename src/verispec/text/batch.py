@@ -20,7 +20,7 @@ from ..engine.batch import Batch, check_prompts
 from ..engine.prefill import ChunkedPrefill
 from ..engine.constraints import ConstraintSet
 from ..errors import ConfigError
-from ..engine.rows import Row
+from ..engine.rows import Row, TokenLogprob
 from ..spec.sampling import make_generator
 from .inputs import PreparedRow, RequestSettings, RowPreparer, check_keywords
 from .stream import Completion, RowText, row_end_token_ids
@@ -43,6 +43,12 @@ class TextRow:
     @property
     def token_ids(self) -> list[int]:
         return self.text.token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs so far (engine.rows.TokenLogprob, one per token the engine
+        emitted), or None when the row's settings did not ask for them."""
+        return None if self.row.config.logprobs is None else self.row.logprobs
 
 
 class PendingRow(NamedTuple):
@@ -133,7 +139,7 @@ class TextBatch:
             delta, done = text_row.text.feed(new_tokens, final=row.finished)
             if done:
                 text_row.completion = text_row.text.completion(row.finish_reason or "stop",
-                                                               row.metrics)
+                                                               row.metrics, text_row.logprobs)
                 self._rows.pop(row.id)
                 if not row.finished:  # a stop string ended its text: its row leaves now
                     self.batch.remove([row])

@@ -31,7 +31,8 @@ from ..proposers import ModelFreeDraft
 from .assemble import DecoderOptions, LoadedModel, assemble
 from .chat import check_messages, require_chat_template, special_token_text
 from .batch import BatchStream, TextBatch, is_batch, row_settings
-from .inputs import PreparedRow, RequestSettings, check_flag, check_keywords, settings_of
+from .inputs import (PreparedRow, RequestSettings, check_flag, check_keywords, penalty_config,
+                     settings_of)
 from .stream import Completion, TextStream, check_stop
 
 
@@ -173,12 +174,13 @@ class Decoder:
             max_new_tokens=settings.max_new_tokens,
             num_draft_tokens=self.num_draft_tokens if k is None else k,
             sampling=SamplingConfig(temperature=settings.temperature, top_k=settings.top_k,
-                                    top_p=settings.top_p),
+                                    top_p=settings.top_p, min_p=settings.min_p),
             stop_token_ids=() if settings.ignore_eos else self.stop_token_ids,
             min_new_tokens=settings.min_new_tokens, seed=settings.seed,
             adaptive=self.adaptive if settings.adaptive is None else (settings.adaptive or None),
             verification=(self.verification if settings.verification is None
-                          else settings.verification))
+                          else settings.verification),
+            penalty=penalty_config(settings, self.target.vocab_size), logprobs=settings.logprobs)
         stop_strings = check_stop(settings.stop)
         prompt_ids = self._encode(prompt)
         self._check_context(len(prompt_ids), config, settings.speculative)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, TypeVar
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, PenaltyConfig
 from ..engine.constraints import ConstraintSet
 from .grammar import Grammar
 from ..errors import ConfigError
@@ -50,6 +50,15 @@ class RequestSettings:
     draft and target are masked alike, so the output has exactly the constrained target's law.
     verification: "block" or "token", the rule that tests an unseeded sampled row's draft-model
     tokens; None: the decoder's.
+    presence_penalty, frequency_penalty: OpenAI's, over the generated tokens, in [-2, 2].
+    repetition_penalty: Hugging Face's, over prompt and output (1 = off).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits.
+    min_p: keep tokens at least min_p times as likely as the most likely one (None = off).
+    Penalties and bias are applied at every verified position counting the block's earlier
+    draft tokens, so the output has exactly the penalised target's law (spec/penalties.py
+    gives the order).
+    logprobs: None, or N in 0..20: each new token's logprob under the distribution it was
+    drawn from, with the N most likely alternatives (Completion.logprobs, TextRow.logprobs).
 
     The values are checked where the decoder turns them into a GenerationConfig
     (Decoder.prepare), since k and the depth policy default to the decoder's.
@@ -68,10 +77,37 @@ class RequestSettings:
     min_new_tokens: int = 0
     response_format: Mapping[str, object] | Grammar | None = None
     verification: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    min_p: float | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_flag("speculative", self.speculative)
         check_flag("ignore_eos", self.ignore_eos)
+
+
+def penalty_config(settings: RequestSettings, vocab_size: int) -> PenaltyConfig:
+    """The request's penalties and logit bias as a PenaltyConfig (checked there), with every
+    logit_bias key a token id of the model's vocabulary, else ConfigError naming it."""
+    bias = settings.logit_bias
+    if bias is None:
+        pairs: tuple[tuple[int, float], ...] = ()
+    elif not isinstance(bias, Mapping):
+        raise ConfigError(f"logit_bias={bias!r:.60} is invalid: expected a mapping "
+                          "{token id: bias}, e.g. {50256: -100}.")
+    else:
+        for token in bias:
+            if isinstance(token, bool) or not isinstance(token, int) or not (
+                    0 <= token < vocab_size):
+                raise ConfigError(f"logit_bias key {token!r:.40} is invalid: expected a token "
+                                  f"id of the model, an integer in [0, {vocab_size}).")
+        pairs = tuple(sorted(bias.items()))
+    return PenaltyConfig(presence_penalty=settings.presence_penalty,
+                         frequency_penalty=settings.frequency_penalty,
+                         repetition_penalty=settings.repetition_penalty, logit_bias=pairs)
 
 
 def check_flag(name: str, value: object) -> None:

@@ -17,6 +17,7 @@ from .detokenize import IncrementalDetokenizer
 from ..engine.decoder import DecodingRun
 from ..errors import ConfigError
 from ..engine.metrics import GenerationMetrics
+from ..engine.rows import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,16 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     metrics: GenerationMetrics
     num_prompt_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, where asked
 
     def to_dict(self) -> dict[str, object]:
-        return {"text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
-                "metrics": self.metrics.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+               "metrics": self.metrics.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        return out
 
 
 def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -91,14 +97,17 @@ class RowText:
         self._emitted = max(self._emitted, end)
         return delta, final
 
-    def completion(self, finish_reason: str, metrics: GenerationMetrics) -> Completion:
+    def completion(self, finish_reason: str, metrics: GenerationMetrics,
+                   logprobs: list[TokenLogprob] | None = None) -> Completion:
         """The finished text's Completion (finish_reason: the engine's, "stop" or "length";
-        a stop string or an end token makes it "stop")."""
+        a stop string or an end token makes it "stop"); ``logprobs``: the row's, one per
+        token the engine emitted (None: not asked for), cut as the token ids are."""
         token_ids = list(self.token_ids)
         if self.stopped_by_string:  # the tokens after the stop string's start were not shown
             token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
         reason = "stop" if self.stopped_by_string or self.stopped_by_token else finish_reason
-        return Completion(self.text, token_ids, reason, metrics, self.num_prompt_tokens)
+        kept = None if logprobs is None else list(logprobs[: len(token_ids)])
+        return Completion(self.text, token_ids, reason, metrics, self.num_prompt_tokens, kept)
 
     def _cut_after_end_token(self, token_ids: Sequence[int]) -> Sequence[int]:
         """A round's tokens up to and including the first end token (a speculative round may
@@ -166,6 +175,13 @@ class TextStream:
     def text(self) -> str:
         return self._text.text
 
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs so far (one per token the engine emitted), or None when
+        the request did not ask for them."""
+        row = self.run.rows[0]
+        return None if row.config.logprobs is None else row.logprobs
+
     def __iter__(self) -> Iterator[str]:
         return self
 
@@ -176,7 +192,7 @@ class TextStream:
                                           final=chunk is None or chunk.finished[0])
             if done:
                 self.completion = self._text.completion(self.run.result().finish_reasons[0],
-                                                        self.run.metrics)
+                                                        self.run.metrics, self.logprobs)
             if delta:
                 return delta
         raise StopIteration

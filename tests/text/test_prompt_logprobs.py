@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import verispec
 from verispec.engine.scoring import SCORING_CHUNK
 from verispec.errors import ConfigError, ContextLengthExceeded, TokenOutOfRangeError
 from verispec.text.demo import demo_pair
+
+from direct_logprobs import direct_logprobs, load_demo_target
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -25,14 +26,7 @@ LLAMA_CPP_TOLERANCE = 2e-2
 
 @pytest.fixture(scope="module")
 def reference():
-    """The demo target's own transformers forward, fp32."""
-    return AutoModelForCausalLM.from_pretrained(demo_pair().target, dtype=torch.float32).eval()
-
-
-def direct_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """log_softmax of one forward over ids -> [T, V]: row i scores token i + 1."""
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return load_demo_target()
 
 
 def max_error(scored, expected: torch.Tensor, ids: list[int]) -> float:

@@ -2,6 +2,7 @@
 
     verispec generate "def fibonacci(n):" --max-new-tokens 64
     verispec generate - --json < prompt.txt
+    verispec generate "x =" --frequency-penalty 0.5 --logit-bias 13:-100 --logprobs 3
 
 Bad options or inputs print ONE line to stderr and exit with status 2 (never a traceback).
 """
@@ -49,6 +50,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           help="do not stop at end-of-generation tokens (fixed-length output)")
     sampling.add_argument("--min-tokens", type=_int, default=0, metavar="N",
                           help="no end-of-generation token before N new tokens (default: 0)")
+    sampling.add_argument("--min-p", type=float, default=None, metavar="P",
+                          help="keep tokens at least P times as likely as the most likely one")
+    _add_penalty_options(parser)
     sampling.add_argument("--ngram", action="store_true",
                           help="draft without a model, by the suffix-decoding rule: where the "
                           "last tokens repeat a span of the prompt, the output or an earlier "
@@ -71,6 +75,52 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           "round on average) or 'token' (token-wise rejection sampling); a seeded request "
                           "keeps draft tokens while they are the target's own samples (default: "
                           f"{VERIFICATION_RULES[0]})")
+
+
+def _add_penalty_options(parser: argparse.ArgumentParser) -> None:
+    penalties = parser.add_argument_group(
+        "penalties and logprobs", "applied to the target's distribution, which speculation "
+        "keeps exactly (docs/server.md gives the order)")
+    penalties.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                           help="subtracted once from each token already generated, -2 to 2 "
+                           "(OpenAI's; default: 0)")
+    penalties.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                           help="subtracted per earlier occurrence in the output, -2 to 2 "
+                           "(OpenAI's; default: 0)")
+    penalties.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                           help="Hugging Face's, over prompt and output: > 1 discourages "
+                           "repeats (default: 1, off)")
+    penalties.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID:BIAS,...",
+                           help="add BIAS (-100 to 100) to token ID's logit: ID:BIAS pairs "
+                           "separated by commas, or a JSON object {\"ID\": BIAS}")
+    penalties.add_argument("--logprobs", type=_int, default=None, metavar="N",
+                           help="after the text, each token's logprob and its N (0 to 20) most "
+                           "likely alternatives (with --json: in the JSON)")
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias: '13:-100,42:5' or '{"13": -100}' -> {13: -100.0, ...} (the ranges are the
+    library's to check)."""
+    expected = (f"expected ID:BIAS pairs separated by commas (e.g. 13:-100,42:5) or a JSON "
+                f"object (e.g. '{{\"13\": -100}}'), got {text!r}")
+    if text.lstrip().startswith("{"):
+        try:
+            pairs = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(expected) from None
+        items = list(pairs.items()) if isinstance(pairs, dict) else [()]
+    else:
+        items = [tuple(part.split(":")) for part in text.split(",")]
+    bias = {}
+    for item in items:
+        try:
+            key, value = item
+            if isinstance(value, bool) or not str(key).strip().lstrip("-").isdigit():
+                raise ValueError
+            bias[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(expected) from None
+    return bias
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,7 +264,24 @@ def _request_settings(args: argparse.Namespace) -> dict[str, object]:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                 num_draft_tokens=args.k, speculative=not args.no_draft,
-                ignore_eos=args.ignore_eos, min_new_tokens=args.min_tokens)
+                ignore_eos=args.ignore_eos, min_new_tokens=args.min_tokens, min_p=args.min_p,
+                presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
+                logprobs=args.logprobs)
+
+
+def print_logprobs(tokenizer, completion) -> None:
+    """One line per generated token: its text, its logprob and the alternatives listed, e.g.
+    ``' the'      -0.3120   ' the' -0.3120  ' a' -1.9025``; -inf for a token the processed
+    distribution excludes."""
+    def text(token: int) -> str:
+        return repr(tokenizer.decode([token], skip_special_tokens=False))
+
+    for lp in completion.logprobs or []:
+        alternatives = "  ".join(f"{text(token)} {value:.4f}" for token, value in lp.top)
+        sys.stdout.write(f"{text(lp.token_id):<16} {lp.logprob:9.4f}   {alternatives}".rstrip()
+                         + "\n")
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -234,6 +301,7 @@ def _chat(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": stream.completion.text})
+        print_logprobs(decoder.tokenizer, stream.completion)
         if not args.quiet:
             print(format_metrics(stream.completion.metrics, speculative=not args.no_draft),
                   file=sys.stderr)
@@ -262,6 +330,7 @@ def _generate(args: argparse.Namespace) -> int:
                                                       if comparison else {})}))
         return 0
     sys.stdout.write("\n")
+    print_logprobs(decoder.tokenizer, completion)
     if not args.quiet:
         print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
     if comparison is not None:
@@ -293,11 +362,8 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
 
     def timed(speculative: bool) -> tuple[list[int], float]:
         started = time.perf_counter()
-        completion = decoder.generate(
-            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-            num_draft_tokens=args.k, speculative=speculative, ignore_eos=args.ignore_eos,
-            min_new_tokens=args.min_tokens)
+        completion = decoder.generate(prompt, **{**_request_settings(args),
+                                                 "speculative": speculative, "logprobs": None})
         return completion.token_ids, time.perf_counter() - started
 
     rates: dict[bool, list[float]] = {True: [], False: []}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import MAX_TOP_LOGPROBS
 from ..errors import ConfigError
 from ..models.base import LanguageModel, ScoresApart
 from .rows import TokenLogprob
@@ -25,7 +26,6 @@ from .rows import TokenLogprob
 # tokens a pass feeds: bounds the logits held at once ([C, V] fp32, 50 MB at V = 50k) while a
 # long prompt still takes few passes
 SCORING_CHUNK = 256
-MAX_TOP_LOGPROBS = 20  # alternatives a position may list, as OpenAI's top_logprobs
 
 
 def score_prompt(model: LanguageModel, prompt_ids: Sequence[int], num_top: int = 0

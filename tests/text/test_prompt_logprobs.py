@@ -3,7 +3,7 @@ a direct transformers forward's log_softmax on every backend, apart from running
 
 Tolerances: the fast path and the transformers adapter agree with transformers' own forward to
 1e-4; llama.cpp (the demo target exported to F32 GGUF) computes in its own kernels with an
-f16 KV cache, and agrees to 2e-2 (measured, dev/LOG.md).
+f16 KV cache, and agrees to 1e-2 (the measurement behind it: dev/LOG.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from direct_logprobs import direct_logprobs, load_demo_target
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
-LLAMA_CPP_TOLERANCE = 2e-2
+LLAMA_CPP_TOLERANCE = 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -125,8 +125,8 @@ def startup_line(server: ServerSettings, ray_settings: RaySettings, owned: bool)
     resources = f"{ray_settings.replica_cpus:g} CPU"
     if ray_settings.num_gpus(server):
         resources += f", {ray_settings.num_gpus(server):g} GPU"
-    cluster = "a local Ray" if owned else "the Ray cluster"
+    cluster = "on a local Ray" if owned else "on the Ray cluster"
     auth = "required" if server.api_key else "not required"
     return (f"verispec: serving {server.model_name!r} on http://{host}:{server.port}{prefix} "
-            f"through Ray Serve ({ray_settings.describe()} of {resources} each on {cluster}; "
+            f"through Ray Serve ({ray_settings.describe()}; {resources} each; {cluster}; "
             f"API key {auth}; OpenAI routes under {prefix}/v1)")

@@ -21,6 +21,9 @@ from ..settings import ServerSettings, _check, _setting, add_field_argument, che
 RAY_UPSCALE_DELAY = 30.0
 RAY_DOWNSCALE_DELAY = 600.0
 RAY_LOOK_BACK_PERIOD = 30.0
+# AutoscalingConfig.metrics_interval_s's default: Ray warns (and says it will refuse) a
+# look-back period that is not longer
+RAY_METRICS_INTERVAL = 10.0
 
 # the fields that only an autoscaling range uses
 _AUTOSCALING_FIELDS = ("target_ongoing_requests", "upscale_delay", "downscale_delay",
@@ -53,8 +56,9 @@ class RaySettings:
         None, f"autoscaling: seconds the load must ask for fewer replicas before one is "
         f"removed (default: Ray's {RAY_DOWNSCALE_DELAY:g})", metavar="SECONDS", value_type=float)
     autoscaling_window: float | None = _setting(
-        None, f"autoscaling: seconds of load the decisions average over (Ray's "
-        f"look_back_period_s; default {RAY_LOOK_BACK_PERIOD:g})", metavar="SECONDS",
+        None, f"autoscaling: seconds of load the decisions average over, more than "
+        f"{RAY_METRICS_INTERVAL:g} (Ray's look_back_period_s; default {RAY_LOOK_BACK_PERIOD:g})",
+        metavar="SECONDS",
         value_type=float)
     replica_cpus: float = _setting(
         1.0, "CPUs Ray reserves for each replica (fractions allowed); also the replica's torch "
@@ -95,9 +99,13 @@ class RaySettings:
             _check(value is None or self.autoscaling, name, value,
                    "no value without an autoscaling range: add --min-replicas/--max-replicas, "
                    "or drop it for a fixed --replicas count")
-        for name in ("target_ongoing_requests", "autoscaling_window", "replica_cpus"):
+        for name in ("target_ongoing_requests", "replica_cpus"):
             value = getattr(self, name)
             _check(value is None or 0 < value < math.inf, name, value, "a number > 0")
+        _check(self.autoscaling_window is None or
+               RAY_METRICS_INTERVAL < self.autoscaling_window < math.inf, "autoscaling_window",
+               self.autoscaling_window, f"a number of seconds > {RAY_METRICS_INTERVAL:g} (Ray's "
+               "metrics interval)")
         for name in ("upscale_delay", "downscale_delay", "replica_gpus"):
             value = getattr(self, name)
             _check(value is None or 0 <= value < math.inf, name, value, "a number >= 0")

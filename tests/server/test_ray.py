@@ -243,11 +243,13 @@ def test_the_command_deploys_on_an_existing_multi_node_cluster(command, port):
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_greedy_text_equals_the_single_server(command, single, chat, stream):
+    """Each prompt twice through the proxy, which picks between the two replicas each time."""
     for prompt in heldout_prompts()[:2]:
         expected = generate(openai_client(single.url), chat, stream, prompt, max_tokens=32,
                             temperature=0)
-        assert generate(openai_client(command[1]), chat, stream, prompt, max_tokens=32,
-                        temperature=0) == expected
+        for _ in range(2):
+            assert generate(openai_client(command[1]), chat, stream, prompt, max_tokens=32,
+                            temperature=0) == expected
 
 
 @pytest.mark.parametrize("chat, stream", [(False, False), (True, True)],
@@ -306,7 +308,7 @@ def test_a_replica_killed_mid_stream(command):
 
     def stream(index: int) -> None:
         chunks = client.completions.create(model=MODEL, prompt=heldout_prompts()[index],
-                                           max_tokens=300, temperature=0, stream=True,
+                                           max_tokens=200, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         finish_reason, waited = None, False
         try:
@@ -356,6 +358,13 @@ def test_a_model_that_does_not_load_fails_the_deployment(command, port, tmp_path
     assert "broken" not in serve.status().applications
     assert generate(openai_client(command[1]), False, False, "x", max_tokens=4,
                     temperature=0)[1]
+
+
+def test_a_second_deployment_does_not_replace_the_first(command, port):
+    with pytest.raises(ConfigError, match="app_name='verispec' is invalid: an application of "
+                                          "that name already runs on this cluster"):
+        deploy(server_settings(port), RaySettings(replica_cpus=0.5))
+    assert replica_states() == {"RUNNING": 2}
 
 
 def test_the_autoscaler_adds_a_replica_under_a_burst_and_removes_it_when_idle(command):

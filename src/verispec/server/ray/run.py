@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 
-from ...errors import UnsupportedFeatureError, VerispecError
+from ...errors import ConfigError, UnsupportedFeatureError, VerispecError
 from ..settings import ServerSettings
 from .settings import RaySettings
 
@@ -41,7 +41,9 @@ def import_ray():
 
 def serve_on_ray(server: ServerSettings, ray_settings: RaySettings) -> int:
     """Deploy, print the startup line, wait for Ctrl-C (returns 0) or SIGTERM (returns 143, as
-    `verispec serve` does), then delete the application; a Ray started here is stopped."""
+    `verispec serve` does), then delete the application; a Ray started here is stopped. Ctrl-C
+    while the replicas load is KeyboardInterrupt (the command exits 130), deleting what was
+    deployed on the way."""
     ray_settings.check_server(server)
     ray, serve = import_ray()
     owned = connect(ray, ray_settings.address)
@@ -75,20 +77,28 @@ def deploy(server: ServerSettings, ray_settings: RaySettings) -> None:
     """Start Serve's proxies on --host/--port (kept as they are where Serve already runs) and
     run the application; return once every replica is up. A replica that cannot start (its
     model does not load) fails the deployment: DeploymentFailed with the replica's error, and
-    the failed application is deleted."""
+    the failed application is deleted. An application of the same name is not replaced:
+    ConfigError."""
     ray, serve = import_ray()
     from .deployment import application
 
-    app = application(server, ray_settings)  # ConfigError before anything starts
+    app, name = application(server, ray_settings), ray_settings.app_name  # ConfigError first
     serve.start(http_options={"host": server.host, "port": server.port,
                               "keep_alive_timeout_s": max(1, round(server.keep_alive_timeout))})
+    if name in serve.status().applications:  # serve.run would replace it
+        raise ConfigError(f"app_name={name!r} is invalid: an application of that name already "
+                          "runs on this cluster; pass another --ray-app (and --route-prefix), or "
+                          "stop the command that deployed it.")
     try:
-        serve.run(app, name=ray_settings.app_name, route_prefix=ray_settings.route_prefix)
+        serve.run(app, name=name, route_prefix=ray_settings.route_prefix)
     except RuntimeError as exc:  # serve.run's DEPLOY_FAILED
-        message = replica_error(serve, ray_settings.app_name) or str(exc)
-        serve.delete(ray_settings.app_name)
-        raise DeploymentFailed(f"the Ray Serve application {ray_settings.app_name!r} failed to "
-                               f"deploy: {message}") from None
+        message = replica_error(serve, name) or str(exc)
+        serve.delete(name)
+        raise DeploymentFailed(f"the Ray Serve application {name!r} failed to deploy: "
+                               f"{message}") from None
+    except KeyboardInterrupt:  # Ctrl-C while the replicas load: leave no half a deployment
+        serve.delete(name)
+        raise
 
 
 def replica_error(serve, app_name: str) -> str | None:
@@ -106,17 +116,25 @@ def replica_error(serve, app_name: str) -> str | None:
 
 
 def wait_for_shutdown() -> int:
-    """Block until Ctrl-C (0) or SIGTERM (143)."""
+    """Block until Ctrl-C (returns 0) or SIGTERM (143). Both are handled here, as uvicorn
+    handles them for `verispec serve`, so a command started in the background, where SIGINT
+    comes in ignored, still stops on it."""
+    received: list[int] = []
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+
+    def on_signal(signum: int, frame) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {signum: signal.signal(signum, on_signal)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not stop.wait(0.5):
             pass
-    except KeyboardInterrupt:
-        return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 128 + signal.SIGTERM
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 0 if received[0] == signal.SIGINT else 128 + signal.SIGTERM
 
 
 def startup_line(server: ServerSettings, ray_settings: RaySettings, owned: bool) -> str:

@@ -29,6 +29,7 @@ import time
 from argparse import Namespace
 from collections import Counter
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,7 +89,7 @@ def servers(args: argparse.Namespace):
             server_args = Namespace(clients=max(args.client_counts), max_tokens=args.max_tokens,
                                     target=args.target, draft=args.draft, api_key=None,
                                     threads=args.threads, url=given[mode], server_pid=None)
-            start = lambda a, mode=mode: start_server(a, extra[mode])  # noqa: E731
+            start = partial(start_server, extra=extra[mode])
             urls[mode] = stack.enter_context(served(server_args, start))[0]
         yield urls
 
@@ -151,8 +152,8 @@ def proxy_cost(rows: list[dict]) -> dict[int, dict]:
 
 def table(rows: list[dict], cost: dict[int, dict]) -> str:
     by = {(r["mode"], r["clients"]): r for r in rows}
-    lines = ["| clients | direct tok/s | ray tok/s | ray / direct | direct TTFT p50 / p99 (s) | "
-             "ray TTFT p50 / p99 (s) | TTFT added p50 (ms) | texts equal (direct, ray) |",
+    lines = [("| clients | direct tok/s | ray tok/s | ray / direct | direct TTFT p50 / p99 (s) | "
+              "ray TTFT p50 / p99 (s) | TTFT added p50 (ms) | texts equal (direct, ray) |"),
              "|---|---|---|---|---|---|---|---|"]
     for clients, added in cost.items():
         direct, ray = by["direct", clients], by["ray", clients]

@@ -9,11 +9,9 @@ each, autoscaled with short delays; its texts are compared with a single `verisp
 same settings, a real uvicorn in this process). Ray's start-up is paid once, by the module's
 fixtures; the configuration checks before them need no cluster.
 """
-# ruff: noqa: F811 (the tests take live_server's helpers by name)
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -102,7 +100,7 @@ def test_without_ray_installed_the_error_names_the_extra():
     code = ("import sys; sys.modules['ray'] = None; import verispec, verispec.server.ray; "
             "from verispec.cli import main; sys.exit(main(['serve', '--ray']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert done.returncode == cli.EXIT_USAGE, done.stderr
     assert done.stderr == ("verispec: error: verispec serve --ray needs the ray extra (ray is "
                            "not installed): pip install 'verispec[ray]'.\n")
@@ -255,7 +253,7 @@ def test_greedy_text_equals_the_single_server(command, single, chat, stream):
 @pytest.mark.parametrize("chat, stream", [(False, False), (True, True)],
                          ids=["completions-json", "chat-stream"])
 def test_seeded_sampled_text_equals_the_single_server(command, single, chat, stream):
-    kwargs = dict(max_tokens=32, temperature=0.9, top_p=0.95, seed=7)
+    kwargs = {"max_tokens": 32, "temperature": 0.9, "top_p": 0.95, "seed": 7}
     prompt = heldout_prompts()[2]
     expected = generate(openai_client(single.url), chat, stream, prompt, **kwargs)
     assert generate(openai_client(command[1]), chat, stream, prompt, **kwargs) == expected
@@ -327,7 +325,7 @@ def test_a_replica_killed_mid_stream(command):
         thread.start()
     started.wait(120)
     before = replica_names()
-    killed = sorted(before)[0]
+    killed = min(before)
     ray.kill(ray.get_actor(killed, namespace="serve"))
     for thread in threads:
         thread.join(180)

@@ -26,4 +26,5 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'verispec.server.ray' has no attribute {name!r}")
 
 
-__all__ = sorted(_LAZY)
+__all__ = ["DeploymentFailed", "RaySettings", "app_builder", "application", "deploy",
+           "serve_on_ray"]

@@ -78,13 +78,13 @@ def app_builder(args: dict[str, object]) -> Application:
     RaySettings by name: ``{"target": "./t", "draft": "./d", "min_replicas": 1, ...}``."""
     server_names = {f.name for f in fields(ServerSettings)}
     ray_names = {f.name for f in fields(RaySettings)} - _DRIVER_FIELDS
-    for name in args:
+    for name, value in args.items():
         if name in _DRIVER_FIELDS:
-            raise ConfigError(f"{name}={args[name]!r} is invalid in a serve run config's args: "
-                              "set the application's name and route_prefix in its own keys, "
-                              "and the cluster with serve run --address.")
+            raise ConfigError(f"{name}={value!r} is invalid in a serve run config's args: set "
+                              "the application's name and route_prefix in its own keys, and "
+                              "the cluster with serve run --address.")
         if name not in server_names | ray_names:
-            raise ConfigError(f"{name}={args[name]!r} is invalid: expected a ServerSettings or "
+            raise ConfigError(f"{name}={value!r} is invalid: expected a ServerSettings or "
                               "RaySettings field (the flags of verispec serve --help, with _ "
                               "for -).")
     return application(ServerSettings(**{k: v for k, v in args.items() if k in server_names}),

@@ -79,7 +79,7 @@ def deploy(server: ServerSettings, ray_settings: RaySettings) -> None:
     model does not load) fails the deployment: DeploymentFailed with the replica's error, and
     the failed application is deleted. An application of the same name is not replaced:
     ConfigError."""
-    ray, serve = import_ray()
+    _, serve = import_ray()
     from .deployment import application
 
     app, name = application(server, ray_settings), ray_settings.app_name  # ConfigError first

@@ -362,7 +362,10 @@ def test_a_second_deployment_does_not_replace_the_first(command, port):
     with pytest.raises(ConfigError, match="app_name='verispec' is invalid: an application of "
                                           "that name already runs on this cluster"):
         deploy(server_settings(port), RaySettings(replica_cpus=0.5))
-    assert replica_states() == {"RUNNING": 2}
+    with pytest.raises(ConfigError, match="route_prefix='/' is invalid: Ray Serve refused the "
+                                          "application .*Prefix / is being used by application"):
+        deploy(server_settings(port), RaySettings(replica_cpus=0.5, app_name="second"))
+    assert replica_states() == {"RUNNING": 2} and "second" not in serve.status().applications
 
 
 def test_the_autoscaler_adds_a_replica_under_a_burst_and_removes_it_when_idle(command):

@@ -79,7 +79,9 @@ def deploy(server: ServerSettings, ray_settings: RaySettings) -> None:
     model does not load) fails the deployment: DeploymentFailed with the replica's error, and
     the failed application is deleted. An application of the same name is not replaced:
     ConfigError."""
-    _, serve = import_ray()
+    ray, serve = import_ray()
+    from ray.serve.exceptions import RayServeException
+
     from .deployment import application
 
     app, name = application(server, ray_settings), ray_settings.app_name  # ConfigError first
@@ -91,6 +93,11 @@ def deploy(server: ServerSettings, ray_settings: RaySettings) -> None:
                           "stop the command that deployed it.")
     try:
         serve.run(app, name=name, route_prefix=ray_settings.route_prefix)
+    except RayServeException as exc:  # the controller refused it (a route prefix in use)
+        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+        raise ConfigError(f"route_prefix={ray_settings.route_prefix!r} is invalid: Ray Serve "
+                          f"refused the application ({cause}); pass another --route-prefix "
+                          "and --ray-app.") from None
     except RuntimeError as exc:  # serve.run's DEPLOY_FAILED
         message = replica_error(serve, name) or str(exc)
         serve.delete(name)

@@ -620,7 +620,8 @@ def test_chat_on_a_gguf_model_with_a_template_answers_with_the_templates_prompt(
 
 # llama.cpp's k + 1-token pass and its 1-token pass round the logits differently (its kernels
 # pick other blockings by batch width): the logprobs of the same tokens differ by a few 1e-4
-# (dev/LOG.md); the fast path and transformers agree to 1e-5 (tests/text/test_penalties.py)
+# (dev/LOG.md); the fast path and transformers agree to 1e-5
+# (tests/text/test_demo_penalties.py)
 LLAMA_CPP_LOGPROB_TOLERANCE = 2e-3
 
 

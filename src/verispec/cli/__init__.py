@@ -96,14 +96,17 @@ def _add_export_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    from ..server.ray.settings import add_ray_arguments  # dataclasses only; no Ray import
     from ..server.settings import add_settings_arguments  # dataclasses only; no FastAPI import
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                 description="Serve the model pair over an OpenAI-compatible "
                                 "HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                                 "/health, /metrics). Needs the serve extra: pip install "
-                                "'verispec[serve]'.")
+                                "'verispec[serve]'; with --ray, replicas of it on Ray Serve "
+                                "(the ray extra).")
     add_settings_arguments(serve)
+    add_ray_arguments(serve)
     serve.set_defaults(handler=_serve)
 
 
@@ -311,10 +314,17 @@ def _export_gguf(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..server.run import serve
+    from ..server.ray.settings import ray_settings_from_args
     from ..server.settings import ServerSettings
 
-    return serve(ServerSettings.from_args(args))
+    settings, ray_settings = ServerSettings.from_args(args), ray_settings_from_args(args)
+    if ray_settings is not None:
+        from ..server.ray.run import serve_on_ray
+
+        return serve_on_ray(settings, ray_settings)
+    from ..server.run import serve
+
+    return serve(settings)
 
 
 def format_metrics(metrics, speculative: bool) -> str:

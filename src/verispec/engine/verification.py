@@ -10,10 +10,10 @@ spec.greedy.verify_greedy_rows); a seeded sampled row the target's race winner o
 position-keyed clocks (spec/seeded.py); another sampled row its own temperature/top-k/top-p
 distributions and its own generator's uniforms under block or token-wise verification
 (spec/block.py, spec/rejection.py). A row with min_new_tokens has its stop tokens masked out of the
-target's distribution where they are not yet allowed. A row with penalties or a logit bias has its logits
-reshaped first, position j counting the row's first j draft tokens (spec/penalties.py). A row
-that asks for logprobs gets them for its emitted tokens from the same processed logits
-(emitted_logprobs).
+target's distribution where they are not yet allowed. A row with penalties or a logit bias has
+its logits reshaped first, position j counting the row's first j draft tokens
+(spec/penalties.py). A row that asks for logprobs gets them for its emitted tokens from the
+same processed logits (emitted_logprobs).
 What it is not: the acceptance math (spec/rejection.py, spec/block.py, spec/greedy.py,
 spec/seeded.py), the loop, its policy and its caches (batch.py).
 """

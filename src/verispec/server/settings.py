@@ -12,7 +12,7 @@ stays fast and works without the ``serve`` extra.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from os import PathLike
 
 from ..config import MAX_NUM_DRAFT_TOKENS, VERIFICATION_RULES
@@ -171,11 +171,7 @@ class ServerSettings:
         return self.adaptive or DEFAULT_DEPTH_POLICY
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # kinds first, so the range checks below compare like with like
-            value, kinds = getattr(self, f.name), _KINDS[f.type]
-            _check(any(_is_kind(value, kind) for kind in kinds), f.name, value,
-                   ", ".join(_KIND_NAMES[kind] for kind in kinds[:-1])
-                   + (" or " if len(kinds) > 1 else "") + _KIND_NAMES[kinds[-1]])
+        check_kinds(self)  # kinds first, so the range checks below compare like with like
         check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
                           no_draft=self.no_draft)
         k = self.num_draft_tokens
@@ -232,17 +228,22 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     groups = {"models": parser.add_argument_group("models"),
               "server": parser.add_argument_group("server")}
     for f in fields(ServerSettings):
-        meta = f.metadata
-        group = groups["models" if f.name in _MODEL_FIELDS else "server"]
-        flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
-            continue
-        value_type = meta["value_type"] or (str if f.default is None else type(f.default))
-        shown = "" if f.default is None else f" (default: {f.default})"
-        group.add_argument(flag, dest=f.name, type=value_type, default=f.default,
-                           metavar=meta["metavar"], choices=meta["choices"],
-                           help=meta["help"] + shown)
+        add_field_argument(groups["models" if f.name in _MODEL_FIELDS else "server"], f)
+
+
+def add_field_argument(group, f: Field) -> None:
+    """The flag of one settings field made by :func:`_setting` (``--max-queue`` for
+    ``max_queue``, or the field's own flag); a bool field is a switch."""
+    meta = f.metadata
+    flag = meta["flag"] or "--" + f.name.replace("_", "-")
+    if isinstance(f.default, bool):
+        group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+        return
+    value_type = meta["value_type"] or (str if f.default is None else type(f.default))
+    shown = "" if f.default is None else f" (default: {f.default})"
+    group.add_argument(flag, dest=f.name, type=value_type, default=f.default,
+                       metavar=meta["metavar"], choices=meta["choices"],
+                       help=meta["help"] + shown)
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "chat_template",
@@ -252,7 +253,8 @@ _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "ch
 
 # the field annotations used above (strings: this module has postponed annotations)
 _KINDS = {"int": (int,), "int | None": (int, None), "str": (str,), "str | None": (str, None),
-          "float": (float, int), "str | PathLike | None": (str, PathLike, None), "bool": (bool,)}
+          "float": (float, int), "float | None": (float, int, None),
+          "str | PathLike | None": (str, PathLike, None), "bool": (bool,)}
 _KIND_NAMES = {float: "a number", int: "an integer", str: "a string", PathLike: "a path",
                bool: "True or False",
                None: "None"}
@@ -274,6 +276,16 @@ def _is_kind(value: object, kind: type | None) -> bool:
     if kind is None:
         return value is None
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def check_kinds(settings) -> None:
+    """ConfigError naming the first field of a settings dataclass whose value is not of its
+    annotated kind (an int field given a string, a bool given 1)."""
+    for f in fields(settings):
+        value, kinds = getattr(settings, f.name), _KINDS[f.type]
+        _check(any(_is_kind(value, kind) for kind in kinds), f.name, value,
+               ", ".join(_KIND_NAMES[kind] for kind in kinds[:-1])
+               + (" or " if len(kinds) > 1 else "") + _KIND_NAMES[kinds[-1]])
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

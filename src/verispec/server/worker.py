@@ -195,6 +195,11 @@ class GenerationWorker:
                 job.post(Event.ERROR, error)
 
     @property
+    def alive(self) -> bool:
+        """The generation thread is running: started and not ended (a health check asks)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
 

@@ -162,6 +162,27 @@ def test_sampling_options_reach_the_decoder(model_dirs, capsys):
     assert len(first["metrics"]["per_position_acceptance"]) <= 2  # k = 2 was used
 
 
+def test_penalties_and_logprobs_reach_the_decoder(model_dirs, capsys):
+    argv = ["generate", PROMPT, *models(model_dirs), "--max-new-tokens", "12",
+            "--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty",
+            "1.2", "--min-p", "0.05", "--logit-bias", '{"7": 3, "9": -100}', "--logprobs", "2"]
+    expected = verispec.load(*model_dirs).generate(
+        PROMPT, max_new_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
+        repetition_penalty=1.2, min_p=0.05, logit_bias={7: 3.0, 9: -100.0}, logprobs=2)
+    assert 9 not in expected.token_ids
+    payload = json.loads(run_main([*argv, "--json"], capsys)[1])
+    assert payload["token_ids"] == expected.token_ids
+    assert [lp["logprob"] for lp in payload["logprobs"]] == [
+        lp.logprob for lp in expected.logprobs]
+    status, out, _ = run_main([*argv, "--logit-bias", "7:3,9:-100"], capsys)
+    # the text, then one line per token: its text, logprob and the 2 alternatives
+    lines = out[len(expected.text) + 1:].splitlines()
+    assert status == 0 and out.startswith(expected.text + "\n")
+    assert len(lines) == len(expected.token_ids)
+    for line, lp in zip(lines, expected.logprobs):
+        assert f"{lp.logprob:9.4f}" in line and line.count(f"{lp.top[1][1]:.4f}") == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # bad inputs, in-process: exit 2, one line on stderr, nothing on stdout
 
@@ -173,6 +194,18 @@ BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dir
     "k-not-int": (["x", "{models}", "--k", "abc"], "'abc'"),
     "temperature-neg": (["x", "{models}", "--temperature", "-1"], "temperature=-1"),
     "top-p-0": (["x", "{models}", "--top-p", "0"], "top_p=0"),
+    "presence-penalty-3": (["x", "{models}", "--presence-penalty", "3"], "presence_penalty=3"),
+    "frequency-penalty-nan": (["x", "{models}", "--frequency-penalty", "nan"],
+                              "frequency_penalty=nan"),
+    "repetition-penalty-0": (["x", "{models}", "--repetition-penalty", "0"],
+                             "repetition_penalty=0"),
+    "min-p-2": (["x", "{models}", "--min-p", "2"], "min_p=2"),
+    "logprobs-21": (["x", "{models}", "--logprobs", "21"], "logprobs=21"),
+    "logit-bias-not-pairs": (["x", "{models}", "--logit-bias", "5"], "expected ID:BIAS pairs"),
+    "logit-bias-bad-json": (["x", "{models}", "--logit-bias", "{5: 1}"], "expected ID:BIAS"),
+    "logit-bias-200": (["x", "{models}", "--logit-bias", "5:200"], "logit_bias"),
+    "logit-bias-id-beyond-vocab": (["x", "{models}", "--logit-bias", "99999:1"],
+                                   "logit_bias key 99999"),
     "top-p-1.5": (["x", "{models}", "--top-p", "1.5"], "top_p=1.5"),
     "top-k-0": (["x", "{models}", "--top-k", "0"], "top_k=0"),
     "max-new-tokens-0": (["x", "{models}", "--max-new-tokens", "0"], "max_new_tokens=0"),

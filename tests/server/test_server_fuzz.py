@@ -5,9 +5,9 @@ schemathesis generates from the schema, in three runs per body route:
 
   positive  bodies the request models accept (pydantic's JSON schema): 200, or a 4xx error body;
   negative  bodies they do not accept (wrong types, missing fields, not JSON): a 4xx error body;
-  accepted  bodies inside every range the server documents (model, max_tokens 1..limit, n 1, no
-            logprobs or penalties, a short prompt, ...): 200, so generation itself is fuzzed with
-            sampled settings, stop strings, token-id prompts and streams.
+  accepted  bodies inside every range the server documents (model, max_tokens 1..limit, n 1,
+            logprobs, echo and penalties in range, a short prompt, ...): 200, so generation
+            itself is fuzzed with sampled settings, stop strings, token-id prompts and streams.
 
 Each response must have a status the server documents, never 5xx (not_a_server_error), the
 documented content type, headers and body schema (schemathesis's checks), a protected route must
@@ -268,8 +268,10 @@ SAMPLING_ACCEPTED = {
     "n": nullable({"const": 1}),
     "num_draft_tokens": nullable({"type": "integer", "minimum": 1, "maximum": 32}),
     "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
-    "presence_penalty": nullable({"const": 0}),
-    "frequency_penalty": nullable({"const": 0}),
+    "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "repetition_penalty": nullable({"type": "number", "minimum": 0.5, "maximum": 2}),
+    "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
     "logit_bias": nullable({"type": "object", "maxProperties": 0}),
     "stream_options": {"type": "null"},  # only with stream: true (the models run sends it)
 }
@@ -282,7 +284,7 @@ MESSAGE = {"type": "object", "required": ["role"], "properties": {
 CHAT_ACCEPTED = {
     "messages": {"type": "array", "items": MESSAGE, "minItems": 1, "maxItems": 3},
     "max_completion_tokens": SAMPLING_ACCEPTED["max_tokens"],
-    "logprobs": nullable({"const": False}), "top_logprobs": {"type": "null"},
+    "logprobs": nullable({"type": "boolean"}), "top_logprobs": {"type": "null"},
 }
 
 
@@ -292,7 +294,8 @@ def completion_accepted(vocab_size: int) -> dict:
     one = {"minItems": 1, "maxItems": 1}
     return {"prompt": {"anyOf": [TEXT, {"type": "array", "items": TEXT, **one}, token_ids,
                                  {"type": "array", "items": token_ids, **one}]},
-            "logprobs": {"type": "null"}, "echo": nullable({"const": False}),
+            "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+            "echo": nullable({"type": "boolean"}),
             "best_of": nullable({"const": 1}), "suffix": nullable({"const": ""})}
 
 
@@ -349,7 +352,7 @@ def test_fuzzed_requests_get_documented_answers(api_schemas, server_errors, meth
 
 
 INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "seed", "n",
-                  "num_draft_tokens", "min_tokens", "best_of")
+                  "num_draft_tokens", "min_tokens", "best_of", "logprobs", "top_logprobs")
 
 
 def floats_for_integers(body: dict) -> bool:

@@ -2,6 +2,7 @@
 
     verispec generate "def fibonacci(n):" --max-new-tokens 64
     verispec generate - --json < prompt.txt
+    verispec generate "x =" --frequency-penalty 0.5 --logit-bias 13:-100 --logprobs 3
 
 Bad options or inputs print ONE line to stderr and exit with status 2 (never a traceback).
 """
@@ -13,11 +14,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ..config import VERIFICATION_RULES
-from ..policy import POLICY_NAMES, named_policy
+from ..policy import named_policy
 from ..errors import VerispecError
 from .bench import add_bench_parser
-from .options import _add_model_options, _int, llama_cpp_config
+from .options import _add_model_options, _add_sampling_options, llama_cpp_config
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
@@ -28,49 +28,6 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"verispec: error: {message} (see {self.prog} --help)\n")
-
-
-def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    sampling = parser.add_argument_group("generation")
-    sampling.add_argument("--k", type=_int, default=None, metavar="N",
-                          help="draft tokens per round, 1 to 32 (default: 4 on a GPU and on CPUs "
-                          "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
-                          "other CPUs, where verifying more costs more than it saves)")
-    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                          help="0 = greedy (default: 0)")
-    sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
-    sampling.add_argument("--top-p", type=float, default=None, metavar="P")
-    sampling.add_argument("--max-new-tokens", type=_int, default=64, metavar="N",
-                          help="default: 64")
-    sampling.add_argument("--seed", type=_int, default=None, metavar="S")
-    sampling.add_argument("--stop", nargs="+", default=None, metavar="STR",
-                          help="stop strings (excluded from the output)")
-    sampling.add_argument("--ignore-eos", action="store_true",
-                          help="do not stop at end-of-generation tokens (fixed-length output)")
-    sampling.add_argument("--min-tokens", type=_int, default=0, metavar="N",
-                          help="no end-of-generation token before N new tokens (default: 0)")
-    sampling.add_argument("--ngram", action="store_true",
-                          help="draft without a model, by the suffix-decoding rule: where the "
-                          "last tokens repeat a span of the prompt, the output or an earlier "
-                          "request, draft its most frequent continuation, deeper the longer "
-                          "the match; nothing elsewhere")
-    sampling.add_argument("--hybrid", action="store_true",
-                          help="draft by prompt lookup in rounds where it finds a match, by the "
-                          "draft model otherwise (needs a draft model: the demo pair's, or "
-                          "--draft)")
-    sampling.add_argument("--no-draft", action="store_true",
-                          help="plain target decoding through the same code path")
-    sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
-                          help="adapt k between rounds, starting at --k: 'goodput' measures "
-                          "which depth is fastest here, 'goodput-plain' may also choose plain "
-                          "rounds (k = 0), 'threshold' follows acceptance")
-    sampling.add_argument("--verification", choices=VERIFICATION_RULES,
-                          default=VERIFICATION_RULES[0],
-                          help="how an unseeded sampled request tests a draft model's tokens: "
-                          "'block' (block verification: exact, keeps at least as many tokens a "
-                          "round on average) or 'token' (token-wise rejection sampling); a seeded request "
-                          "keeps draft tokens while they are the target's own samples (default: "
-                          f"{VERIFICATION_RULES[0]})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,7 +174,24 @@ def _request_settings(args: argparse.Namespace) -> dict[str, object]:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                 num_draft_tokens=args.k, speculative=not args.no_draft,
-                ignore_eos=args.ignore_eos, min_new_tokens=args.min_tokens)
+                ignore_eos=args.ignore_eos, min_new_tokens=args.min_tokens, min_p=args.min_p,
+                presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
+                logprobs=args.logprobs)
+
+
+def print_logprobs(tokenizer, completion) -> None:
+    """One line per generated token: its text, its logprob and the alternatives listed, e.g.
+    ``' the'      -0.3120   ' the' -0.3120  ' a' -1.9025``; -inf for a token the processed
+    distribution excludes."""
+    def text(token: int) -> str:
+        return repr(tokenizer.decode([token], skip_special_tokens=False))
+
+    for lp in completion.logprobs or []:
+        alternatives = "  ".join(f"{text(token)} {value:.4f}" for token, value in lp.top)
+        sys.stdout.write(f"{text(lp.token_id):<16} {lp.logprob:9.4f}   {alternatives}".rstrip()
+                         + "\n")
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -237,6 +211,7 @@ def _chat(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": stream.completion.text})
+        print_logprobs(decoder.tokenizer, stream.completion)
         if not args.quiet:
             print(format_metrics(stream.completion.metrics, speculative=not args.no_draft),
                   file=sys.stderr)
@@ -265,6 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
                                                       if comparison else {})}))
         return 0
     sys.stdout.write("\n")
+    print_logprobs(decoder.tokenizer, completion)
     if not args.quiet:
         print(format_metrics(completion.metrics, speculative=not args.no_draft), file=sys.stderr)
     if comparison is not None:
@@ -296,11 +272,8 @@ def _compare(decoder, prompt: str, args: argparse.Namespace) -> dict[str, object
 
     def timed(speculative: bool) -> tuple[list[int], float]:
         started = time.perf_counter()
-        completion = decoder.generate(
-            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-            num_draft_tokens=args.k, speculative=speculative, ignore_eos=args.ignore_eos,
-            min_new_tokens=args.min_tokens)
+        completion = decoder.generate(prompt, **{**_request_settings(args),
+                                                 "speculative": speculative, "logprobs": None})
         return completion.token_ids, time.perf_counter() - started
 
     rates: dict[bool, list[float]] = {True: [], False: []}

@@ -1,10 +1,15 @@
 """Options more than one command takes: the model flags (``--target``, ``--backend``, ...) and
-the llama.cpp settings they give. Here, not in cli/__init__.py, so that cli/bench.py can use them
-without importing the module that imports it."""
+the llama.cpp settings they give, and the generation flags of generate and chat (sampling,
+penalties, logprobs). Here, not in cli/__init__.py, so that cli/bench.py can use them without
+importing the module that imports it."""
 
 from __future__ import annotations
 
 import argparse
+import json
+
+from ..config import VERIFICATION_RULES
+from ..policy import POLICY_NAMES
 
 
 def _int(text: str) -> int:
@@ -48,3 +53,95 @@ def llama_cpp_config(args: argparse.Namespace):
     from ..models.llama_cpp.model import LlamaCppConfig
 
     return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size)
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    sampling = parser.add_argument_group("generation")
+    sampling.add_argument("--k", type=_int, default=None, metavar="N",
+                          help="draft tokens per round, 1 to 32 (default: 4 on a GPU and on CPUs "
+                          "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
+                          "other CPUs, where verifying more costs more than it saves)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0 = greedy (default: 0)")
+    sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
+    sampling.add_argument("--top-p", type=float, default=None, metavar="P")
+    sampling.add_argument("--max-new-tokens", type=_int, default=64, metavar="N",
+                          help="default: 64")
+    sampling.add_argument("--seed", type=_int, default=None, metavar="S")
+    sampling.add_argument("--stop", nargs="+", default=None, metavar="STR",
+                          help="stop strings (excluded from the output)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="do not stop at end-of-generation tokens (fixed-length output)")
+    sampling.add_argument("--min-tokens", type=_int, default=0, metavar="N",
+                          help="no end-of-generation token before N new tokens (default: 0)")
+    sampling.add_argument("--min-p", type=float, default=None, metavar="P",
+                          help="keep tokens at least P times as likely as the most likely one")
+    _add_penalty_options(parser)
+    sampling.add_argument("--ngram", action="store_true",
+                          help="draft without a model, by the suffix-decoding rule: where the "
+                          "last tokens repeat a span of the prompt, the output or an earlier "
+                          "request, draft its most frequent continuation, deeper the longer "
+                          "the match; nothing elsewhere")
+    sampling.add_argument("--hybrid", action="store_true",
+                          help="draft by prompt lookup in rounds where it finds a match, by the "
+                          "draft model otherwise (needs a draft model: the demo pair's, or "
+                          "--draft)")
+    sampling.add_argument("--no-draft", action="store_true",
+                          help="plain target decoding through the same code path")
+    sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
+                          help="adapt k between rounds, starting at --k: 'goodput' measures "
+                          "which depth is fastest here, 'goodput-plain' may also choose plain "
+                          "rounds (k = 0), 'threshold' follows acceptance")
+    sampling.add_argument("--verification", choices=VERIFICATION_RULES,
+                          default=VERIFICATION_RULES[0],
+                          help="how an unseeded sampled request tests a draft model's tokens: "
+                          "'block' (block verification: exact, keeps at least as many tokens a "
+                          "round on average) or 'token' (token-wise rejection sampling); a seeded request "
+                          "keeps draft tokens while they are the target's own samples (default: "
+                          f"{VERIFICATION_RULES[0]})")
+
+
+def _add_penalty_options(parser: argparse.ArgumentParser) -> None:
+    penalties = parser.add_argument_group(
+        "penalties and logprobs", "applied to the target's distribution, which speculation "
+        "keeps exactly (docs/exactness.md gives the order)")
+    penalties.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                           help="subtracted once from each token already generated, -2 to 2 "
+                           "(OpenAI's; default: 0)")
+    penalties.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                           help="subtracted per earlier occurrence in the output, -2 to 2 "
+                           "(OpenAI's; default: 0)")
+    penalties.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                           help="Hugging Face's, over prompt and output: > 1 discourages "
+                           "repeats (default: 1, off)")
+    penalties.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID:BIAS,...",
+                           help="add BIAS (-100 to 100) to token ID's logit: ID:BIAS pairs "
+                           "separated by commas, or a JSON object {\"ID\": BIAS}")
+    penalties.add_argument("--logprobs", type=_int, default=None, metavar="N",
+                           help="after the text, each token's logprob and its N (0 to 20) most "
+                           "likely alternatives (with --json: in the JSON)")
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias: '13:-100,42:5' or '{"13": -100}' -> {13: -100.0, ...} (the ranges are the
+    library's to check)."""
+    expected = (f"expected ID:BIAS pairs separated by commas (e.g. 13:-100,42:5) or a JSON "
+                f"object (e.g. '{{\"13\": -100}}'), got {text!r}")
+    if text.lstrip().startswith("{"):
+        try:
+            pairs = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(expected) from None
+        items = list(pairs.items()) if isinstance(pairs, dict) else [()]
+    else:
+        items = [tuple(part.split(":")) for part in text.split(",")]
+    bias = {}
+    for item in items:
+        try:
+            key, value = item
+            if isinstance(value, bool) or not str(key).strip().lstrip("-").isdigit():
+                raise ValueError
+            bias[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(expected) from None
+    return bias

@@ -15,7 +15,7 @@ Rewind must leave the session exactly as if the dropped tokens had never been fe
 relies on it after every rejection. Optional abilities are protocols of their own, each
 checked once where the engine opens a session (engine/target.py): AdoptsRows (rows prefilled
 apart, chunked prefill), PrefillsThroughLastToken (prompts decoded with their last token) and
-ExtendsRagged (each row fed only its own draft); CapturesSteps is one of models.
+ExtendsRagged (each row fed only its own draft); CapturesSteps and ScoresApart are models'.
 
 The engine knows nothing about tokenisation, devices or caches: it only calls these verbs.
 """
@@ -114,6 +114,18 @@ class CapturesSteps(Protocol):
 
     @property
     def num_captured(self) -> int: ...
+
+
+@runtime_checkable
+class ScoresApart(Protocol):
+    """A model whose one-off passes over a whole sequence (a prompt's logprobs,
+    engine/scoring.py) need a session apart from the decoding ones: llama.cpp keeps one live
+    session per model (opening another would end the running batch's), and the fast path on a
+    GPU would capture a CUDA graph for every prompt length and cache it beside the decoding
+    steps. Without it a scoring pass opens an ordinary session (``new_session``)."""
+
+    def scoring_session(self) -> LMSession:
+        """A session that leaves this model's other sessions untouched."""
 
 
 @runtime_checkable

@@ -19,15 +19,18 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine.batch import check_prompts
+from ..engine.metrics import GenerationMetrics
 from ..text.decoder import Completion, Decoder
 from ..text.batch import PendingRow, TextBatch
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
+from .logprobs import Echo, TokenTexts
 from .prompts import Prompt
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
 from .schemas import GenerationParams
 from .settings import ServerSettings
-from .worker import Event, GenerationWorker, Job
+from .worker import Event, Finished, GenerationWorker, Job
 
 logger = logging.getLogger("verispec.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -56,6 +59,7 @@ class GenerationService:
         self.metrics = metrics
         self.speculative = decoder.engine.proposer is not None  # a draft model or n-grams
         self.draining = False
+        self.token_texts = TokenTexts(decoder.tokenizer)  # logprobs' token texts, cached
 
     def drain(self) -> None:
         """Shutdown has begun (SIGTERM, Ctrl-C): refuse new requests now; after
@@ -87,7 +91,8 @@ class GenerationService:
         if self.draining:
             raise ServerShuttingDown("the server is shutting down; retry later.")
         fmt = response_format(self.settings.model_name, self.num_draft_tokens(params),
-                              self.depth_policy(params), params.tool_names, params.n)
+                              self.depth_policy(params), params.tool_names, params.n,
+                              None if params.logprobs is None else self.token_texts)
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
         loop = asyncio.get_running_loop()
         choices = Choices([Job(partial(self._prepare_row, params, *params.choice(index)), loop)
@@ -99,7 +104,7 @@ class GenerationService:
             if params.stream:
                 return StreamingResponse(_sse(choices, fmt, clock, params.include_usage),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
-            return JSONResponse(fmt.body(await _collect(choices, watcher, clock)))
+            return JSONResponse(fmt.body(await _collect(choices, watcher, clock), choices.tags))
         except BaseException:
             choices.cancel()
             raise
@@ -107,22 +112,43 @@ class GenerationService:
             watcher.cancel()
 
     def _prepare_row(self, params: GenerationParams, prompt: Prompt, seed: int | None,
-                     batch: TextBatch) -> PendingRow:
-        """Runs on the worker thread: encode and check sizes (the worker then joins the batch's
-        pending rows together)."""
+                     batch: TextBatch) -> PendingRow | Finished:
+        """Runs on the worker thread: encode and check sizes, score an echoed prompt (the
+        worker then joins the batch's pending rows together; with max_tokens 0 none joins)."""
         prompt_ids = prompt.encode(self.decoder)
         if len(prompt_ids) > self.settings.max_prompt_tokens:
             raise PromptTooLarge(f"the prompt has {len(prompt_ids)} tokens, more than this "
                                  f"server's --max-prompt-tokens={self.settings.max_prompt_tokens};"
                                  " shorten it.", prompt.param)
+        echo = self._echo(params, prompt, prompt_ids)
+        if params.max_tokens == 0:  # echo only: the prompt scored, nothing generated
+            return Finished(echo, Completion("", [], "length", GenerationMetrics(),
+                                             len(prompt_ids),
+                                             None if params.logprobs is None else []))
         max_tokens = params.max_tokens or self._room(len(prompt_ids), params)
         return batch.prepare(
-            prompt_ids, max_new_tokens=max_tokens, temperature=params.temperature,
+            prompt_ids, echo, max_new_tokens=max_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, seed=seed, stop=params.stop,
             num_draft_tokens=params.num_draft_tokens,
             adaptive=None if self.depth_policy(params) else False, ignore_eos=params.ignore_eos,
             response_format=params.grammar,
-            min_new_tokens=min(params.min_tokens, max_tokens))
+            min_new_tokens=min(params.min_tokens, max_tokens),
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None, min_p=params.min_p,
+            logprobs=params.logprobs)
+
+    def _echo(self, params: GenerationParams, prompt: Prompt, prompt_ids: list[int]
+              ) -> Echo | None:
+        """What a completions choice with echo puts first: the prompt's text, and with
+        logprobs its tokens scored by the target (one pass, Decoder.prompt_logprobs)."""
+        if not params.echo:
+            return None
+        check_prompts([prompt_ids], self.decoder.target.vocab_size)
+        scores = (None if params.logprobs is None
+                  else self.decoder.prompt_logprobs(prompt_ids, params.logprobs))
+        return Echo(prompt.echo_text(self.decoder, prompt_ids), prompt_ids, scores)
 
     def _room(self, num_prompt_tokens: int, params: GenerationParams) -> int:
         """max_tokens when the request omits it: what fits after the prompt (and k draft
@@ -153,6 +179,7 @@ class Choices:
         self._getters: dict[int, asyncio.Future] = {}  # choice -> its pending events.get()
         self._finished: set[int] = set()  # choices whose DONE came
         self._early: list[tuple[int, Event, object]] = []  # taken before every choice started
+        self.tags: list[object] = [None] * len(jobs)  # each choice's row tag (its Echo or None)
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -168,6 +195,7 @@ class Choices:
             index, event, value = await self._take(watcher)
             if event is Event.STARTED:
                 waiting.discard(index)
+                self.tags[index] = value
             else:
                 self._early.append((index, event, value))
 
@@ -227,7 +255,7 @@ async def _sse(choices: Choices, fmt: CompletionFormat | ChatFormat, clock: Firs
     is sent as one {"error": ...} event (the openai client raises it), then [DONE]."""
     completions: dict[int, Completion] = {}
     try:
-        for chunk in fmt.opening_chunks(len(choices.jobs)):
+        for chunk in fmt.opening_chunks(choices.tags):
             yield sse(chunk)
         while (item := await choices.next()) is not None:
             index, event, value = item

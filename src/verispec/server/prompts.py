@@ -31,6 +31,10 @@ class TextPrompt:
     def encode(self, decoder) -> list[int]:
         return list(decoder.tokenizer.encode(self.text))
 
+    def echo_text(self, decoder, token_ids: list[int]) -> str:
+        """The prompt as a completion with ``echo`` repeats it: the text sent."""
+        return self.text
+
 
 @dataclass(frozen=True)
 class TokenPrompt:
@@ -39,6 +43,10 @@ class TokenPrompt:
 
     def encode(self, decoder) -> list[int]:
         return list(self.token_ids)  # the engine checks emptiness and the vocabulary range
+
+    def echo_text(self, decoder, token_ids: list[int]) -> str:
+        """The prompt as a completion with ``echo`` repeats it: its tokens' decode."""
+        return decoder.tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ its body's ``usage`` and ``speculation`` cover all of them (prompt tokens counte
 prompt, as OpenAI counts them), and in a stream each choice's finishing chunk carries that
 choice's ``speculation``.
 
+With logprobs asked for, each choice carries them in OpenAI's shape for its endpoint
+(logprobs.py), and in a stream each chunk carries those of the tokens its text shows (a token a
+stop string may still cut waits; the finishing chunk brings any left), so a stream's logprobs
+put together are the body's. With ``echo`` (completions) the prompt's text leads the choice's
+text (in a stream: its own first chunk per choice) and its tokens lead the logprobs.
+
 num_draft_tokens is the k the request ran with (0 for plain decoding), or where its policy
 started; depth_policy is "fixed", or the --adaptive policy that moved k between rounds (a
 seeded request's text does not depend on it); mean_accepted_length is the tokens produced per target call
@@ -27,7 +33,10 @@ import json
 import time
 import uuid
 
+from ..engine.rows import TokenLogprob
 from ..text.decoder import Completion
+from .logprobs import Echo, TokenTexts
+from .worker import Delta
 
 DONE_LINE = "data: [DONE]\n\n"
 
@@ -65,7 +74,8 @@ class _Format:
     id_prefix = ""
 
     def __init__(self, model: str, num_draft_tokens: int, depth_policy: str | None = None,
-                 tool_names: tuple[str, ...] = (), n: int = 1) -> None:
+                 tool_names: tuple[str, ...] = (), n: int = 1,
+                 token_texts: TokenTexts | None = None) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -73,6 +83,8 @@ class _Format:
         self.depth_policy = depth_policy
         self.tool_names = tool_names  # chat with tools: the output is a call, not content
         self.n = n  # choices per prompt (usage counts each prompt once)
+        self.token_texts = token_texts  # None: the request asked for no logprobs
+        self._num_sent: dict[int, int] = {}  # choice -> its token logprobs streamed so far
 
     object_name = ""  # of a stream's chunks
 
@@ -88,6 +100,15 @@ class _Format:
                                               self.depth_policy)
         return body
 
+    def _left_over(self, completion: Completion, index: int) -> list[TokenLogprob]:
+        """The choice's logprobs its stream has not sent yet (and from now on, none)."""
+        sent = self._num_sent.get(index, 0)
+        self._num_sent[index] = len(completion.token_ids)
+        return (completion.logprobs or [])[sent : len(completion.token_ids)]
+
+    def _count_sent(self, delta: Delta, index: int) -> None:
+        self._num_sent[index] = self._num_sent.get(index, 0) + len(delta.logprobs)
+
     def usage_chunk(self, completions: list[Completion]) -> dict[str, object]:
         """The last chunk of a stream that asked for include_usage: no choices, the usage."""
         body = self._envelope(self.object_name, [])
@@ -101,25 +122,73 @@ class CompletionFormat(_Format):
     id_prefix = "cmpl-"
     object_name = "text_completion"
 
-    def body(self, completions: list[Completion]) -> dict[str, object]:
-        return self._envelope("text_completion", [
-            self._choice(index, completion.text, completion.finish_reason)
-            for index, completion in enumerate(completions)], completions)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets: dict[int, int] = {}  # choice -> text_offset of its next token
 
-    def opening_chunks(self, num_choices: int) -> list[dict[str, object]]:
-        return []
+    def body(self, completions: list[Completion], echoes: list[Echo | None]
+             ) -> dict[str, object]:
+        choices = []
+        for index, (completion, echo) in enumerate(zip(completions, echoes)):
+            text = completion.text if echo is None else echo.text + completion.text
+            logprobs = None
+            if self.token_texts is not None:
+                logprobs = self._logprobs(index, [*_echoed(echo), *(completion.logprobs or [])],
+                                          [*_echoed_ids(echo), *completion.token_ids])
+            choices.append(self._choice(index, text, completion.finish_reason, logprobs))
+        return self._envelope("text_completion", choices, completions)
 
-    def delta_chunk(self, text: str, index: int) -> dict[str, object]:
-        return self._envelope("text_completion", [self._choice(index, text, None)])
+    def opening_chunks(self, echoes: list[Echo | None]) -> list[dict[str, object]]:
+        """With echo, each choice's prompt first (and its logprobs)."""
+        return [self._envelope("text_completion", [self._choice(
+            index, echo.text, None, None if self.token_texts is None
+            else self._logprobs(index, _echoed(echo), echo.token_ids))])
+            for index, echo in enumerate(echoes) if echo is not None]
+
+    def delta_chunk(self, delta: Delta, index: int) -> dict[str, object]:
+        self._count_sent(delta, index)
+        return self._envelope("text_completion", [self._choice(
+            index, delta.text, None, self._new_logprobs(delta.logprobs, index))])
 
     def final_chunks(self, completion: Completion, index: int) -> list[dict[str, object]]:
+        logprobs = self._new_logprobs(self._left_over(completion, index), index)
         return [self._envelope("text_completion",
-                               [self._choice(index, "", completion.finish_reason)],
+                               [self._choice(index, "", completion.finish_reason, logprobs)],
                                [completion], with_usage=False)]
 
+    def _new_logprobs(self, logprobs: list[TokenLogprob], index: int
+                      ) -> dict[str, object] | None:
+        if self.token_texts is None:
+            return None
+        return self._logprobs(index, logprobs, [lp.token_id for lp in logprobs])
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob | None], token_ids: list[int]
+                  ) -> dict[str, object]:
+        """The completions logprobs object of a choice's next tokens, their text offsets
+        going on from its tokens before."""
+        assert self.token_texts is not None
+        body = self.token_texts.completion_logprobs(logprobs, token_ids,
+                                                     self._offsets.get(index, 0))
+        if token_ids:
+            self._offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
+
     @staticmethod
-    def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, object]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(index: int, text: str, finish_reason: str | None,
+                logprobs: dict[str, object] | None = None) -> dict[str, object]:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+
+def _echoed(echo: Echo | None) -> list[TokenLogprob | None]:
+    """An echoed prompt's logprobs (None for its first token), or none without echo."""
+    if echo is None:
+        return []
+    return echo.logprobs if echo.logprobs is not None else [None] * len(echo.token_ids)
+
+
+def _echoed_ids(echo: Echo | None) -> list[int]:
+    return [] if echo is None else echo.token_ids
 
 
 class ChatFormat(_Format):
@@ -129,7 +198,8 @@ class ChatFormat(_Format):
     id_prefix = "chatcmpl-"
     object_name = "chat.completion.chunk"
 
-    def body(self, completions: list[Completion]) -> dict[str, object]:
+    def body(self, completions: list[Completion], echoes: list[Echo | None]
+             ) -> dict[str, object]:
         return self._envelope("chat.completion", [self._message_choice(index, completion)
                                                   for index, completion in enumerate(completions)],
                               completions)
@@ -139,27 +209,36 @@ class ChatFormat(_Format):
         call = self._tool_call(completion)
         if call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
-        return {"index": index, "message": message, "logprobs": None,
+        return {"index": index, "message": message,
+                "logprobs": self._chat_logprobs(completion.logprobs or []),
                 "finish_reason": "tool_calls" if call is not None else completion.finish_reason}
 
-    def opening_chunks(self, num_choices: int) -> list[dict[str, object]]:
+    def opening_chunks(self, echoes: list[Echo | None]) -> list[dict[str, object]]:
         return [self._chunk(index, {"role": "assistant", "content": ""}, None)
-                for index in range(num_choices)]
+                for index in range(len(echoes))]
 
-    def delta_chunk(self, text: str, index: int) -> dict[str, object] | None:
+    def delta_chunk(self, delta: Delta, index: int) -> dict[str, object] | None:
         if self.tool_names:  # a call is sent whole at the end, once its JSON is complete
             return None
-        return self._chunk(index, {"content": text}, None)
+        self._count_sent(delta, index)
+        return self._chunk(index, {"content": delta.text}, None,
+                           logprobs=self._chat_logprobs(delta.logprobs))
 
     def final_chunks(self, completion: Completion, index: int) -> list[dict[str, object]]:
         call = self._tool_call(completion)
         if call is None:
+            logprobs = self._chat_logprobs(self._left_over(completion, index))
             if self.tool_names:  # cut by max_tokens before the call was complete: as text
                 return [self._chunk(index, {"content": completion.text}, None),
                         self._chunk(index, {}, completion.finish_reason, completion)]
-            return [self._chunk(index, {}, completion.finish_reason, completion)]
+            return [self._chunk(index, {}, completion.finish_reason, completion, logprobs)]
         return [self._chunk(index, {"tool_calls": [{"index": 0, **call}]}, None),
                 self._chunk(index, {}, "tool_calls", completion)]
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, object] | None:
+        if self.token_texts is None:
+            return None
+        return self.token_texts.chat_logprobs(logprobs)
 
     def _tool_call(self, completion: Completion) -> dict[str, object] | None:
         """OpenAI's tool_calls entry for an output constrained to {"name", "arguments"}; None
@@ -171,8 +250,10 @@ class ChatFormat(_Format):
                 "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
 
     def _chunk(self, index: int, delta: dict[str, str], finish_reason: str | None,
-               completion: Completion | None = None) -> dict[str, object]:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+               completion: Completion | None = None,
+               logprobs: dict[str, object] | None = None) -> dict[str, object]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         return self._envelope(self.object_name, [choice],
                               None if completion is None else [completion], with_usage=False)
 

@@ -4,11 +4,14 @@ into :class:`GenerationParams` (pydantic stays here, at the HTTP boundary).
 Two layers of checks, two status codes:
   422  the body does not fit the schema (a string where a number goes, a missing prompt):
        pydantic.ValidationError;
-  400  the types are right but a value is not accepted: max_tokens outside 1..--max-tokens-limit,
-       n < 1, more choices (prompts x n) than one request may run, logprobs, penalties
+  400  the types are right but a value is not accepted: max_tokens outside 1..--max-tokens-limit
+       (0 too with echo), n < 1, more choices (prompts x n) than one request may run, logprobs
+       that are not an integer from 0 to 20, a logit_bias key that is not a token id
        (ParameterError here), and the library's own range checks (temperature >= 0, top_p in
-       (0, 1], top_k >= 1, seed, num_draft_tokens), run here by building the library's
-       configs, before the request is queued.
+       (0, 1], top_k >= 1, min_p in [0, 1], penalties in [-2, 2], repetition_penalty > 0, a
+       bias in [-100, 100], seed, num_draft_tokens), run here by building the library's
+       configs, before the request is queued (a logit_bias id beyond the vocabulary: when the
+       row is prepared, also a 400).
 Choices: a request may carry several prompts (/v1/completions: a list of texts or of token-id
 lists) and ask for ``n`` choices of each, as OpenAI's API does; choice i (prompt i // n) is a
 row of its own in the batch, seeded with seed + i when a seed is given (so a seeded request
@@ -21,18 +24,28 @@ response_format (json_schema, json_object, and the regex and grammar extensions)
 (tool_choice "required" or a named function) constrain the output (engine/constraints.py); an
 invalid schema, regex or grammar is a 400 naming the problem.
 
+Logprobs: chat takes ``logprobs: true`` and ``top_logprobs: N``, /v1/completions ``logprobs: N``
+(0 to 20 alternatives per token; logprobs.py has the shapes). ``echo: true`` (completions) puts
+the prompt before the text, and with logprobs its tokens' scores first (the first token's null);
+``max_tokens: 0`` with echo scores the prompt only, as evaluation harnesses ask.
+Penalties: presence_penalty and frequency_penalty (OpenAI's), repetition_penalty and min_p
+(extensions, as vLLM's), logit_bias ({"token id": bias}), all applied by the library to the
+distribution speculative decoding keeps exact (RequestSettings).
+
 Defaults: temperature 1.0 (OpenAI's); max_tokens omitted = as many tokens as fit in the context
 window after the prompt, at most --max-tokens-limit.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from ..config import GenerationConfig, SamplingConfig
+from ..config import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerationConfig, PenaltyConfig,
+                      SamplingConfig)
 from ..errors import EmptyPromptError
 from ..text.grammar import Grammar, InvalidConstraintError, compile_response_format
 from .errors import ParameterError, UnsupportedParameter
@@ -112,13 +125,16 @@ class _SamplingFields(BaseModel):
     min_tokens: StrictInt = 0  # extension (vLLM): no EOS token before this many tokens
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # extension (vLLM): Hugging Face's, 1 = off
+    min_p: Number | None = None  # extension (vLLM)
     logit_bias: dict[str, Number] | None = None
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None
+    # any JSON number or a boolean reaches the check (a 400 naming what it takes), not a 422
+    logprobs: StrictInt | StrictBool | Number | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -166,6 +182,13 @@ class GenerationParams:
     grammar: Grammar | None = None  # response_format or tools, compiled (text/grammar.py)
     tool_names: tuple[str, ...] = ()  # tools: the output is a call of one of these functions
     n: int = 1  # choices per prompt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_p: float | None = None
+    logprobs: int | None = None  # None: no logprobs; N: each token's with N alternatives
+    echo: bool = False  # completions: the prompt before the text (and its logprobs first)
 
     @property
     def num_choices(self) -> int:
@@ -185,28 +208,35 @@ OUTPUT_CHANGING_FIELDS = ("functions", "function_call", "guided_json", "guided_r
 
 def completion_params(body: CompletionRequest, max_tokens_limit: int,
                       max_choices: int) -> GenerationParams:
-    _refuse(body.logprobs is not None, "logprobs",
-            "logprobs are not returned by verispec; omit logprobs")
-    _refuse(bool(body.echo), "echo", "echo is not supported; omit it")
     _refuse(body.best_of not in (None, 1), "best_of", "best_of must be 1 (or omitted)")
     _refuse(bool(body.suffix), "suffix", "suffix (insertion) is not supported; omit it")
+    logprobs = body.logprobs
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise ParameterError(f"logprobs={json.dumps(logprobs)} is invalid for /v1/completions: "
+                             f"expected an integer from 0 to {MAX_TOP_LOGPROBS} (the "
+                             "alternatives listed per token; chat takes logprobs: true with "
+                             "top_logprobs).", "logprobs")
     return _params(body, _completion_prompts(body.prompt), body.max_tokens, max_tokens_limit,
-                   max_choices, _response_grammar(body))
+                   max_choices, _response_grammar(body), logprobs=logprobs,
+                   echo=bool(body.echo))
 
 
 def chat_params(body: ChatCompletionRequest, max_tokens_limit: int,
                 max_choices: int) -> GenerationParams:
-    _refuse(bool(body.logprobs) or body.top_logprobs is not None, "logprobs",
-            "logprobs are not returned by verispec; omit logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ParameterError("top_logprobs needs logprobs: true.", "top_logprobs")
     messages = tuple(ChatMessage(m.role, _content_text(m, i)) for i, m in enumerate(body.messages))
     max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
     grammar, tool_names = _response_grammar(body), ()
     if body.tools and body.tool_choice != "none":
         _refuse(grammar is not None, "tools", "tools and response_format cannot be combined: "
                 "send one of them")
+        _refuse(bool(body.logprobs), "logprobs", "logprobs are not returned for tool calls; "
+                "omit logprobs, or the tools")
         grammar, tool_names = _tool_grammar(body.tools, body.tool_choice)
     return _params(body, (ChatPrompt(messages),), max_tokens, max_tokens_limit, max_choices,
-                   grammar, tool_names)
+                   grammar, tool_names, logprobs=(body.top_logprobs or 0) if body.logprobs
+                   else None)
 
 
 def _response_grammar(body: _SamplingFields) -> Grammar | None:
@@ -253,24 +283,27 @@ def _compiled(response_format: dict, param: str) -> Grammar | None:
 
 def _params(body: _SamplingFields, prompts: tuple[Prompt, ...],
             max_tokens: int | None, max_tokens_limit: int, max_choices: int,
-            grammar: Grammar | None = None, tool_names: tuple[str, ...] = ()
-            ) -> GenerationParams:
+            grammar: Grammar | None = None, tool_names: tuple[str, ...] = (),
+            logprobs: int | None = None, echo: bool = False) -> GenerationParams:
     n = _checked_n(body, len(prompts), max_choices)
-    for name in ("presence_penalty", "frequency_penalty"):
-        _refuse(getattr(body, name) not in (None, 0), name, f"{name} is not supported (it would "
-                "change the target distribution that speculative decoding preserves)")
-    _refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported; omit it")
-    if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
-        raise ParameterError(f"max_tokens={max_tokens} is invalid: expected an integer from 1 to "
-                             f"{max_tokens_limit} (the server's --max-tokens-limit).", "max_tokens")
-    if not 0 <= body.min_tokens <= (max_tokens or max_tokens_limit):
+    _check_max_tokens(max_tokens, max_tokens_limit, echo)
+    most = max_tokens_limit if max_tokens is None else max_tokens
+    if not 0 <= body.min_tokens <= most:
         raise ParameterError(f"min_tokens={body.min_tokens} is invalid: expected an integer from "
-                             f"0 to max_tokens ({max_tokens or max_tokens_limit}).", "min_tokens")
+                             f"0 to max_tokens ({most}).", "min_tokens")
+    _check_logprobs(logprobs, "logprobs" if isinstance(body, CompletionRequest)
+                    else "top_logprobs")
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    sampling = SamplingConfig(temperature=temperature, top_k=body.top_k, top_p=body.top_p)
+    sampling = SamplingConfig(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
+                              min_p=body.min_p)
+    penalty = PenaltyConfig(
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias))
     # the library's own range checks, before the request is queued (ConfigError -> 400)
     GenerationConfig(max_new_tokens=max_tokens or 1, num_draft_tokens=body.num_draft_tokens or 1,
-                     sampling=sampling, seed=body.seed)
+                     sampling=sampling, seed=body.seed, penalty=penalty, logprobs=logprobs)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if not all(stop):
         raise ParameterError(f"stop={body.stop!r} is invalid: expected a non-empty string or a "
@@ -281,7 +314,41 @@ def _params(body: _SamplingFields, prompts: tuple[Prompt, ...],
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return GenerationParams(prompts, max_tokens, temperature, body.top_k, body.top_p, body.seed,
                             stop, body.num_draft_tokens, body.stream, body.ignore_eos,
-                            body.min_tokens, include_usage, grammar, tool_names, n)
+                            body.min_tokens, include_usage, grammar, tool_names, n,
+                            penalty.presence_penalty, penalty.frequency_penalty,
+                            penalty.repetition_penalty, penalty.logit_bias, body.min_p, logprobs,
+                            echo)
+
+
+def _check_max_tokens(max_tokens: int | None, max_tokens_limit: int, echo: bool) -> None:
+    """1 to --max-tokens-limit; 0 too with echo (the prompt scored, nothing generated)."""
+    low = 0 if echo else 1
+    if max_tokens is not None and not low <= max_tokens <= max_tokens_limit:
+        raise ParameterError(f"max_tokens={max_tokens} is invalid: expected an integer from {low} "
+                             f"to {max_tokens_limit} (the server's --max-tokens-limit"
+                             + ("" if echo else "; 0 only with echo") + ").", "max_tokens")
+
+
+def _check_logprobs(logprobs: int | None, param: str) -> None:
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ParameterError(f"{param}={logprobs} is invalid: expected an integer from 0 to "
+                             f"{MAX_TOP_LOGPROBS} (the alternatives listed per token).", param)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as sorted (id, bias) pairs; a key that is not a token id
+    (a decimal integer) is a ParameterError. The ids' range is the model's: checked when the
+    row is prepared (RequestSettings)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise ParameterError(f"logit_bias key {key!r:.40} is invalid: expected a token id "
+                                 "(a decimal integer string, e.g. \"50256\").", "logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ParameterError(f"logit_bias[{key!r}]={value!r} is invalid: expected a number "
+                                 f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}].", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _checked_n(body: _SamplingFields, num_prompts: int, max_choices: int) -> int:

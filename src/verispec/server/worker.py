@@ -25,12 +25,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from ..text.decoder import Decoder
+from ..engine.rows import TokenLogprob
 from ..text.batch import PendingRow, TextBatch, TextRow
+from ..text.stream import Completion
 from ..engine.prefill import ChunkedPrefill
 from .errors import ServerOverloaded, ServerShuttingDown
 
@@ -38,10 +40,26 @@ logger = logging.getLogger("verispec.server")
 
 
 class Event(enum.Enum):
-    STARTED = "started"  # value: the number of prompt tokens
-    DELTA = "delta"  # value: a text delta
+    STARTED = "started"  # value: the row's tag (TextBatch.prepare's: the request's)
+    DELTA = "delta"  # value: a Delta
     DONE = "done"  # value: the Completion
     ERROR = "error"  # value: the exception (raised while checking or generating)
+
+
+class Delta(NamedTuple):
+    """A round's new text for a row, and the logprobs of the tokens that text newly shows
+    (RowText.num_tokens_shown; empty when the row does not ask for them)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+class Finished(NamedTuple):
+    """What a job's ``prepare`` returns when it needs no generation (an echo with max_tokens
+    0): its tag and Completion, posted at once; no row joins."""
+
+    tag: object
+    completion: Completion
 
 
 class FinishHook(Protocol):
@@ -62,10 +80,11 @@ class Job:
     checks and encodes the request's row (raising the request's typed error if it is bad); the
     worker then adds it to the batch with the other rows joining in the same gap."""
 
-    def __init__(self, prepare: Callable[[TextBatch], PendingRow],
+    def __init__(self, prepare: Callable[[TextBatch], PendingRow | Finished],
                  loop: asyncio.AbstractEventLoop) -> None:
         self.prepare = prepare
         self.events: asyncio.Queue[tuple[Event, object]] = asyncio.Queue()
+        self.num_logprobs_sent = 0  # the row's logprobs posted so far (worker thread)
         self._loop = loop
         self._cancelled = threading.Event()
 
@@ -93,6 +112,20 @@ def post_all(posts: list[tuple[Job, Event, object]]) -> None:
         except RuntimeError:  # the loop is closed: nobody will read these jobs' events
             for job, _, _ in items:
                 job.cancel()
+
+
+def _shown_logprobs(job: Job, row: TextRow) -> list[TokenLogprob]:
+    """The logprobs of the row's tokens that its text now shows and that were not posted yet
+    (none when it does not ask for them); a stop string may still cut the others."""
+    if row.logprobs is None:
+        return []
+    if row.completion is not None:  # its text is complete: the tokens it kept
+        shown, logprobs = len(row.completion.token_ids), row.completion.logprobs or []
+    else:
+        shown, logprobs = min(row.text.num_tokens_shown(), len(row.logprobs)), row.logprobs
+    new = logprobs[job.num_logprobs_sent : shown]
+    job.num_logprobs_sent = max(job.num_logprobs_sent, shown)
+    return new
 
 
 def _deliver(posts: list[tuple[Job, Event, object]]) -> None:
@@ -241,6 +274,10 @@ class GenerationWorker:
             except Exception as exc:  # handed to the request, whose handler maps it to a status
                 job.post(Event.ERROR, exc)
                 continue
+            if isinstance(pending, Finished):
+                post_all([(job, Event.STARTED, pending.tag), (job, Event.DONE,
+                                                               pending.completion)])
+                continue
             num_tokens = len(pending.prepared.prompt_ids)
             left = self.prefill_budget - prefilled
             waiting = self._running or ready or joining  # rows the next round runs
@@ -292,7 +329,7 @@ class GenerationWorker:
         with self._lock:
             for job, row in zip(jobs, rows):
                 self._running[row.row.id] = (job, row)
-        post_all([(job, Event.STARTED, row.num_prompt_tokens) for job, row in zip(jobs, rows)])
+        post_all([(job, Event.STARTED, row.tag) for job, row in zip(jobs, rows)])
 
     def _drop_cancelled(self, batch: TextBatch) -> None:
         """Rows whose client went away leave the batch before the next round."""
@@ -310,7 +347,7 @@ class GenerationWorker:
         for row, delta in batch.step():
             job = self._running[row.row.id][0]
             if delta:
-                posts.append((job, Event.DELTA, delta))
+                posts.append((job, Event.DELTA, Delta(delta, _shown_logprobs(job, row))))
             if row.completion is not None:
                 posts.append((job, Event.DONE, row.completion))
                 finished.append(row.row.id)

@@ -18,7 +18,10 @@ from typing import Literal
 import torch
 
 from ..policy.base import AdaptivePolicyConfig
+from ..engine.batch import check_prompts
 from ..engine.constraints import ConstraintSet
+from ..engine.rows import TokenLogprob
+from ..engine.scoring import score_prompt
 from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
 from ..config import GenerationConfig, SamplingConfig
 from ..spec.checks import as_index
@@ -102,6 +105,25 @@ class Decoder:
             raise EmptyPromptError("the chat template rendered the messages as no tokens; send "
                                    "a message with some content.")
         return ids
+
+    def prompt_logprobs(self, prompt: str | Sequence[int], num_top: int = 0
+                        ) -> list[TokenLogprob | None]:
+        """Each token of ``prompt`` (text, encoded as :meth:`generate` encodes it, or token
+        ids) scored by the target: its logprob under the target's raw next-token distribution
+        (log_softmax of the logits: no penalties, bias or temperature) after the tokens before
+        it, with the ``num_top`` (0 to 20) most likely alternatives; None for the first token,
+        which nothing predicts. One target pass over the prompt (engine/scoring.py), apart
+        from any running generation.
+
+            [lp.logprob for lp in dec.prompt_logprobs("The cat sat")[1:]]
+        """
+        prompt_ids = check_prompts([self._encode(prompt)], self.target.vocab_size)[0]
+        window = self.target.max_positions
+        if window is not None and len(prompt_ids) > window:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt_ids)} tokens, more than the target's context window "
+                f"of {window}; shorten it.")
+        return score_prompt(self.target, prompt_ids, num_top)
 
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], speculative: bool = True,
                      adaptive: AdaptivePolicyConfig | Literal[False] | None = None,

@@ -156,6 +156,13 @@ class RowText:
                     break
         return prefix
 
+    def num_tokens_shown(self) -> int:
+        """How many of the new tokens the text given out so far covers: the fewest leading
+        tokens whose decode starts with it (a token whose text is held back, as a possible
+        stop string's start, is not shown yet). What a stream sends a token's logprob by:
+        never for a token a stop string may still cut."""
+        return self._tokens_covering(list(self.token_ids), self.text[: self._emitted])
+
 
 class TextStream:
     """Text deltas of one row of a :class:`DecodingRun` (a one-prompt generation), through

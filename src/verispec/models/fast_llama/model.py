@@ -160,6 +160,11 @@ class FastLlamaLM:
     def new_session(self) -> FastLlamaSession:
         return FastLlamaSession(self)
 
+    def scoring_session(self) -> FastLlamaSession:
+        """A session that runs eagerly (models.base.ScoresApart): a prompt scored once must
+        not capture a step graph for its length, evicting the decoding steps'."""
+        return FastLlamaSession(self, eager=True)
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, start: int,
                 cache: KVCache, used: int, logits_at: int | torch.Tensor | None = None,
                 segments: Sequence[tuple[int, int, int]] | None = None,

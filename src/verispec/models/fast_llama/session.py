@@ -30,10 +30,12 @@ class FastLlamaSession:
 
     Row lengths are kept on the host: every row holding the same number of tokens (always at
     batch 1) selects the uniform path of :meth:`FastLlamaLM.forward` without a device sync.
+    ``eager``: never replay captured steps (a one-off scoring pass, FastLlamaLM.scoring_session).
     """
 
-    def __init__(self, lm: FastLlama, cache: KVCache | None = None) -> None:
+    def __init__(self, lm: FastLlama, cache: KVCache | None = None, eager: bool = False) -> None:
         self.lm = lm
+        self.eager = eager
         self.cache = cache if cache is not None else KVCache(lm, 0, 0)
         self.lengths: list[int] = []  # tokens held per row (a riding join's: its prompt's)
         self.num_rows = self.cache.num_rows
@@ -186,7 +188,7 @@ class FastLlamaSession:
             return torch.empty((0, num_new if logits_at is None else 1, self.lm.vocab_size),
                                dtype=self.lm.dtype, device=self.lm.device)
         graphs = self.lm.step_graphs
-        if graphs is not None and not self._joining and not self.cache.is_slice:
+        if graphs is not None and not (self.eager or self._joining or self.cache.is_slice):
             logits = graphs.forward(tokens, self.lengths, self.cache)  # [B, n, V]
             if logits_at is None:
                 return logits

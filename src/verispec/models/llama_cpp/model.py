@@ -229,11 +229,19 @@ class LlamaCppLM:
                                                         DEFAULT_MAX_CONTEXT)
         self._context: _Context | None = None
         self._live: LlamaCppSession | None = None
+        self._scorer: LlamaCppLM | None = None  # scoring_session's model, built on first use
 
     def new_session(self) -> LlamaCppSession:
         session = LlamaCppSession(self)
         self._live = session
         return session
+
+    def scoring_session(self) -> LlamaCppSession:
+        """A session on a context of its own over the same weights (models.base.ScoresApart):
+        a new session here would end the live one, the running batch's."""
+        if self._scorer is None:
+            self._scorer = LlamaCppLM(self.model, self.vocab_size, self.config)
+        return self._scorer.new_session()
 
     def context(self, session: LlamaCppSession, num_rows: int) -> _Context:
         """The context for ``session``'s ``num_rows`` rows, emptied (grown when too small)."""

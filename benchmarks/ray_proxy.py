@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft", help="draft model (with --target)")
     parser.add_argument("--direct-url", help="a running `verispec serve` instead of one started")
     parser.add_argument("--ray-url", help="a running `verispec serve --ray` (its proxy)")
+    parser.add_argument("--ray-ingress", default="proxy", choices=("proxy", "haproxy"),
+                        help="the started command's --ray-ingress (default proxy); haproxy "
+                        "writes ray_proxy_haproxy.json")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     args.client_counts = [int(c) for c in args.clients.split(",")]
@@ -82,7 +85,7 @@ def servers(args: argparse.Namespace):
     """{mode: url}, each server healthy: the URLs given, or servers started and stopped here."""
     given = {"direct": args.direct_url, "ray": args.ray_url}
     extra = {"direct": [], "ray": ["--ray", "--replicas", "1", "--replica-cpus",
-                                   str(args.threads)]}
+                                   str(args.threads), "--ray-ingress", args.ray_ingress]}
     with ExitStack() as stack:
         urls = {}
         for mode in MODES:
@@ -193,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M"), **machine(),
             "models": args.target or "demo pair", "threads": args.threads,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
-            "min_requests": args.min_requests, "repeats": args.repeats}
-    (out / "ray_proxy.json").write_text(json.dumps(
+            "min_requests": args.min_requests, "repeats": args.repeats,
+            "ray_ingress": args.ray_ingress}
+    name = "ray_proxy.json" if args.ray_ingress == "proxy" else "ray_proxy_haproxy.json"
+    (out / name).write_text(json.dumps(
         {**meta, "rows": rows, "proxy_cost": cost}, indent=2) + "\n")
-    print(f"wrote {out}/ray_proxy.json")
+    print(f"wrote {out}/{name}")
     return 0 if all(set(r["statuses"]) == {"200"} for r in rows) else 1
 
 

@@ -1,14 +1,20 @@
 """A real server for the tests: uvicorn on 127.0.0.1 in a thread, and what the tests poll it with.
 
-ServerThread serves an app as `verispec serve` does; model_dirs (a module fixture) saves the tiny
-model pair the server tests load; wait_for polls a condition; metric_values reads /metrics.
+ServerThread serves an app as `verispec serve` does; serving_command runs the `verispec serve`
+command in a process of its own; model_dirs (a module fixture) saves the tiny model pair the
+server tests load; wait_for polls a condition; metric_values reads /metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from tiny_models import build_tokenizer, save_model, tiny_llama
@@ -53,6 +59,26 @@ def model_dirs(tmp_path_factory):
     draft = save_model(tiny_llama(len(tokenizer), seed=2, layers=1, max_positions=2048),
                        tokenizer, root / "draft")
     return target, draft
+
+
+@contextlib.contextmanager
+def serving_command(args: list[str], log: Path, env: dict[str, str] | None = None,
+                    timeout: float = 240):
+    """`python -m verispec <args>` with its output in ``log``, yielded once it prints its
+    "verispec: serving" line (a process that exits first fails the test with its log); sent
+    SIGTERM at the end unless a test ended it."""
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "verispec", *args], stdout=out,
+                                   stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for(lambda: "verispec: serving" in log.read_text() or process.poll() is not None,
+                 timeout=timeout)
+        assert process.poll() is None, log.read_text()
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(120)
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:

@@ -37,7 +37,7 @@ from verispec.server.ray.settings import RAY_LOOK_BACK_PERIOD
 from verispec.server.run import load_decoder
 from verispec.text.demo import heldout_prompts
 
-from live_server import ServerThread, wait_for
+from live_server import ServerThread, serving_command, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "ray-key"
@@ -170,20 +170,9 @@ def command(cluster, port, tmp_path_factory):
     """`verispec serve --ray` against the cluster, in a process of its own: (process, url, the
     file its output goes to). Ended by the last test; here only if a test failed before."""
     log = tmp_path_factory.mktemp("ray") / "serve.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "verispec", "serve", *SERVER_FLAGS, "--port", str(port),
-             "--ray", "--ray-address", cluster.address, *RAY_FLAGS],
-            stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(lambda: "verispec: serving" in log.read_text() or process.poll() is not None,
-                 timeout=240)
-        assert process.poll() is None, log.read_text()
+    with serving_command(["serve", *SERVER_FLAGS, "--port", str(port), "--ray", "--ray-address",
+                          cluster.address, *RAY_FLAGS], log) as process:
         yield process, f"http://127.0.0.1:{port}", log
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(60)
 
 
 @pytest.fixture(scope="module")

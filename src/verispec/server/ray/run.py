@@ -46,6 +46,8 @@ def serve_on_ray(server: ServerSettings, ray_settings: RaySettings) -> int:
     deployed on the way."""
     ray_settings.check_server(server)
     ray, serve = import_ray()
+    # before ray.init: a local Ray's processes inherit this environment (--ray-ingress)
+    os.environ.update(ray_settings.ingress_environment(server))
     owned = connect(ray, ray_settings.address)
     try:
         deploy(server, ray_settings)

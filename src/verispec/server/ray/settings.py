@@ -25,6 +25,13 @@ RAY_LOOK_BACK_PERIOD = 30.0
 # look-back period that is not longer
 RAY_METRICS_INTERVAL = 10.0
 
+# what carries HTTP to the replicas; "haproxy" turns on these Ray Serve feature flags: HAProxy
+# as the ingress, forwarding to an HTTP server in each replica (direct ingress), instead of
+# Serve's Python proxy relaying every streamed chunk over Ray's actor calls (the proxy's cost:
+# benchmarks/ray_proxy.py, dev/LOG.md)
+INGRESSES = ("proxy", "haproxy")
+HAPROXY_FLAGS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+
 # the fields that only an autoscaling range uses
 _AUTOSCALING_FIELDS = ("target_ongoing_requests", "upscale_delay", "downscale_delay",
                        "autoscaling_window")
@@ -75,6 +82,12 @@ class RaySettings:
                              flag="--ray-app", metavar="NAME")
     route_prefix: str = _setting("/", "the path the application is served under: /v1/... "
                                  "becomes PREFIX/v1/...", metavar="PATH")
+    ingress: str = _setting(
+        "proxy", "what carries HTTP to the replicas: 'proxy', Ray Serve's Python HTTP proxy "
+        "(Ray's default), or 'haproxy', Ray's HAProxy ingress straight to each replica's own "
+        "HTTP server (feature flags of Ray Serve, set for the local Ray this command starts; a "
+        "cluster started apart needs them in its environment, docs/server.md)",
+        flag="--ray-ingress", choices=INGRESSES)
 
     @property
     def autoscaling(self) -> bool:
@@ -115,6 +128,8 @@ class RaySettings:
                "a path starting with '/' and not ending with one, e.g. / or /verispec")
         _check(self.address is None or bool(self.address), "address", self.address,
                "'auto', HOST:PORT, or no --ray-address for a local Ray")
+        _check(self.ingress in INGRESSES, "ingress", self.ingress,
+               " or ".join(repr(kind) for kind in INGRESSES))
 
     def check_server(self, server: ServerSettings) -> None:
         """The server settings a Ray deployment cannot take: ConfigError naming the fix."""
@@ -124,6 +139,17 @@ class RaySettings:
                "replica_gpus", self.replica_gpus,
                f"a number > 0 with --device {server.device} (each replica needs its GPU), or "
                "--device cpu")
+
+    def ingress_environment(self, server: ServerSettings) -> dict[str, str]:
+        """The environment a Ray started for this command needs for --ray-ingress: none for
+        Ray's proxy; HAPROXY_FLAGS for HAProxy, with the proxies' and the replicas' minimum
+        draining periods made --drain-timeout (Ray's default holds a stopping command for 30
+        seconds)."""
+        if self.ingress == "proxy":
+            return {}
+        drain = f"{max(server.drain_timeout, 0.1):g}"
+        return {**HAPROXY_FLAGS, "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S": drain,
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": drain}
 
     def num_gpus(self, server: ServerSettings) -> float:
         if self.replica_gpus is not None:

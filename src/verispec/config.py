@@ -103,13 +103,22 @@ class PenaltyConfig:
         rp = self.repetition_penalty
         _require(_is_real(rp) and 0 < rp < math.inf, "repetition_penalty", rp,
                  "a finite number > 0 (1 = off)")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        """Each pair on its own, so the error names the token and the bias that are wrong."""
         bias = self.logit_bias
-        _require(isinstance(bias, tuple) and all(
-            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
-            and _is_real(pair[1]) and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS
-            for pair in bias) and len({pair[0] for pair in bias}) == len(bias),
-            "logit_bias", bias, f"(token id, bias) pairs with distinct ids >= 0 and biases in "
-            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        _require(isinstance(bias, tuple) and all(isinstance(pair, tuple) and len(pair) == 2
+                                                 for pair in bias),
+                 "logit_bias", bias, "a tuple of (token id, bias) pairs")
+        for token, value in bias:
+            _require(_is_int(token) and token >= 0, "logit_bias", {token: value},
+                     "token ids that are integers >= 0")
+            _require(_is_real(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                     "logit_bias", {token: value},
+                     f"a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] for each token")
+        _require(len({token for token, _ in bias}) == len(bias), "logit_bias", bias,
+                 "each token id once")
 
     @property
     def uses_history(self) -> bool:

@@ -166,3 +166,17 @@ def test_logprobs_under_speculation_equal_plain_decoding(temperature):
     expected = torch.log_softmax(logits[0] / (temperature or 1.0), dim=-1)
     first = spec_row.logprobs[0]
     assert abs(first.logprob - float(expected[first.token_id])) < 1e-5
+
+
+def test_draft_bans_the_stop_tokens_min_new_tokens_bans():
+    """A draft equal to the target, with a likely stop token banned for 6 tokens: the draft
+    shapes its steps as the target does, so nothing it proposes is rejected (an unshaped draft
+    proposes the stop token, which the target rejects)."""
+    target = _chain()
+    stop = int(target.next_logits(PROMPT).argmax())
+    config = GenerationConfig(max_new_tokens=6, num_draft_tokens=5, sampling=SAMPLING,
+                              stop_token_ids=(stop,), min_new_tokens=6)
+    result = SpeculativeDecoder(target, DraftModelProposer(target)).generate(
+        [PROMPT] * 200, config, generator=make_generator(3))
+    assert all(stop not in tokens for tokens in result.token_ids)
+    assert result.metrics.acceptance_rate == 1.0

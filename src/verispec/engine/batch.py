@@ -250,7 +250,7 @@ class Batch:
             return (torch.empty((len(self.rows), 0), dtype=torch.int64, device=self.device),
                     None, [0] * len(self.rows))
         keyed = [row if row.keyed else None for row in self.rows]
-        shapers = [row if row.config.penalty.active else None for row in self.rows]
+        shapers = [row if row.shapes_draft else None for row in self.rows]
         plan = DraftPlan(num_draft, [row.config.sampling for row in self.rows],
                          [row.generator for row in self.rows],
                          keyed if any(row is not None for row in keyed) else None,

@@ -111,11 +111,22 @@ class Row:
         return shape_logits(logits, self.config.penalty, self._seen_for(logits), self.token_ids,
                             drafted)
 
+    @property
+    def shapes_draft(self) -> bool:
+        """Whether a draft's steps for this row need shape_draft: penalties, a logit bias, or
+        stop tokens min_new_tokens still bans."""
+        return self.config.penalty.active or self.num_banned_positions() > 0
+
     def shape_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """One draft step's logits [V] after ``drafted`` (this round's draft tokens so far),
-        shaped as the target's position len(drafted) will be -> [V] fp32."""
-        return shape_logits(logits[None], self.config.penalty, self._seen_for(logits),
-                            [*self.token_ids, *drafted])[0]
+        shaped as the target's position len(drafted) will be: penalties and bias, then the
+        stop tokens min_new_tokens bans there (verification.ban_early_stops) -> [V] fp32.
+        The draft then never proposes a token the target gives probability 0."""
+        shaped = shape_logits(logits[None], self.config.penalty, self._seen_for(logits),
+                              [*self.token_ids, *drafted])[0]
+        if len(drafted) < self.num_banned_positions():
+            shaped[torch.tensor(sorted(self.stop_ids), device=shaped.device)] = -torch.inf
+        return shaped
 
     def _seen_for(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.config.penalty.repetition_penalty == 1.0:

@@ -81,9 +81,9 @@ def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
 
 def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.Tensor:
     """min_new_tokens: a row's stop tokens get -inf logits at its positions before it, so the
-    target's distribution there is renormalised without them. Only the target is masked: a
-    stop token the draft proposes there has target probability 0 and is always rejected (a
-    point-mass draft included), so the output still has exactly the masked target's law.
+    target's distribution there is renormalised without them. A draft model bans them too
+    (Row.shape_draft); a stop token another proposal holds there has target probability 0 and
+    is always rejected (a point mass), so the output has exactly the masked target's law.
     target_logits [B, K+1, V]; position j of row b is its new token num_generated + j."""
     banned = [row.num_banned_positions() for row in rows]
     if not any(banned):

@@ -46,10 +46,10 @@ class DraftPlan:
     sampling draft then draws each of the row's tokens by a race on the clocks of its position
     instead of from the generator (the row is verified by comparison with the target's race
     winner, so the draft's probs are not used for it). None: no keyed rows.
-    shapers: per row, None or what reshapes its logits by penalties and logit bias (a
-    LogitShaper: the engine's row): a sampling draft shapes each step's logits as the target's
-    position there will be, so that it proposes what the penalised target would and reports
-    the distribution it drew from. None: no row has one.
+    shapers: per row, None or what reshapes its logits by penalties, logit bias and
+    min_new_tokens' stop-token ban (a LogitShaper: the engine's row): a draft model shapes each
+    step's logits as the target's position there will be, so that it proposes what the shaped
+    target would and reports the distribution it drew from. None: no row has one.
     """
 
     num_draft_tokens: list[int]
@@ -78,7 +78,7 @@ class KeyedClocks(Protocol):
 
 
 class LogitShaper(Protocol):
-    """A row's penalties and logit bias (engine.rows.Row.shape_draft)."""
+    """A row's penalties, logit bias and stop-token ban (engine.rows.Row.shape_draft)."""
 
     def shape_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """One draft step's logits [V] after this round's draft tokens ``drafted`` -> the

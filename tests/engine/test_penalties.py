@@ -17,6 +17,7 @@ from helpers_stats import g_test, pair_counts
 from markov_chains import PROMPTS, _noisy_draft, _target
 
 import verispec.engine.batch
+import verispec.engine.rows
 from verispec import (DraftModelProposer, GenerationConfig, MarkovLM, PenaltyConfig,
                       SamplingConfig, SpeculativeDecoder, make_generator, to_probs)
 from verispec.spec.penalties import seen_tokens, shape_logits
@@ -180,3 +181,15 @@ def test_draft_bans_the_stop_tokens_min_new_tokens_bans():
         [PROMPT] * 200, config, generator=make_generator(3))
     assert all(stop not in tokens for tokens in result.token_ids)
     assert result.metrics.acceptance_rate == 1.0
+
+
+def test_stop_token_ban_alone_leaves_the_draft_logits_untouched():
+    """With no penalty the shaped logits may be the model's own tensor (an inference tensor
+    on the server): the ban must not write into it."""
+    target = _chain()
+    row = verispec.engine.rows.Row(PROMPT, GenerationConfig(
+        max_new_tokens=4, stop_token_ids=(2,), min_new_tokens=3), make_generator(0), False)
+    with torch.inference_mode():
+        logits = target.next_logits(PROMPT)
+    shaped = row.shape_draft(logits, [])
+    assert shaped[2] == float("-inf") and logits[2] != float("-inf")

@@ -124,8 +124,9 @@ class Row:
         The draft then never proposes a token the target gives probability 0."""
         shaped = shape_logits(logits[None], self.config.penalty, self._seen_for(logits),
                               [*self.token_ids, *drafted])[0]
-        if len(drafted) < self.num_banned_positions():
-            shaped[torch.tensor(sorted(self.stop_ids), device=shaped.device)] = -torch.inf
+        if len(drafted) < self.num_banned_positions():  # out of place: shaped may be logits
+            stop_ids = torch.tensor(sorted(self.stop_ids), device=shaped.device)
+            shaped = shaped.index_fill(0, stop_ids, -torch.inf)
         return shaped
 
     def _seen_for(self, logits: torch.Tensor) -> torch.Tensor | None:

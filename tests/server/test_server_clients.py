@@ -136,8 +136,8 @@ def test_lm_eval_harness_generates_and_scores_as_the_target(tmp_path, server, de
 
 def test_llm_cli_streams_the_greedy_reply(tmp_path, server, decoder):
     command = Path(sys.executable).with_name("llm")
-    if not command.exists():
-        pytest.skip("the dev extra installs llm")
+    assert command.exists(), (
+        f"{command} is missing: the dev extra installs llm (pip install -e '.[dev]')")
     (tmp_path / "extra-openai-models.yaml").write_text(
         f"- model_id: verispec-demo\n  model_name: {MODEL}\n  api_base: {server.url}/v1\n")
     message = "Write a function that adds two numbers."

@@ -36,6 +36,22 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int], num_top: int
+                   ) -> list[TokenLogprob]:
+    """logprobs [C, V] fp32 (one distribution per token), tokens C ids -> each token's
+    TokenLogprob with the ``num_top`` most likely (id, logprob) pairs of its row."""
+    index = torch.tensor(list(tokens), dtype=torch.int64, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(-1, index)[:, 0].tolist()  # [C]
+    if num_top:
+        top = torch.topk(logprobs, num_top, dim=-1)  # sorted, most likely first
+        pairs = [tuple(zip(ids, values)) for ids, values
+                 in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        pairs = [()] * len(chosen)
+    return [TokenLogprob(int(token), value, row_pairs)
+            for token, value, row_pairs in zip(tokens, chosen, pairs)]
+
+
 class Row:
     """One sequence in a batch. ``token_ids``: its new tokens so far; ``finished`` once it hit a
     stop token (``finish_reason`` "stop") or max_new_tokens ("length"), or was removed

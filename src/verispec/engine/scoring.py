@@ -21,7 +21,7 @@ import torch
 from ..config import MAX_TOP_LOGPROBS
 from ..errors import ConfigError
 from ..models.base import LanguageModel, ScoresApart
-from .rows import TokenLogprob
+from .rows import TokenLogprob, token_logprobs
 
 # tokens a pass feeds: bounds the logits held at once ([C, V] fp32, 50 MB at V = 50k) while a
 # long prompt still takes few passes
@@ -48,18 +48,6 @@ def score_prompt(model: LanguageModel, prompt_ids: Sequence[int], num_top: int =
         fed = torch.tensor([ids[begin : begin + SCORING_CHUNK]], dtype=torch.int64)  # [1, C]
         logits = session.extend(fed.to(model.device))[0]  # [C, V]
         # 2 score the tokens they predict, 1 .. T-1
-        targets = torch.tensor(ids[begin + 1 : begin + 1 + fed.shape[1]], dtype=torch.int64)
-        scored += _token_logprobs(logits, targets, num_top)
+        scored += token_logprobs(torch.log_softmax(logits.float(), dim=-1),
+                                 ids[begin + 1 : begin + 1 + fed.shape[1]], num_top)
     return scored
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int
-                    ) -> list[TokenLogprob]:
-    """logits [C, V] (any dtype), targets [C] -> each target's logprob under log_softmax of
-    its row in fp32, and the row's top ``num_top``."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()  # [C, V] fp32
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()  # [C]
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [C, N]
-    return [TokenLogprob(int(token), value, tuple(zip(ids, values)))
-            for token, value, ids, values in zip(targets.tolist(), chosen, top_ids.tolist(),
-                                                 top_values.tolist())]

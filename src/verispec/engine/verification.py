@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .rows import Row, TokenLogprob
+from .rows import Row, TokenLogprob, token_logprobs
 from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
 from ..spec.seeded import race
 from ..spec.rejection import verify_rows
@@ -66,16 +66,7 @@ def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
         tokens = list(output_tokens[b][: num_accepted[b] + 1])
         logprobs = to_logprobs(target_logits[b, : len(tokens)], row.config.sampling,
                                None if allowed is None else allowed[b, : len(tokens)])
-        chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])
-        chosen_values = chosen[:, 0].tolist()
-        if num_top:
-            top = torch.topk(logprobs, num_top, dim=-1)  # sorted, most likely first
-            top_pairs = [tuple(zip(ids, values)) for ids, values
-                         in zip(top.indices.tolist(), top.values.tolist())]
-        else:
-            top_pairs = [()] * len(tokens)
-        out[b] = [TokenLogprob(token, value, pairs)
-                  for token, value, pairs in zip(tokens, chosen_values, top_pairs)]
+        out[b] = token_logprobs(logprobs, tokens, num_top)
     return out
 
 

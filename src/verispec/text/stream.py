@@ -80,6 +80,7 @@ class RowText:
         self._emitted = 0  # characters of text already given out
         self.stopped_by_string = False
         self.stopped_by_token = False  # an end token came
+        self._shown = 0  # tokens the text given out covers, as last found (num_tokens_shown)
 
     def feed(self, token_ids: Sequence[int], final: bool) -> tuple[str, bool]:
         """A round's new tokens (``final``: the row has ended) -> (the text now safe to show,
@@ -118,12 +119,13 @@ class RowText:
                 return token_ids[: i + 1]
         return token_ids
 
-    def _tokens_covering(self, token_ids: list[int], text: str) -> int:
+    def _tokens_covering(self, token_ids: list[int], text: str, low: int = 0) -> int:
         """The fewest leading tokens whose decode starts with ``text`` (a round may verify
         several tokens past a stop string; the client gets, and is billed for, only those up to
         the one where the kept text ends: a character split over tokens needs all of them, as
-        its partial decode is U+FFFD). Binary search over prefix decodes."""
-        low, high = 0, len(token_ids)
+        its partial decode is U+FFFD). Binary search over prefix decodes, from ``low``: a
+        count known not to exceed the answer."""
+        high = len(token_ids)
         while low < high:
             middle = (low + high) // 2
             decoded = self._detokenizer.tokenizer.decode(token_ids[:middle],
@@ -161,7 +163,11 @@ class RowText:
         tokens whose decode starts with it (a token whose text is held back, as a possible
         stop string's start, is not shown yet). What a stream sends a token's logprob by:
         never for a token a stop string may still cut."""
-        return self._tokens_covering(list(self.token_ids), self.text[: self._emitted])
+        # the count only grows with the text given out: search from the last one, so a round
+        # costs a few prefix decodes, not a search over every token so far
+        self._shown = self._tokens_covering(list(self.token_ids), self.text[: self._emitted],
+                                            low=self._shown)
+        return self._shown
 
 
 class TextStream:

@@ -19,6 +19,8 @@ _HELPERS = str(Path(__file__).resolve().parent / "helpers")
 if _HELPERS not in sys.path:
     sys.path.append(_HELPERS)
 
+from crash_policy import pytest_configure  # noqa: E402, F401  (a hook: fail fast on a crash)
+
 
 @pytest.fixture(scope="module")
 def single_thread_torch():

@@ -207,6 +207,8 @@ class GenerationConfig:
                      f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), or None")
 
 
+# llama.cpp's weight kernels (LlamaCppConfig.repack, --repack; models/llama_cpp/kernels.py)
+REPACK_MODES = ("auto", "on", "off")
 VERIFICATION_RULES = ("block", "token")  # the first is the default
 # the rules a sampled `verispec bench` row can run under: block and token verification of
 # unseeded rows (their generator seeded by the bench), and "seeded": a row with a seed, whose

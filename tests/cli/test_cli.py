@@ -218,6 +218,7 @@ BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dir
     "empty-prompt": (["", "{models}"], "prompt"),
     "no-prompt": (["{models}"], "prompt"),
     "dtype-bogus": (["x", "{models}", "--dtype", "bogus"], "invalid choice: 'bogus'"),
+    "repack-bogus": (["x", "{models}", "--repack", "maybe"], "invalid choice: 'maybe'"),
     "device-bogus": (["x", "{models}", "--device", "tpu"], "device='tpu'"),
     "context-overflow": (["x", "{models}", "--max-new-tokens", "100000"], "context window"),
     "stop-empty": (["x", "{models}", "--stop", ""], "stop="),

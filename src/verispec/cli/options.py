@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import VERIFICATION_RULES
+from ..config import REPACK_MODES, VERIFICATION_RULES
 from ..policy import POLICY_NAMES
 
 
@@ -43,16 +43,21 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--context-size", type=_int, default=None, metavar="N",
                         help="llama.cpp backend: KV-cache tokens per sequence (default: the "
                         "model's trained context, at most 4096)")
+    models.add_argument("--repack", default="auto", choices=REPACK_MODES,
+                        help="llama.cpp backend: weight kernels. auto: repacked kernels, and "
+                        "AMX only where a probe shows llama.cpp's AMX kernel runs here; on: "
+                        "all llama.cpp offers, AMX unprobed; off: plain kernels (default: auto)")
     models.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                         help="what chat renders messages with: chatml, gemma, plain or a Jinja "
                         "file (default: the model's own template)")
 
 
 def llama_cpp_config(args: argparse.Namespace):
-    """The LlamaCppConfig of --threads and --context-size."""
+    """The LlamaCppConfig of --threads, --context-size and --repack."""
     from ..models.llama_cpp.model import LlamaCppConfig
 
-    return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size)
+    return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size,
+                          repack=args.repack)
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

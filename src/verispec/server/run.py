@@ -46,7 +46,8 @@ def load_decoder(settings: ServerSettings):
                 hybrid=settings.hybrid, backend=settings.backend,
                 chat_template=settings.chat_template, cuda_graphs=not settings.no_cuda_graphs,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
-                                                context_size=settings.context_size))
+                                                context_size=settings.context_size,
+                                                repack=settings.repack))
 
 
 def serve(settings: ServerSettings) -> int:

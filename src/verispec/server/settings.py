@@ -15,7 +15,7 @@ import argparse
 from dataclasses import Field, dataclass, field, fields
 from os import PathLike
 
-from ..config import MAX_NUM_DRAFT_TOKENS, VERIFICATION_RULES
+from ..config import MAX_NUM_DRAFT_TOKENS, REPACK_MODES, VERIFICATION_RULES
 from ..policy import POLICY_NAMES
 from ..errors import ConfigError
 
@@ -86,6 +86,10 @@ class ServerSettings:
     context_size: int | None = _setting(
         None, "llama.cpp backend: KV-cache tokens per sequence (default: the model's trained "
         "context, at most 4096)", metavar="N", value_type=int)
+    repack: str = _setting("auto", "llama.cpp backend: weight kernels. auto: repacked kernels, "
+                           "and AMX only where a probe shows llama.cpp's AMX kernel runs here; "
+                           "on: all llama.cpp offers, AMX unprobed; off: plain kernels",
+                           choices=REPACK_MODES, value_type=str)
     num_draft_tokens: int | None = _setting(
         None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
         "with num_draft_tokens (default: 4 on a GPU and on CPUs where the target runs on packed "
@@ -247,7 +251,7 @@ def add_field_argument(group, f: Field) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "num_draft_tokens", "adaptive",
+                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 

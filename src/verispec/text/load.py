@@ -77,7 +77,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
             raise ConfigError(f"device={device!r}, dtype={dtype!r} do not apply to the llama.cpp "
                               "backend, which runs on the CPU in the GGUF file's own tensor "
                               "types; leave them at their defaults (or pick another backend).")
-        loaded = _load_llama_cpp(target, draft)
+        loaded = _load_llama_cpp(target, draft, llama_cpp_config)
     else:
         loaded = _load_transformers(target, draft, tokenizer, resolved_device, resolved_dtype)
     return Decoder(*loaded, **vars(options))
@@ -99,12 +99,12 @@ def _sources(target: ModelSource | None, draft: ModelSource | ModelFreeDraft | N
     return target, draft
 
 
-def _load_llama_cpp(target: ModelSource, draft: ModelSource | ModelFreeDraft | None
-                    ) -> LoadedPair:
+def _load_llama_cpp(target: ModelSource, draft: ModelSource | ModelFreeDraft | None,
+                    config: LlamaCppConfig | None) -> LoadedPair:
     """GGUF files loaded by llama.cpp, with llama.cpp's tokenizer (the draft's checked equal)."""
-    target_model = LlamaCppModel(target, "target")
+    target_model = LlamaCppModel(target, "target", config)
     draft_model = draft if isinstance(draft, ModelFreeDraft) else (
-        None if draft is None else LlamaCppModel(draft, "draft"))
+        None if draft is None else LlamaCppModel(draft, "draft", config))
     target_tokenizer = LlamaCppTokenizer(target_model)
     if isinstance(draft_model, LlamaCppModel):
         check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))

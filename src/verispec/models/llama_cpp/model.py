@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...config import REPACK_MODES
 from ...errors import (
     BackendError,
     ConfigError,
@@ -45,6 +47,7 @@ from ...errors import (
     UnsupportedFeatureError,
     UnsupportedModelError,
 )
+from .kernels import KernelPlan, load_with_kernels
 from .session import MAX_ROWS, LlamaCppSession
 
 logger = logging.getLogger("verispec.llama_cpp")
@@ -87,10 +90,13 @@ class _LogState:
     installed = False
     callback = None
     errors: list[str] = []
+    buffers: dict[str, float] | None = None  # while a model loads: MiB per weight buffer type
 
 
 _LOG = _LogState()
 _GGML_LOG_ERROR = 4
+# llama.cpp's load log: "load_tensors:   CPU_REPACK model buffer size =    45.00 MiB"
+_MODEL_BUFFER = re.compile(r"^\w+: +(\S+) model buffer size = +([\d.]+) MiB")
 
 
 def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -99,6 +105,9 @@ def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         return
     if level == _GGML_LOG_ERROR:
         _LOG.errors = (_LOG.errors + [line])[-5:]
+    buffer = _MODEL_BUFFER.match(line)
+    if buffer is not None and _LOG.buffers is not None:
+        _LOG.buffers[buffer.group(1)] = float(buffer.group(2))
     logger.debug(line)
 
 
@@ -112,11 +121,15 @@ class LlamaCppConfig:
         at most 4096). A prompt + max_new_tokens + k that does not fit is refused up front.
     batch_size: most tokens submitted in one llama_decode call; longer prompts are fed in
         chunks of this size.
+    repack: which weight kernels llama.cpp may use (kernels.py): "auto" (repacked kernels, and
+        AMX only where a probe shows llama.cpp's AMX kernel runs here), "on" (everything
+        llama.cpp offers, AMX unprobed) or "off" (plain kernels, as llama-server --no-repack).
     """
 
     num_threads: int | None = None
     context_size: int | None = None
     batch_size: int = 512
+    repack: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_threads", "context_size"):
@@ -129,6 +142,9 @@ class LlamaCppConfig:
                 self.batch_size < 16):
             raise ConfigError(f"batch_size={self.batch_size!r} is invalid: expected an integer "
                               ">= 16 (tokens per llama_decode call).")
+        if self.repack not in REPACK_MODES:
+            raise ConfigError(f"repack={self.repack!r} is invalid: expected one of "
+                              f"{', '.join(map(repr, REPACK_MODES))}.")
 
     def threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
@@ -137,17 +153,16 @@ class LlamaCppConfig:
 class LlamaCppModel:
     """A GGUF file loaded by llama.cpp (weights and vocabulary); freed with the object."""
 
-    def __init__(self, path: str | Path, role: str = "target") -> None:
+    def __init__(self, path: str | Path, role: str = "target",
+                 config: LlamaCppConfig | None = None) -> None:
+        config = LlamaCppConfig() if config is None else config
         llama_cpp = bindings()
         file = Path(path).expanduser()
         if not file.is_file():
             raise ModelLoadError(f"{role} GGUF file {str(path)!r} does not exist; pass the path "
                                  "of an existing .gguf file.")
         _check_magic(file, role)
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0  # CPU: the build this package installs has no GPU backend
-        _LOG.errors = []
-        handle = llama_cpp.llama_model_load_from_file(str(file).encode(), params)
+        handle, self.kernels, self.weight_buffers = _load_model(llama_cpp, file, config.repack)
         if not handle:
             reason = "; ".join(_LOG.errors) or "llama.cpp could not read it"
             raise ModelLoadError(f"llama.cpp could not load the {role} from {str(path)!r}: "
@@ -157,6 +172,9 @@ class LlamaCppModel:
         self._finalizer = weakref.finalize(self, llama_cpp.llama_model_free, handle)
         self.path = str(file)
         self.role = role
+        logger.info("%s %s: weights in %s (%s)", role, file.name, ", ".join(
+            f"{name} {size:.1f} MiB" for name, size in self.weight_buffers.items()) or "?",
+            self.kernels.reason)
         self.vocab = llama_cpp.llama_model_get_vocab(handle)
         self.num_logits = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.trained_context = llama_cpp.llama_model_n_ctx_train(handle)
@@ -187,6 +205,25 @@ class LlamaCppModel:
             if length < size:
                 return buffer.value.decode("utf-8", errors="replace")
             size = length + 1
+
+
+def _load_model(llama_cpp, file: Path, repack: str) -> tuple[object, KernelPlan, dict[str, float]]:
+    """llama.cpp's model handle (None when it could not load), the kernel plan it loaded under,
+    and the MiB of weights each buffer type holds (read from llama.cpp's load log)."""
+    buffers: dict[str, float] = {}
+
+    def load(use_extra_bufts: bool):
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0  # CPU: the build this package installs has no GPU backend
+        params.use_extra_bufts = use_extra_bufts
+        _LOG.errors, _LOG.buffers = [], buffers
+        try:
+            return llama_cpp.llama_model_load_from_file(str(file).encode(), params)
+        finally:
+            _LOG.buffers = None
+
+    handle, plan = load_with_kernels(llama_cpp, repack, load)
+    return handle, plan, buffers
 
 
 def _check_magic(file: Path, role: str) -> None:

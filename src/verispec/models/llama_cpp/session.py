@@ -12,7 +12,8 @@ no pass of its own in which every other row would wait (on a CPU a short prompt 
 what several decoding rounds do; dev/LOG.md). ``start_through`` and
 ``add_rows_through`` (models.base.PrefillsThroughLastToken) take whole prompts and let all but
 each last token ride, so that the next ``extend``, which begins with the last, decodes the
-prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape).
+prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape);
+a round's draft tokens then go in a pass of their own (``_extend_rows``).
 What it is not: loading, the context's lifetime or the llama.cpp bindings
 (model.py).
 """
@@ -172,11 +173,32 @@ class LlamaCppSession:
         return logits[starts[:, None] + columns]
 
     def _extend_rows(self, rows_tokens: list[list[int]]) -> torch.Tensor:
-        """Feed row b rows_tokens[b] (>= 1 token each) in one batch after the riding prompts ->
-        the logits at every fed position, packed row after row [sum of lengths, V] fp32."""
+        """Feed row b rows_tokens[b] (>= 1 token each) after the riding prompts -> the logits
+        at every fed position, packed row after row [sum of lengths, V] fp32.
+
+        With prompts riding, each row's first token goes in their batch and the rest (a
+        round's draft tokens) in a second pass: the prompt's pass then computes its last
+        token's logits exactly as plain decoding's first pass does, and the draft tokens are
+        verified in a pass shaped as every later round's, never inside a prompt-sized batch
+        (whose quantized kernels round differently; docs/exactness.md). Worked example, rows
+        A (riding, tokens a0 a1 a2) and B (tokens b0 b1): pass 1 = A's prompt, a0, b0; pass 2
+        = a1 a2 b1; the result is [a0, a1, a2, b0, b1]."""
         self._check_room(max(length + len(row) for length, row in
                              zip(self.lengths, rows_tokens)))
         riding = [row for row, flag in enumerate(self._riding) if flag]
+        if not riding or all(len(row) == 1 for row in rows_tokens):
+            return self._decode_rows(riding, rows_tokens)
+        heads = self._decode_rows(riding, [row[:1] for row in rows_tokens])  # [B, V]
+        tails = self._decode_rows([], [row[1:] for row in rows_tokens])  # [sum(n_b - 1), V]
+        pieces, start = [], 0
+        for row_index, row in enumerate(rows_tokens):
+            pieces += [heads[row_index:row_index + 1], tails[start:start + len(row) - 1]]
+            start += len(row) - 1
+        return torch.cat(pieces)
+
+    def _decode_rows(self, riding: list[int], rows_tokens: list[list[int]]) -> torch.Tensor:
+        """One batch: the ``riding`` rows' prompts without logits, then row b's
+        rows_tokens[b] (possibly none) with logits -> [sum of lengths, V] fp32."""
         # [riding prompts, no logits | every row's tokens, logits]
         rows, flat_tokens, positions = _packed(
             [self.seq_ids[row] for row in riding] + self.seq_ids,
@@ -185,11 +207,14 @@ class LlamaCppSession:
         num_fed = sum(len(row) for row in rows_tokens)
         wants = np.ones(len(flat_tokens), dtype=bool)
         wants[: len(flat_tokens) - num_fed] = False
-        self._riding = [False] * len(self._riding)
+        for row in riding:
+            self._riding[row] = False
         logits = self._decode(rows, flat_tokens, positions, wants)  # [num_fed, num_logits]
         self.lengths = [length + len(row) for length, row in zip(self.lengths, rows_tokens)]
         for history, row in zip(self._histories, rows_tokens):
             history.extend(row)
+        if logits is None:
+            return torch.empty((0, self.lm.vocab_size))
         return logits[:, : self.lm.vocab_size]
 
     def feed(self, rows: Sequence[Sequence[int]]) -> None:

@@ -37,6 +37,7 @@ from injected_rules import (
     inject_verify,
 )
 from law_checks import (
+    EXTREME_CASES,
     NUM_SAMPLES,
     PAIR_NAMES,
     PROMPT,
@@ -45,12 +46,14 @@ from law_checks import (
     _assert_target_law,
     _check_law,
     _pair,
+    extreme_case,
 )
 
 from verispec import (
     GenerationConfig,
     GenerationMetrics,
     MarkovLM,
+    PenaltyConfig,
     SamplingConfig,
     SpeculativeDecoder,
     make_generator,
@@ -191,6 +194,65 @@ def test_negative_control_is_rejected(monkeypatch, control, accept, recover, pai
         monkeypatch, accept, recover, pair_name, seed=778))
 
 
+# --- a low temperature and a logit_bias of +-100 ---------------------------------------------
+
+# Near-certain draft and target rows (tails below 2^-53, fp32 subnormals and zeros) broke the
+# block rule's arithmetic where the fixture pairs above never go. Each extreme case runs under
+# both rules; the cold ones at k = 2 and 4 (the block rule needs k >= 2 to meet w = 1 with a
+# residual mass near 0). 5,000 rows suffice for the cold laws' ~30 cells, 3,000 for the biased
+# ones (each row's logits shaped on the host: the costlier path).
+EXTREME_ENGINE_CASES = [
+    pytest.param(name, k, rule, 40_000 + index, id=f"{name}-k{k}-{rule}")
+    for index, (name, k, rule) in enumerate([
+        ("cold_T0.01", 4, "block"), ("cold_T0.01", 2, "token"),
+        ("cold_T0.1", 2, "block"), ("cold_T0.1", 4, "token"),
+        ("bias_plus100", 2, "block"), ("bias_plus100", 2, "token"),
+        ("bias_minus100", 2, "block"), ("bias_minus100", 2, "token")])]
+assert {param.values[0] for param in EXTREME_ENGINE_CASES} == set(EXTREME_CASES)
+
+
+def _extreme_samples(name: str) -> int:
+    return 5_000 if name.startswith("cold") else 3_000
+
+
+def _generate_extreme(name: str, k: int, seed: int, verification: str = "token"
+                      ) -> tuple[np.ndarray, GenerationMetrics]:
+    """_generate for an extreme case: its temperature and its logit_bias (draft and target)."""
+    case = extreme_case(name)
+    decoder = SpeculativeDecoder.from_draft_model(case.pair.target, case.pair.draft)
+    config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
+                              sampling=case.pair.sampling(case.temperature),
+                              verification=verification, penalty=case.penalty)
+    result = decoder.generate([PROMPT] * _extreme_samples(name), config,
+                              generator=make_generator(seed))
+    return np.array(result.token_ids, dtype=np.int64), result.metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, k, verification, seed", EXTREME_ENGINE_CASES)
+def test_engine_output_law_at_low_temperature_and_extreme_bias(name, k, verification, seed):
+    case = extreme_case(name)
+    tokens, metrics = _generate_extreme(name, k, seed, verification)
+    assert metrics.num_drafted >= _extreme_samples(name) * k
+    assert 0.0 < metrics.acceptance_rate < 1.0  # kept and rejected draft tokens both occur
+    _assert_target_law(f"extreme {name} k={k} {verification}", _check_law(
+        case.law_target, tokens, case.pair.sampling(case.temperature)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, control, accept, recover", [
+    ("cold_T0.1", "accept_everything", _accept_all, _residual),
+    ("cold_T0.1", "resample_from_target", _exact_accept, _target),
+    ("bias_minus100", "resample_from_target", _exact_accept, _target),
+])
+def test_negative_control_is_rejected_at_extremes(monkeypatch, name, control, accept, recover):
+    inject_verify(monkeypatch, _rule_verify(accept, recover))
+    case = extreme_case(name)
+    tokens, _ = _generate_extreme(name, CONTROL_K, seed=779)
+    _assert_control_rejected(f"{control} {name}", _check_law(
+        case.law_target, tokens, case.pair.sampling(case.temperature)))
+
+
 # --- greedy: token-for-token equality with plain decoding ------------------------------------
 
 
@@ -233,6 +295,26 @@ def test_greedy_equals_plain_decoding(k, batch_size, order, draft_kind):
     assert speculative.finish_reasons == ["length"] * batch_size
     assert speculative.metrics.num_drafted > 0
     assert speculative.metrics.num_target_calls <= plain.metrics.num_target_calls
+
+
+@pytest.mark.parametrize("bias", [((3, 100.0), (8, 100.0)), ((3, -100.0), (7, -100.0))],
+                         ids=["plus100", "minus100"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_equals_plain_decoding_under_extreme_bias(k, bias):
+    # +100 on two tokens: each context's argmax among them; -100: never those two
+    target, draft = _greedy_pair(1, "noisy")
+    biased = torch.zeros(target.vocab_size)
+    for token, value in bias:
+        biased[token] = value
+    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k,
+                              sampling=SamplingConfig(temperature=0),
+                              penalty=PenaltyConfig(logit_bias=bias))
+    prompts = GREEDY_PROMPTS[3]
+    reference = [_greedy_reference(MarkovLM(target.table + biased), p, 40) for p in prompts]
+    assert decoder.generate(prompts, config, speculative=False).token_ids == reference
+    assert decoder.generate(prompts, config).token_ids == reference
+    assert len({token for row in reference for token in row}) >= 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -49,6 +49,7 @@ from verispec import (
     GoodputPolicyConfig,
     MarkovLM,
     NgramDraft,
+    PenaltyConfig,
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
@@ -59,6 +60,7 @@ from verispec.policy import named_policy
 from verispec.text.demo import heldout_prompts
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
+from law_checks import EXTREME_CASES, extreme_case
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -344,13 +346,18 @@ def _markov_pair() -> tuple[MarkovLM, MarkovLM]:
 
 
 def _keyed_tokens(k: int, sampling: SamplingConfig, num_samples: int = NUM_SAMPLES,
-                  first_seed: int = 0) -> tuple[np.ndarray, verispec.GenerationMetrics]:
+                  first_seed: int = 0, pair: tuple[MarkovLM, MarkovLM] | None = None,
+                  penalty: PenaltyConfig | None = None
+                  ) -> tuple[np.ndarray, verispec.GenerationMetrics]:
     """Tokens [N, k + 1] of N rows of one prompt, row i seeded first_seed + i (lane 0: one
-    seed a row, as requests are), all in one batch; the first round drafts k for each."""
-    target, draft = _markov_pair()
+    seed a row, as requests are), all in one batch; the first round drafts k for each.
+    ``pair``: (target, draft), _markov_pair's by default; ``penalty``: none by default."""
+    target, draft = _markov_pair() if pair is None else pair
+    penalty = PenaltyConfig() if penalty is None else penalty
     batch = SpeculativeDecoder.from_draft_model(target, draft).batch()
     configs = [GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
-                                seed=first_seed + i) for i in range(num_samples)]
+                                seed=first_seed + i, penalty=penalty)
+               for i in range(num_samples)]
     rows = batch.add([PROMPT] * num_samples, configs, [make_generator(0)] * num_samples)
     assert all(row.keyed for row in rows)
     while batch.rows:
@@ -358,9 +365,11 @@ def _keyed_tokens(k: int, sampling: SamplingConfig, num_samples: int = NUM_SAMPL
     return np.array([row.token_ids for row in rows], dtype=np.int64), batch.recorder.snapshot()
 
 
-def _law_tests(tokens: np.ndarray, sampling: SamplingConfig) -> list:
-    """G-tests of (x1, x2) and, past two tokens, of the last two, against the target's law."""
-    target, _ = _markov_pair()
+def _law_tests(tokens: np.ndarray, sampling: SamplingConfig,
+               target: MarkovLM | None = None) -> list:
+    """G-tests of (x1, x2) and, past two tokens, of the last two, against the law of
+    ``target`` (_markov_pair's by default)."""
+    target = _markov_pair()[0] if target is None else target
     results = [("x1,x2", g_test(pair_counts(tokens, 0, VOCAB_SIZE),
                                 first_two_law(target, PROMPT, sampling)))]
     num_new = tokens.shape[1]
@@ -395,6 +404,44 @@ def test_the_law_test_rejects_clocks_reused_across_positions(monkeypatch):
     tokens, _ = _keyed_tokens(1, sampling, num_samples=1_000)
     (label, result), = _law_tests(tokens, sampling)
     print(f"PVALUE control reused clocks: {label} {result}")
+    assert result.p_value < CONTROL_ALPHA, f"the G-test failed to reject reused clocks: {result}"
+
+
+# A low temperature and a logit_bias of +-100 (law_checks.extreme_case): near-certain rows,
+# tails below 2^-53, fp32 subnormals and zeros; the race reads none of the ratios that broke
+# the block rule there, and must keep the law.
+KEYED_EXTREME_CASES = [("cold_T0.01", 2), ("cold_T0.1", 3), ("bias_plus100", 2),
+                       ("bias_minus100", 2)]
+assert {name for name, _ in KEYED_EXTREME_CASES} == set(EXTREME_CASES)
+
+
+def _keyed_extreme_tokens(name: str, k: int, num_samples: int) -> np.ndarray:
+    case = extreme_case(name)
+    tokens, _ = _keyed_tokens(k, case.pair.sampling(case.temperature), num_samples,
+                              pair=(case.pair.target, case.pair.draft), penalty=case.penalty)
+    return tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, k", KEYED_EXTREME_CASES)
+def test_keyed_rows_have_the_target_law_at_low_temperature_and_extreme_bias(name, k):
+    case = extreme_case(name)
+    tokens = _keyed_extreme_tokens(name, k, 1_500)
+    results = _law_tests(tokens, case.pair.sampling(case.temperature), case.law_target)
+    print(f"PVALUE keyed {name} k={k}: " + "; ".join(f"{l} {r}" for l, r in results))
+    for label, result in results:
+        assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
+
+
+@pytest.mark.slow
+def test_the_law_test_rejects_clocks_reused_across_positions_at_low_temperature(monkeypatch):
+    original = verispec.spec.seeded.position_key
+    monkeypatch.setattr(verispec.spec.seeded, "position_key",
+                        lambda key, position: original(key, 0))
+    case = extreme_case("cold_T0.1")
+    tokens = _keyed_extreme_tokens("cold_T0.1", 1, 1_000)
+    (label, result), = _law_tests(tokens, case.pair.sampling(case.temperature), case.law_target)
+    print(f"PVALUE control reused clocks cold_T0.1: {label} {result}")
     assert result.p_value < CONTROL_ALPHA, f"the G-test failed to reject reused clocks: {result}"
 
 

@@ -24,6 +24,7 @@ from verispec import (
     GenerationConfig,
     GenerationMetrics,
     MarkovLM,
+    PenaltyConfig,
     SamplingConfig,
     SpeculativeDecoder,
     make_generator,
@@ -113,6 +114,76 @@ PAIR_NAMES = ("equal", "disjoint", "one_hot_draft", "draft_zero_where_target_pos
 @functools.lru_cache(maxsize=None)
 def _pair(name: str) -> Pair:
     return _build_pair(name)
+
+
+# --- pairs at a low temperature and under a logit_bias of +-100 ------------------------------
+
+
+@dataclass(frozen=True)
+class ExtremeCase:
+    """A pair and the settings that make its probabilities extreme: a low temperature, or a
+    logit_bias of +-100 (applied by the engine to draft and target alike). ``law_target`` is
+    the target with the bias in its table: the law the emitted tokens must have."""
+
+    pair: Pair
+    temperature: float
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalty(self) -> PenaltyConfig:
+        return PenaltyConfig(logit_bias=self.logit_bias)
+
+    @property
+    def law_target(self) -> MarkovLM | FixedDistributionLM:
+        bias = torch.zeros(VOCAB_SIZE)
+        for token, value in self.logit_bias:
+            bias[token] = value
+        return MarkovLM(self.pair.target.table + bias, order=self.pair.target.order)
+
+
+def _cold_pair(temperature: float) -> Pair:
+    """An order-1 pair at ``temperature`` as a real model is there: near-certain in most
+    contexts, spread where its logits nearly tie. Even contexts lead with one token by 40 to
+    120 in tempered units (tails below 2^-53, fp32 subnormals and zeros; the draft sure of the
+    same token with other tails: block verification's w = 1 with a residual mass near 0), odd
+    ones have tempered logits of scale 1 (the draft's off by as much). The tables are
+    ``temperature`` times fixed tempered ones, so the law at that temperature is the same at
+    0.01 and 0.1 and keeps ~36 cells after the prompt (a G-test has power) while each row is
+    processed as at any low temperature (logits divided by T)."""
+    generator = make_generator(71)
+    shape = (VOCAB_SIZE, VOCAB_SIZE)
+    target = torch.randn(shape, generator=generator)
+    draft = target + torch.randn(shape, generator=generator)
+    tails = -40.0 - 80.0 * torch.rand(shape, generator=generator)  # [V, V] in (-120, -40)
+    draft_tails = tails + 8.0 * torch.randn(shape, generator=generator)
+    certain = torch.arange(VOCAB_SIZE) % 2 == 0  # [V] the even contexts
+    top = torch.randint(VOCAB_SIZE, (VOCAB_SIZE, 1), generator=generator)  # [V, 1]
+    is_top = torch.zeros(shape, dtype=torch.bool).scatter_(1, top, True)
+    target = torch.where(certain[:, None], torch.where(is_top, 0.0, tails), target)
+    draft = torch.where(certain[:, None], torch.where(is_top, 0.0, draft_tails), draft)
+    return Pair(MarkovLM(temperature * target), MarkovLM(temperature * draft))
+
+
+def _biased_pair() -> Pair:
+    """An order-1 pair at T = 1 for logit_bias cases: the draft the target plus noise."""
+    target = _markov(81, sharpness=1.5)
+    noise = torch.randn(target.table.shape, generator=make_generator(82))
+    return Pair(target, MarkovLM(target.table + noise))
+
+
+def extreme_case(name: str) -> ExtremeCase:
+    """cold_T0.01, cold_T0.1 (_cold_pair), bias_plus100 (+100 on tokens 0, 4 and 5: a law on
+    those three, every other token near e^-100, an fp32 subnormal) or bias_minus100 (-100 on
+    tokens 1 and 0, the target's two favourites after the prompt)."""
+    if name.startswith("cold_T"):
+        temperature = float(name.removeprefix("cold_T"))
+        return ExtremeCase(_cold_pair(temperature), temperature)
+    bias = {"bias_plus100": ((0, 100.0), (4, 100.0), (5, 100.0)),
+            "bias_minus100": ((0, -100.0), (1, -100.0))}[name]
+    return ExtremeCase(_biased_pair(), 1.0, bias)
+
+
+EXTREME_CASES = ("cold_T0.01", "cold_T0.1", "bias_plus100", "bias_minus100")
 
 
 def _check_law(target, tokens: np.ndarray, sampling: SamplingConfig,

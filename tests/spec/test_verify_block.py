@@ -19,24 +19,33 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from helpers_stats import g_test
+
 from verispec import (
     ConfigError,
     DraftContractError,
     NonFiniteError,
+    SamplingConfig,
     ShapeError,
     TokenOutOfRangeError,
     make_generator,
+    to_probs,
 )
-from verispec.spec import block as verify_block
 from verispec.errors import UnsupportedFeatureError
+from verispec.spec import block as verify_block
+from verispec.spec.block import (
+    block_weights,
+    verify_block_rows,
+    verify_block_with_randomness,
+)
 from verispec.spec.result import PAD_TOKEN
-from verispec.spec.block import block_weights, verify_block_rows, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 KINDS = ["random", "peaked", "close", "sparse_target", "disjoint", "one_hot_draft", "equal"]
+# kinds made from logits by to_probs, as the engine makes them: a low temperature, a logit_bias
+# of +100 on two tokens and of -100 on one (_logit_tables)
+EXTREME_KINDS = ["cold_T0.01", "cold_T0.1", "bias_plus100", "bias_minus100"]
 SEEDS = range(25)
 
 
@@ -78,6 +87,8 @@ def _tables(kind: str, vocab_size: int, k: int, seed: int) -> tuple[dict, dict]:
     """(draft, target): {prefix tuple: [V] float64} for every prefix of length <= k."""
     gen = torch.Generator().manual_seed(seed)
     prefixes = [p for n in range(k + 1) for p in itertools.product(range(vocab_size), repeat=n)]
+    if kind in EXTREME_KINDS:
+        return _logit_tables(kind, vocab_size, prefixes, gen)
     target = {p: _random_dist(kind, "target", vocab_size, gen) for p in prefixes}
     if kind == "equal":
         return dict(target), target
@@ -85,6 +96,44 @@ def _tables(kind: str, vocab_size: int, k: int, seed: int) -> tuple[dict, dict]:
         return {p: _perturbed(dist, gen) for p, dist in target.items()}, target
     draft = {p: _random_dist(kind, "draft", vocab_size, gen) for p in prefixes}
     return draft, target
+
+
+COLD_GAP = 8.0  # a near-certain prefix's lead in raw logits: tails e^(-GAP / T) or less
+EXTREME_BIAS = {"bias_plus100": {0: 100.0, 1: 100.0}, "bias_minus100": {0: -100.0}}
+
+
+def _logit_tables(kind: str, vocab_size: int, prefixes: list[tuple], gen: torch.Generator
+                  ) -> tuple[dict, dict]:
+    """(draft, target) tables of an EXTREME_KINDS kind: to_probs of logits (fp32), renormalised
+    in float64 (so that the law is a law); the draft's logits are the target's plus noise.
+
+    cold_T<T>: a model at a low temperature is near-certain at most positions and spread where
+    its logits nearly tie. Half the prefixes lead with one token by COLD_GAP (tails below
+    2^-53, fp32 subnormals or 0: draft and target both near-certain, the block rule's w = 1
+    with a residual mass r ~ 0), half have logits within a few T (a spread law); the draft's
+    noise is on each prefix's own scale. bias_*: logits of scale 1.5 at T = 1 shifted as
+    EXTREME_BIAS says, the draft's too (the engine shapes both): +100 on tokens 0 and 1 leaves
+    a law on those two with the rest near e^-100, -100 puts token 0 there."""
+    temperature = float(kind.split("_T")[1]) if kind.startswith("cold") else 1.0
+    bias = torch.zeros(vocab_size)
+    for token, value in EXTREME_BIAS.get(kind, {}).items():
+        bias[token] = value
+    target_logits, draft_logits = [], []
+    for _ in prefixes:
+        scale = 1.0 if kind.startswith("bias") else (
+            1.0 if float(torch.rand(1, generator=gen)) < 0.5 else temperature)
+        logits = 1.5 * scale * torch.randn(vocab_size, generator=gen)
+        if scale == 1.0 and kind.startswith("cold"):
+            logits[int(torch.randint(vocab_size, (1,), generator=gen))] += COLD_GAP
+        target_logits.append(logits + bias)
+        draft_logits.append(logits + 0.5 * scale * torch.randn(vocab_size, generator=gen) + bias)
+    sampling = SamplingConfig(temperature=temperature)
+    tables = []
+    for logits in (draft_logits, target_logits):
+        probs = to_probs(torch.stack(logits), sampling).double()  # [prefixes, V]
+        probs = probs / probs.sum(-1, keepdim=True)
+        tables.append(dict(zip(prefixes, probs)))
+    return tables[0], tables[1]
 
 
 def _example_tables() -> tuple[dict, dict]:
@@ -245,6 +294,45 @@ def test_the_docstring_example():
     assert later.output_tokens.tolist() == [[0, 1, 0]] and later.all_accepted.tolist() == [True]
 
 
+def _near_certain(temperature: float, tail: float) -> torch.Tensor:
+    """to_probs at ``temperature`` of 8 logits: token 5 at 4, token 0 at ``tail``, the rest
+    at -5. [V] fp32: at T = 0.1, token 0 has e^((tail - 4) / T) and the rest e^-90."""
+    logits = torch.full((8,), -5.0)
+    logits[5], logits[0] = 4.0, tail
+    return to_probs(logits, SamplingConfig(temperature=temperature))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_residual_mass_below_float64_resolution_stops_with_probability_one(seed):
+    # Draft and target both near-certain of token 5 (T = 0.1), the target's tail on token 0
+    # above the draft's: w_1 = 1 and r_1 = p_2(0) - q_2(0) ~ 4e-18, below 2^-53. The stop
+    # probability is r_1 / (r_1 + (1 - w_1)) = 1, the limit; evaluated as (r_1 + 1) - w_1 it
+    # divided by 0 (ZeroDivisionError on the host, inf in the tensor form).
+    target_row, draft_row = _near_certain(0.1, 0.0), _near_certain(0.1, -2.0)
+    assert 0 < float(target_row[0]) < 2.0 ** -53 and float(target_row[5]) == 1.0
+    draft_tokens = torch.tensor([[5, 5]])
+    draft_probs, target_probs = draft_row.expand(1, 2, 8), target_row.expand(1, 3, 8)
+    weights, stop_probs = block_weights(draft_tokens, draft_probs, target_probs)
+    assert weights.tolist() == [[1.0, 1.0, 1.0]] and stop_probs.tolist() == [[1.0, 1.0, 1.0]]
+    assert verify_block_rows(draft_tokens, draft_probs, target_probs,
+                             make_generator(seed)) == ([2], [[5, 5, 5]])
+
+
+def test_weights_stay_0_after_a_zero_target_probability_before_a_near_0_draft_one():
+    # X_1 has target probability 0 (w_1 = 0); X_2 has draft probability 1e-45 (a subnormal
+    # fp32), so p_2(X_2) / q_2(X_2) overflows fp32 to inf: w_1 times it would be NaN. Taken
+    # as (w_1 p_2(X_2)) / q_2(X_2) it is 0.
+    tiny = 2.0 ** -149  # the smallest fp32 subnormal, ~1.4e-45
+    draft_probs = _tensor([[[0.5, 0.5, 0.0], [1.0 - tiny, tiny, 0.0]]])
+    target_probs = _tensor([[[0.0, 0.5, 0.5], [0.0, 0.5, 0.5], [1.0, 0.0, 0.0]]])
+    draft_tokens = torch.tensor([[0, 1]])
+    weights, stop_probs = block_weights(draft_tokens, draft_probs, target_probs)
+    assert weights.tolist() == [[1.0, 0.0, 0.0]] and stop_probs.tolist() == [[1.0, 0.0, 0.0]]
+    num_accepted, output_tokens = verify_block_rows(draft_tokens, draft_probs, target_probs,
+                                                    make_generator(0))
+    assert num_accepted == [0] and output_tokens[0][0] in (1, 2)
+
+
 def test_a_ragged_batch_reads_each_rows_own_positions():
     # row 0: k=3, all accepted -> bonus 4; row 1: k=1, rejected (target gives 0) -> residual 2;
     # row 2: k=0 -> a plain draw from target_probs[2, 0]; row 3: k=2, bonus from position 2.
@@ -272,7 +360,7 @@ def test_a_ragged_batch_reads_each_rows_own_positions():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + EXTREME_KINDS)
 def test_block_rule_has_the_target_law_exactly(kind, k):
     assert max(_fixture_errors(kind, k)) < 1e-9
 
@@ -282,7 +370,7 @@ def test_block_rule_has_the_target_law_exactly_on_the_example():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + EXTREME_KINDS)
 def test_block_keeps_at_least_as_many_tokens_as_token_wise(kind, k):
     for seed in range(6):
         vocab_size = 3 + seed % 2
@@ -311,11 +399,24 @@ def test_the_enumeration_rejects_stopping_at_the_first_failure(kind, k):
     assert min(errors) > 0.04, errors
 
 
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("kind", EXTREME_KINDS)
+def test_the_enumeration_rejects_stopping_at_the_first_failure_at_extremes(kind, k):
+    # some cold fixtures are near-certain at every prefix, where any rule is right: on some
+    errors = _fixture_errors(kind, k, rule="first")
+    assert max(errors) > 0.1, errors
+
+
 def test_the_enumeration_rejects_the_unweighted_residual():
     # recovering from max(0, p - q) instead of max(0, w p - q): wrong wherever the block stops
     # with 0 < w < 1 and r > 0 (not on every fixture: with w small, r is often 0)
     assert _law_error(*_example_tables(), 2, residual="token_wise") > 0.03
     assert max(_fixture_errors("random", 3, residual="token_wise")) > 0.01
+    # near-certain rows give w in {0, 1} mostly, where the two residuals agree; still wrong
+    # by far more than the 1e-9 the rule keeps (not under +100 on two of 3-4 tokens, where
+    # they never differ)
+    for kind in ("cold_T0.01", "cold_T0.1", "bias_minus100"):
+        assert max(_fixture_errors(kind, 3, residual="token_wise")) > 1e-4, kind
 
 
 # --- 3. the sampler against the exact law -----------------------------------------------------
@@ -366,16 +467,24 @@ def _exact_law(kind: str, vocab_size: int, k: int, seed: int) -> np.ndarray:
     return _block_law(draft, target, k, vocab_size)[0].reshape(-1).numpy()
 
 
-def test_sampler_matches_the_exact_law():
-    counts = _sampled_counts("close", 3, 2, seed=0, num_rows=12_000)
-    result = g_test(counts, _exact_law("close", 3, 2, seed=0))
-    assert result.p_value > 1e-3, str(result)
+# (kind, fixture seed, rows): the cold fixtures' seeds have spread prefixes (a law of 9 and 13
+# cells), where the others are certain at every prefix
+SAMPLER_CASES = [("close", 0, 12_000), ("cold_T0.01", 1, 6_000), ("cold_T0.1", 2, 6_000),
+                 ("bias_plus100", 0, 6_000), ("bias_minus100", 0, 6_000)]
 
 
-def test_sampler_with_the_first_failure_rule_is_rejected(monkeypatch):
+@pytest.mark.parametrize("kind, seed, num_rows", SAMPLER_CASES)
+def test_sampler_matches_the_exact_law(kind, seed, num_rows):
+    counts = _sampled_counts(kind, 3, 2, seed=seed, num_rows=num_rows)
+    result = g_test(counts, _exact_law(kind, 3, 2, seed=seed))
+    assert result.dof >= 2 and result.p_value > 1e-3, str(result)
+
+
+@pytest.mark.parametrize("kind, seed, num_rows", SAMPLER_CASES)
+def test_sampler_with_the_first_failure_rule_is_rejected(monkeypatch, kind, seed, num_rows):
     monkeypatch.setattr(verify_block, "_last_pass", _first_failure)
-    counts = _sampled_counts("close", 3, 2, seed=0, num_rows=12_000)
-    result = g_test(counts, _exact_law("close", 3, 2, seed=0))
+    counts = _sampled_counts(kind, 3, 2, seed=seed, num_rows=num_rows)
+    result = g_test(counts, _exact_law(kind, 3, 2, seed=seed))
     assert result.p_value < 1e-6, str(result)
 
 

@@ -20,6 +20,13 @@ the last position that passes, not the one before the first failure. At tau = 0 
 token comes from rejection.py's residual norm(max(0, p_1 - q_1)). So P(tau = i | X) = h_i
 prod_{j > i} (1 - h_j), which the tests use to compute the exact law.
 
+Arithmetic: the paper's rule, evaluated so that it never divides by 0 or leaves [0, 1] when
+draft and target are both near-certain (a low temperature, a logit_bias of +-100: r_i far
+below 2^-53, fp32 subnormals, zeros). h_i is r_i / (r_i + (1 - w_i)), the complement first
+(_stop_prob): at w_i = 1 it is r_i / r_i = 1, the limit, where (r_i + 1) - w_i would round a
+small r_i away and divide by 0. w_i is (w_{i-1} p_i(X_i)) / q_i(X_i), clamped at 1: a near-0
+q_i overflows p_i / q_i to inf in fp32, and w_{i-1} = 0 times inf would be NaN.
+
 Legend: B batch, K draft tokens (max over rows), V vocabulary. Probabilities are fp32 (float64
 works too).
 
@@ -49,9 +56,6 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import DraftContractError, UnsupportedFeatureError
-from .sampling import sample_with_host_uniforms
-from .rejection import checked_draft_rows, draw_rows_randomness, plain_rows, rows_at
-from .result import VerifyResult, assemble_rows, result_from_rows
 from .checks import (
     check_draft_tokens,
     check_inputs,
@@ -59,6 +63,9 @@ from .checks import (
     check_verify_inputs,
     proposed_mask,
 )
+from .rejection import checked_draft_rows, draw_rows_randomness, plain_rows, rows_at
+from .result import VerifyResult, assemble_rows, result_from_rows
+from .sampling import sample_with_host_uniforms
 
 _NEEDS_DRAFT_PROBS = (
     "block verification needs draft_probs [B, K, V], the distributions the draft tokens were "
@@ -95,13 +102,16 @@ def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                           device=target_probs.device)
     weights[:, 0] = 1.0
     for i in range(max_k):  # w_{i+1} = min(1, w_i p_{i+1}(X_{i+1}) / q_{i+1}(X_{i+1}))
-        ratio = target_at_draft[:, i] / torch.where(valid[:, i], draft_at_draft[:, i], 1.0)
-        weights[:, i + 1] = torch.where(valid[:, i], (weights[:, i] * ratio).clamp(max=1.0), 0.0)
+        # (w p) / q, not w (p / q): p / q overflows to inf for a near-0 q in fp32, and w = 0
+        # (an earlier p = 0) times inf is NaN; w p <= 1 over q > 0 is inf at worst, clamped.
+        weighted = weights[:, i] * target_at_draft[:, i]
+        ratio = weighted / torch.where(valid[:, i], draft_at_draft[:, i], 1.0)
+        weights[:, i + 1] = torch.where(valid[:, i], ratio.clamp(max=1.0), 0.0)
     masses = _weighted_excess(weights[:, :max_k], draft_probs.to(target_probs.dtype),
                               target_probs).sum(-1)  # r_0..r_{K-1} [B, K]
     positions = torch.arange(max_k + 1, device=target_probs.device)[None, :]  # [1, K+1]
-    inner = weights[:, :max_k]
-    stop_probs = torch.where(masses > 0, masses / (masses + 1.0 - inner), 0.0)  # [B, K]
+    complement = 1.0 - weights[:, :max_k]  # 1 - w_0..1 - w_{K-1}, exact (see _stop_prob)
+    stop_probs = torch.where(masses > 0, masses / (masses + complement), 0.0)  # [B, K]
     stop_probs = torch.cat([stop_probs, torch.zeros_like(stop_probs[:, :1])], 1)  # [B, K+1]
     stop_probs = torch.where(positions == num_draft[:, None], weights, stop_probs)
     stop_probs[:, 0] = 1.0  # tau = 0 needs no test
@@ -220,9 +230,22 @@ def _stop_probs(weights: list[float], masses: list[float], k: int) -> list[float
         return [1.0]
     stop_probs = [1.0]  # tau = 0 needs no test
     for w, r in zip(weights[1:k], masses[1:k]):
-        # r = 0: there is nothing to recover, so never stop here (also 0/0 when w = 1).
-        stop_probs.append(r / (r + 1.0 - w) if r > 0 else 0.0)
+        stop_probs.append(_stop_prob(w, r))
     return stop_probs + [weights[k]]
+
+
+def _stop_prob(weight: float, mass: float) -> float:
+    """h = r / (r + (1 - w)) for 0 < i < k, in the order that is exact in the limit.
+
+    The complement 1 - w is taken first: w is in [0, 1], so 1 - w is exact for w >= 1/2
+    (Sterbenz) and 0 at w = 1, where h = r / r = 1 for any r > 0. Evaluated as (r + 1) - w,
+    a mass r below 2^-53 (draft and target both near-certain: low temperature, a large
+    logit_bias) is rounded away against 1 and h becomes r / 0; a larger r loses bits and h
+    can exceed 1. With the complement, r + (1 - w) >= r (rounding is monotone), so h lies in
+    (0, 1] with no clamp. r = 0: nothing to recover, never stop here (h = 0, also when w = 1,
+    where the formula is 0 / 0).
+    """
+    return mass / (mass + (1.0 - weight)) if mass > 0 else 0.0
 
 
 def _last_pass(stop_probs: list[float], etas: list[float]) -> int:

@@ -1,8 +1,8 @@
 """Frozen, validated configuration for sampling and generation (data only: imports errors).
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`ConfigError` naming the
-field, the value and the fix. Configs are passed explicitly and never mutated: use
-``dataclasses.replace`` to derive a variant for one call.
+field (also as its ``field``), the value and the fix. Configs are passed explicitly and never
+mutated: use ``dataclasses.replace`` to derive a variant for one call.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ MAX_NUM_DRAFT_TOKENS = 32
 
 def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
     if not ok:
-        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.")
+        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.",
+                          field=field_name)
 
 
 def check_seed(seed: object) -> None:
@@ -37,11 +38,19 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# the highest temperature: logits are divided by it in fp32, where a value past 3.4e38 is inf
+# and turns a masked token's -inf into NaN; long before this bound the distribution is uniform
+# over the tokens left for any logits a model gives (the lowest end is the argmax's limit,
+# taken exactly by spec/sampling.py)
+MAX_TEMPERATURE = 1e4
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How logits become the distribution tokens are drawn from (same for draft and target).
 
-    temperature: 0 means greedy (a point mass on the argmax, ties to the lowest id).
+    temperature: 0 means greedy (a point mass on the argmax, ties to the lowest id); at most
+        10000.
     top_k: keep the k most likely tokens (None = all).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (None = all).
     min_p: keep the tokens whose probability is at least min_p times the most likely one's,
@@ -54,10 +63,9 @@ class SamplingConfig:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        _require(
-            _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
-            "temperature", self.temperature, "a finite number >= 0 (0 = greedy)",
-        )
+        _require(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+                 "temperature", self.temperature,
+                 f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
         if self.top_k is not None:
             _require(_is_int(self.top_k) and self.top_k >= 1, "top_k", self.top_k,
                      "an integer >= 1, or None to disable top-k")
@@ -74,6 +82,10 @@ class SamplingConfig:
 
 
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's API takes them
+# a repetition penalty lies in [1/100, 100]: far past the values in use (1.1 to 1.5; below 1
+# rewards repeats), and a seen token's logit divided or multiplied by it stays finite in fp32
+# for any logit below 3e36 in magnitude (spec/penalties.py saturates the rest)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's API takes it
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list, as OpenAI's API
 
@@ -86,7 +98,8 @@ class PenaltyConfig:
     presence_penalty: subtracted once from each token generated so far (OpenAI's).
     frequency_penalty: subtracted per occurrence of each token generated so far (OpenAI's).
     repetition_penalty: Hugging Face's, over prompt and output: a seen token's positive logit is
-        divided by it, a negative one multiplied (1 = off; > 1 discourages repeats).
+        divided by it, a negative one multiplied (1 = off; > 1 discourages repeats), in
+        [0.01, 100].
     logit_bias: (token id, bias) pairs, each bias added to its token's logit; sorted by id.
     """
 
@@ -101,8 +114,10 @@ class PenaltyConfig:
             _require(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
                      f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
         rp = self.repetition_penalty
-        _require(_is_real(rp) and 0 < rp < math.inf, "repetition_penalty", rp,
-                 "a finite number > 0 (1 = off)")
+        _require(_is_real(rp) and MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY,
+                 "repetition_penalty", rp,
+                 f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off; "
+                 "> 1 discourages repeats)")
         self._check_logit_bias()
 
     def _check_logit_bias(self) -> None:

@@ -122,3 +122,58 @@ def test_min_p_and_logprobs_are_checked():
         GenerationConfig(logprobs=21)
     with pytest.raises(ConfigError, match="logprobs"):
         GenerationConfig(logprobs=1.5)
+
+
+# --- bounds where the arithmetic needs them (a seen token's logit divided by the penalty) ------
+
+
+@pytest.mark.parametrize("value", [1e-40, 1e-3, 0.0099, 100.5, 1e38, float("inf")])
+def test_repetition_penalty_outside_its_bounds_is_refused_naming_the_field(value):
+    with pytest.raises(ConfigError, match=r"repetition_penalty=.*\[0\.01, 100\]") as caught:
+        PenaltyConfig(repetition_penalty=value)
+    assert caught.value.field == "repetition_penalty"
+
+
+@pytest.mark.parametrize("value", [0.01, 100.0])
+def test_repetition_penalty_at_its_bounds_keeps_huge_logits_finite(value):
+    """Within the bounds a seen token's logit, however large in fp32, stays finite: the largest
+    fp32 magnitude, not +-inf (whose softmax is NaN); inf and NaN logits stay what they are,
+    for the sampler's NonFiniteError."""
+    top = torch.finfo(torch.float32).max
+    logits = torch.tensor([[1e38, -1e38, 3.0, -3.0, float("inf"), float("nan"), 2.0]])
+    shaped = shape_logits(logits, PenaltyConfig(repetition_penalty=value),
+                          seen_tokens([0, 1, 2, 3, 4, 5], 7), [])[0]
+    assert torch.isfinite(shaped[:4]).all() and shaped[6] == 2.0
+    assert shaped[0] == (top if value < 1 else 1e38 / value)
+    assert shaped[1] == (-top if value > 1 else -1e38 * value)
+    assert shaped[4] == float("inf") and math.isnan(shaped[5])
+    probs = to_probs(shaped[None, [0, 1, 2, 3, 6]], SamplingConfig(temperature=1.0))
+    assert torch.isfinite(probs).all()
+
+
+@pytest.mark.parametrize("value", [1e4 + 1, 1e39, float("inf"), -0.5])
+def test_temperature_outside_its_bounds_is_refused_naming_the_field(value):
+    """fp32 holds no temperature past 3.4e38: dividing a masked token's -inf by inf is NaN.
+    The highest temperature allowed keeps a masked token out."""
+    with pytest.raises(ConfigError, match=r"temperature=.*\[0, 10000\]") as caught:
+        SamplingConfig(temperature=value)
+    assert caught.value.field == "temperature"
+    probs = to_probs(torch.tensor([[1.0, 2.0, float("-inf"), 3.0]]),
+                     SamplingConfig(temperature=1e4))
+    assert probs[0, 2] == 0 and torch.isfinite(probs).all()
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SamplingConfig(top_k=0), "top_k"), (lambda: SamplingConfig(top_p=0.0), "top_p"),
+    (lambda: SamplingConfig(min_p=1.5), "min_p"),
+    (lambda: PenaltyConfig(presence_penalty=2.5), "presence_penalty"),
+    (lambda: PenaltyConfig(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+    (lambda: GenerationConfig(seed=-1), "seed"),
+    (lambda: GenerationConfig(num_draft_tokens=33), "num_draft_tokens"),
+    (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens"),
+    (lambda: GenerationConfig(logprobs=21), "logprobs"),
+])
+def test_config_errors_carry_their_field(make, field):
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert caught.value.field == field

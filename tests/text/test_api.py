@@ -324,6 +324,22 @@ def test_prompt_token_ids_as_a_list_numpy_ints_or_a_tensor(decoder):
     assert decoder.generate(torch.tensor([5, 6, 7]), max_new_tokens=3).token_ids == expected
 
 
+@pytest.mark.parametrize("prompt, kwargs, error, field", [
+    ([5, 10**6], {}, InputError, "prompt"),
+    ([5, -1], {}, InputError, "prompt"),
+    ("", {}, EmptyPromptError, "prompt"),
+    (PROMPT, {"max_new_tokens": 10**6}, verispec.ContextLengthExceeded, "prompt"),
+    (PROMPT, {"logit_bias": {10**6: 1.0}}, ConfigError, "logit_bias"),
+    (PROMPT, {"repetition_penalty": 1e-40}, ConfigError, "repetition_penalty"),
+    (PROMPT, {"stop": [""]}, ConfigError, "stop"),
+])
+def test_errors_name_the_setting_or_input_at_fault(decoder, prompt, kwargs, error, field):
+    """Each error's field (what the server reports as its param)."""
+    with pytest.raises(error) as caught:
+        decoder.generate(prompt, **{"max_new_tokens": 2, **kwargs})
+    assert caught.value.field == field
+
+
 @pytest.mark.parametrize("prompt, expected", [
     (b"def f():", "bytes"),  # used to be read as token ids 100, 101, 102, ...
     (torch.zeros(2, 2, dtype=torch.int64), "1-D"),

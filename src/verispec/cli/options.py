@@ -62,7 +62,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
                           "other CPUs, where verifying more costs more than it saves)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                          help="0 = greedy (default: 0)")
+                          help="0 = greedy, at most 10000 (default: 0)")
     sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
     sampling.add_argument("--top-p", type=float, default=None, metavar="P")
     sampling.add_argument("--max-new-tokens", type=_int, default=64, metavar="N",
@@ -112,8 +112,8 @@ def _add_penalty_options(parser: argparse.ArgumentParser) -> None:
                            help="subtracted per earlier occurrence in the output, -2 to 2 "
                            "(OpenAI's; default: 0)")
     penalties.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
-                           help="Hugging Face's, over prompt and output: > 1 discourages "
-                           "repeats (default: 1, off)")
+                           help="Hugging Face's, over prompt and output, 0.01 to 100: > 1 "
+                           "discourages repeats (default: 1, off)")
     penalties.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID:BIAS,...",
                            help="add BIAS (-100 to 100) to token ID's logit: ID:BIAS pairs "
                            "separated by commas, or a JSON object {\"ID\": BIAS}")

@@ -38,7 +38,7 @@ def score_prompt(model: LanguageModel, prompt_ids: Sequence[int], num_top: int =
     if isinstance(num_top, bool) or not isinstance(num_top, int) or not (
             0 <= num_top <= MAX_TOP_LOGPROBS):
         raise ConfigError(f"num_top={num_top!r} is invalid: expected an integer from 0 to "
-                          f"{MAX_TOP_LOGPROBS}.")
+                          f"{MAX_TOP_LOGPROBS}.", field="num_top")
     ids = [int(token) for token in prompt_ids]
     session = model.scoring_session() if isinstance(model, ScoresApart) else model.new_session()
     session.start([[]])

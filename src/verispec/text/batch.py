@@ -205,7 +205,7 @@ def row_settings(settings: dict[str, object], num_prompts: int) -> list[dict[str
             continue
         if len(value) != num_prompts:
             raise ConfigError(f"{name} has {len(value)} values for {num_prompts} prompts; give "
-                              "one value for all of them or one per prompt.")
+                              "one value for all of them or one per prompt.", field=name)
         for row, item in zip(rows, value):
             row[name] = item
     return rows

@@ -1,13 +1,16 @@
 """Frozen, validated configuration for sampling and generation (data only: imports errors).
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`ConfigError` naming the
-field (also as its ``field``), the value and the fix. Configs are passed explicitly and never
-mutated: use ``dataclasses.replace`` to derive a variant for one call.
+field (also as its ``field``), the value and the fix. A numeric field takes numpy's scalars as
+Python's (np.int64(5) is 5, np.float32(0.5) is 0.5; a bool is never a number) and holds the
+Python number. Configs are passed explicitly and never mutated: use ``dataclasses.replace`` to
+derive a variant for one call.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,6 +23,24 @@ def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.",
                           field=field_name)
+
+
+def plain_number(value: object) -> object:
+    """An integer or real scalar of another type (numpy's, a Fraction) as the Python int or
+    float it holds; anything else unchanged, bools included, for the checks to judge."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _make_plain(config: object, *names: str) -> None:
+    """The named fields of a frozen dataclass as plain Python numbers (plain_number)."""
+    for name in names:
+        object.__setattr__(config, name, plain_number(getattr(config, name)))
 
 
 def check_seed(seed: object) -> None:
@@ -63,6 +84,7 @@ class SamplingConfig:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
+        _make_plain(self, "temperature", "top_k", "top_p", "min_p")
         _require(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
                  "temperature", self.temperature,
                  f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
@@ -109,6 +131,11 @@ class PenaltyConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _make_plain(self, "presence_penalty", "frequency_penalty", "repetition_penalty")
+        if isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(
+                tuple(plain_number(x) for x in pair) if isinstance(pair, tuple) else pair
+                for pair in self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
@@ -191,6 +218,11 @@ class GenerationConfig:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _make_plain(self, "max_new_tokens", "num_draft_tokens", "min_new_tokens", "seed",
+                    "cost_ratio", "logprobs")
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids",
+                               tuple(plain_number(t) for t in self.stop_token_ids))
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
                  self.max_new_tokens, "an integer >= 1")
         _require(

@@ -177,3 +177,25 @@ def test_config_errors_carry_their_field(make, field):
     with pytest.raises(ConfigError) as caught:
         make()
     assert caught.value.field == field
+
+
+def test_numpy_scalars_are_read_as_python_numbers():
+    numpy = pytest.importorskip("numpy")
+    sampling = SamplingConfig(temperature=numpy.float32(0.5), top_k=numpy.int64(3),
+                              top_p=numpy.float64(0.9), min_p=numpy.float16(0.25))
+    assert sampling == SamplingConfig(temperature=0.5, top_k=3, top_p=0.9, min_p=0.25)
+    assert type(sampling.temperature) is float and type(sampling.top_k) is int
+    penalty = PenaltyConfig(presence_penalty=numpy.float32(0.5),
+                            repetition_penalty=numpy.float64(1.25),
+                            logit_bias=((numpy.int64(5), numpy.float32(-2.0)),))
+    assert penalty == PenaltyConfig(presence_penalty=0.5, repetition_penalty=1.25,
+                                    logit_bias=((5, -2.0),))
+    config = GenerationConfig(max_new_tokens=numpy.int32(8), num_draft_tokens=numpy.int64(2),
+                              seed=numpy.uint64(5), logprobs=numpy.int64(2),
+                              min_new_tokens=numpy.int8(1), stop_token_ids=(numpy.int64(0),))
+    assert (config.max_new_tokens, config.num_draft_tokens, config.seed, config.logprobs,
+            config.min_new_tokens, config.stop_token_ids) == (8, 2, 5, 2, 1, (0,))
+    assert all(type(value) is int for value in (config.seed, config.logprobs))
+    for bad in ({"top_k": True}, {"top_k": numpy.bool_(True)}, {"temperature": "1"}):
+        with pytest.raises(ConfigError):
+            SamplingConfig(**bad)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, TypeVar
 
-from ..config import GenerationConfig, PenaltyConfig
+from ..config import GenerationConfig, PenaltyConfig, plain_number
 from ..engine.constraints import ConstraintSet
 from .grammar import Grammar
 from ..errors import ConfigError
@@ -61,9 +61,10 @@ class RequestSettings:
     logprobs: None, or N in 0..20: each new token's logprob under the distribution it was
     drawn from, with the N most likely alternatives (Completion.logprobs, TextRow.logprobs).
 
-    The values are checked where the decoder turns them into a GenerationConfig
-    (Decoder.prepare), since k and the depth policy default to the decoder's; an error names
-    its setting (ConfigError.field).
+    A number may be a numpy scalar (np.int64(5), np.float32(0.5)): it is read as the Python
+    number it holds (a bool is never a number). The values are checked where the decoder turns
+    them into a GenerationConfig (Decoder.prepare), since k and the depth policy default to the
+    decoder's; an error names its setting (ConfigError.field).
     """
 
     max_new_tokens: int = 64
@@ -102,12 +103,15 @@ def penalty_config(settings: RequestSettings, vocab_size: int) -> PenaltyConfig:
                           "{token id: bias}, e.g. {50256: -100}.", field="logit_bias")
     else:
         for token in bias:
+            token = plain_number(token)
             if isinstance(token, bool) or not isinstance(token, int) or not (
                     0 <= token < vocab_size):
                 raise ConfigError(f"logit_bias key {token!r:.40} is invalid: expected a token "
                                   f"id of the model, an integer in [0, {vocab_size}).",
                                   field="logit_bias")
-        pairs = tuple(sorted(bias.items()))
+        # numpy keys as ints (PenaltyConfig refuses two keys of one id, e.g. 5 and np.int64(5))
+        pairs = tuple(sorted(((plain_number(token), value) for token, value in bias.items()),
+                             key=lambda pair: pair[0]))
     return PenaltyConfig(presence_penalty=settings.presence_penalty,
                          frequency_penalty=settings.frequency_penalty,
                          repetition_penalty=settings.repetition_penalty, logit_bias=pairs)

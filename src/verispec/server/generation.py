@@ -19,10 +19,10 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.batch import check_prompts
 from ..engine.metrics import GenerationMetrics
 from ..text.decoder import Completion, Decoder
 from ..text.batch import PendingRow, TextBatch
+from ..text.prompts import check_prompt_ids
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
 from .logprobs import Echo, TokenTexts
@@ -145,7 +145,7 @@ class GenerationService:
         logprobs its tokens scored by the target (one pass, Decoder.prompt_logprobs)."""
         if not params.echo:
             return None
-        check_prompts([prompt_ids], self.decoder.target.vocab_size)
+        check_prompt_ids(prompt_ids, self.decoder.target.vocab_size)
         scores = (None if params.logprobs is None
                   else self.decoder.prompt_logprobs(prompt_ids, params.logprobs))
         return Echo(prompt.echo_text(self.decoder, prompt_ids), prompt_ids, scores)

@@ -25,7 +25,8 @@ class TextPrompt:
 
     def __post_init__(self) -> None:
         if not self.text:
-            raise EmptyPromptError("prompt is empty; pass some text or token ids.")
+            raise EmptyPromptError("prompt is empty; pass some text or token ids.",
+                                   field="prompt")
         check_text(self.text, "prompt")
 
     def encode(self, decoder) -> list[int]:
@@ -67,7 +68,7 @@ class ChatPrompt:
     def __post_init__(self) -> None:
         if not self.messages:
             raise EmptyPromptError("messages is empty; send at least one message, e.g. "
-                                   '[{"role": "user", "content": "Hi"}].')
+                                   '[{"role": "user", "content": "Hi"}].', field="messages")
 
     def encode(self, decoder) -> list[int]:
         return decoder.chat_prompt_ids([{"role": m.role, "content": m.content}

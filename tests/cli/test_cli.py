@@ -206,6 +206,13 @@ BAD_INPUTS = {  # name -> (argv after "generate", with {models} for the tiny dir
     "logit-bias-200": (["x", "{models}", "--logit-bias", "5:200"], "logit_bias"),
     "logit-bias-id-beyond-vocab": (["x", "{models}", "--logit-bias", "99999:1"],
                                    "logit_bias key 99999"),
+    # a token id given twice: refused as the server refuses it, not the last value kept
+    "logit-bias-id-twice": (["x", "{models}", "--logit-bias", "5:1,5:2"],
+                            "token id 5 is given twice"),
+    "logit-bias-id-twice-spelled-apart": (["x", "{models}", "--logit-bias", "5:1,05:2"],
+                                          "token id 5 is given twice"),
+    "logit-bias-json-key-twice": (["x", "{models}", "--logit-bias", '{"5": 1, "5": 2}'],
+                                  "token id 5 is given twice"),
     "repetition-penalty-tiny": (["x", "{models}", "--repetition-penalty", "1e-40"],
                                 "repetition_penalty=1e-40"),
     "temperature-huge": (["x", "{models}", "--temperature", "1e39"], "temperature=1e+39"),

@@ -1,13 +1,16 @@
 """Frozen, validated configuration for sampling and generation (data only: imports errors).
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`ConfigError` naming the
-field, the value and the fix. Configs are passed explicitly and never mutated: use
-``dataclasses.replace`` to derive a variant for one call.
+field (also as its ``field``), the value and the fix. A numeric field takes numpy's scalars as
+Python's (np.int64(5) is 5, np.float32(0.5) is 0.5; a bool is never a number) and holds the
+Python number. Configs are passed explicitly and never mutated: use ``dataclasses.replace`` to
+derive a variant for one call.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,7 +21,26 @@ MAX_NUM_DRAFT_TOKENS = 32
 
 def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
     if not ok:
-        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.")
+        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.",
+                          field=field_name)
+
+
+def plain_number(value: object) -> object:
+    """An integer or real scalar of another type (numpy's, a Fraction) as the Python int or
+    float it holds; anything else unchanged, bools included, for the checks to judge."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _make_plain(config: object, *names: str) -> None:
+    """The named fields of a frozen dataclass as plain Python numbers (plain_number)."""
+    for name in names:
+        object.__setattr__(config, name, plain_number(getattr(config, name)))
 
 
 def check_seed(seed: object) -> None:
@@ -37,11 +59,19 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# the highest temperature: logits are divided by it in fp32, where a value past 3.4e38 is inf
+# and turns a masked token's -inf into NaN; long before this bound the distribution is uniform
+# over the tokens left for any logits a model gives (the lowest end is the argmax's limit,
+# taken exactly by spec/sampling.py)
+MAX_TEMPERATURE = 1e4
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How logits become the distribution tokens are drawn from (same for draft and target).
 
-    temperature: 0 means greedy (a point mass on the argmax, ties to the lowest id).
+    temperature: 0 means greedy (a point mass on the argmax, ties to the lowest id); at most
+        10000.
     top_k: keep the k most likely tokens (None = all).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (None = all).
     min_p: keep the tokens whose probability is at least min_p times the most likely one's,
@@ -54,10 +84,10 @@ class SamplingConfig:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        _require(
-            _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
-            "temperature", self.temperature, "a finite number >= 0 (0 = greedy)",
-        )
+        _make_plain(self, "temperature", "top_k", "top_p", "min_p")
+        _require(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+                 "temperature", self.temperature,
+                 f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
         if self.top_k is not None:
             _require(_is_int(self.top_k) and self.top_k >= 1, "top_k", self.top_k,
                      "an integer >= 1, or None to disable top-k")
@@ -74,6 +104,10 @@ class SamplingConfig:
 
 
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's API takes them
+# a repetition penalty lies in [1/100, 100]: far past the values in use (1.1 to 1.5; below 1
+# rewards repeats), and a seen token's logit divided or multiplied by it stays finite in fp32
+# for any logit below 3e36 in magnitude (spec/penalties.py saturates the rest)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's API takes it
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list, as OpenAI's API
 
@@ -86,7 +120,8 @@ class PenaltyConfig:
     presence_penalty: subtracted once from each token generated so far (OpenAI's).
     frequency_penalty: subtracted per occurrence of each token generated so far (OpenAI's).
     repetition_penalty: Hugging Face's, over prompt and output: a seen token's positive logit is
-        divided by it, a negative one multiplied (1 = off; > 1 discourages repeats).
+        divided by it, a negative one multiplied (1 = off; > 1 discourages repeats), in
+        [0.01, 100].
     logit_bias: (token id, bias) pairs, each bias added to its token's logit; sorted by id.
     """
 
@@ -96,13 +131,20 @@ class PenaltyConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _make_plain(self, "presence_penalty", "frequency_penalty", "repetition_penalty")
+        if isinstance(self.logit_bias, tuple):
+            object.__setattr__(self, "logit_bias", tuple(
+                tuple(plain_number(x) for x in pair) if isinstance(pair, tuple) else pair
+                for pair in self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
                      f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
         rp = self.repetition_penalty
-        _require(_is_real(rp) and 0 < rp < math.inf, "repetition_penalty", rp,
-                 "a finite number > 0 (1 = off)")
+        _require(_is_real(rp) and MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY,
+                 "repetition_penalty", rp,
+                 f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off; "
+                 "> 1 discourages repeats)")
         self._check_logit_bias()
 
     def _check_logit_bias(self) -> None:
@@ -176,6 +218,11 @@ class GenerationConfig:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _make_plain(self, "max_new_tokens", "num_draft_tokens", "min_new_tokens", "seed",
+                    "cost_ratio", "logprobs")
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids",
+                               tuple(plain_number(t) for t in self.stop_token_ids))
         _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
                  self.max_new_tokens, "an integer >= 1")
         _require(

@@ -4,13 +4,22 @@ Every error a user can cause is a subclass of :class:`VerispecError`, so one ``e
 them all, and each also subclasses the builtin it refines (``ValueError`` for bad values), so code
 written against the builtins keeps working. Messages say what was expected, what came, and the
 fix. The HTTP server maps these types (never message text) to status codes in one table.
+
+An error about one setting or input names it in ``field`` too (the library's name:
+"repetition_penalty", "prompt"), set where the value is checked; the server reports it as the
+error's ``param`` (server/errors.py translates names its API spells otherwise).
 """
 
 from __future__ import annotations
 
 
 class VerispecError(Exception):
-    """Base class of every error raised by verispec."""
+    """Base class of every error raised by verispec. ``field``: the setting or input the error
+    is about (a keyword of generate, a config's field, "prompt"), or None."""
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        self.field = field
 
 
 class ConfigError(VerispecError, ValueError):

@@ -432,6 +432,66 @@ def test_bad_request_gets_its_status_and_error_json(name, http, client):
     assert_serving(client)
 
 
+LONG_CHAT = {**CHAT, "messages": [{"role": "user", "content": "z " * 20}], "max_tokens": 2000}
+# the values the library refuses (its configs, prompt and context checks): each a 400 whose
+# param is the request's own field, as the library's error names it (ConfigError.field)
+VALUE_ERRORS = {
+    # name: (path, body, param)
+    "presence_penalty": ("/v1/completions", {**GOOD, "presence_penalty": 2.5},
+                         "presence_penalty"),
+    "frequency_penalty": ("/v1/chat/completions", {**CHAT, "frequency_penalty": -3},
+                          "frequency_penalty"),
+    "min_p": ("/v1/completions", {**GOOD, "min_p": 1.5}, "min_p"),
+    "top_k": ("/v1/completions", {**GOOD, "top_k": 0}, "top_k"),
+    "top_p": ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+    "temperature_negative": ("/v1/completions", {**GOOD, "temperature": -0.5}, "temperature"),
+    "temperature_past_fp32": ("/v1/completions",
+                              {**GOOD, "temperature": 1e39, "min_tokens": 2}, "temperature"),
+    "seed_negative": ("/v1/completions", {**GOOD, "seed": -1}, "seed"),
+    "seed_2_63": ("/v1/chat/completions", {**CHAT, "seed": 2**63}, "seed"),
+    "repetition_penalty_zero": ("/v1/completions", {**GOOD, "repetition_penalty": 0},
+                                "repetition_penalty"),
+    "repetition_penalty_tiny": ("/v1/completions",  # a seen logit / 1e-40 was +inf: a 500
+                                {**GOOD, "repetition_penalty": 1e-40, "temperature": 0},
+                                "repetition_penalty"),
+    "num_draft_tokens_zero": ("/v1/completions", {**GOOD, "num_draft_tokens": 0},
+                              "num_draft_tokens"),
+    "num_draft_tokens_33": ("/v1/chat/completions", {**CHAT, "num_draft_tokens": 33},
+                            "num_draft_tokens"),
+    "logit_bias_id_beyond_vocabulary": ("/v1/completions",
+                                        {**GOOD, "logit_bias": {"99999": 5}}, "logit_bias"),
+    "logit_bias_id_twice": ("/v1/completions", {**GOOD, "logit_bias": {"5": 1, "05": 2}},
+                            "logit_bias"),
+    "prompt_id_beyond_vocabulary": ("/v1/completions", {**GOOD, "prompt": [1, 99999]},
+                                    "prompt"),
+    "prompt_id_negative": ("/v1/completions", {**GOOD, "prompt": [1, -1]}, "prompt"),
+    "echoed_prompt_id_beyond_vocabulary": ("/v1/completions",
+                                           {**GOOD, "prompt": [1, 99999], "echo": True},
+                                           "prompt"),
+    "context_overflow": ("/v1/completions", {**GOOD, "prompt": [5] * 60, "max_tokens": 2000},
+                         "prompt"),
+    "chat_context_overflow": ("/v1/chat/completions", LONG_CHAT, "messages"),
+    "min_tokens_with_a_grammar": ("/v1/completions", {**GOOD, "min_tokens": 1, "response_format":
+                                                      {"type": "json_object"}}, "min_tokens"),
+    "empty_prompt": ("/v1/completions", {**GOOD, "prompt": ""}, "prompt"),
+    "empty_messages": ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+}
+
+
+@pytest.mark.parametrize("name", list(VALUE_ERRORS))
+def test_a_refused_value_names_its_request_field(name, http, client, reference):
+    path, body, param = VALUE_ERRORS[name]
+    if name == "chat_context_overflow":  # within --max-prompt-tokens, past the window with k
+        num_prompt = len(reference.chat_prompt_ids(body["messages"]))
+        assert 2048 - 2000 - CPU_DEFAULT_K < num_prompt <= SETTINGS.max_prompt_tokens
+    for stream in (False, True):
+        response = http.post(path, json={**body, "stream": stream})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert_serving(client)
+
+
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)

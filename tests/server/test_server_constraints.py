@@ -155,7 +155,7 @@ BAD = {
     "bad_grammar": ({"response_format": {"type": "grammar", "grammar": "start: undefined_rule"}},
                     "response_format", "does not compile"),
     "unsatisfiable": ({"response_format": {"type": "regex", "regex": "a{400}"},
-                       "max_tokens": 20}, None, "more than max_new_tokens=20"),
+                       "max_tokens": 20}, "max_tokens", "more than max_new_tokens=20"),
     "tool_choice_auto": ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice",
                          "not supported"),
     "tools_default_auto": ({"tools": [WEATHER]}, "tool_choice", "not supported"),

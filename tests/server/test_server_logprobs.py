@@ -195,6 +195,68 @@ def test_echo_scores_the_prompt(client, decoder, target):
     assert text == body.choices[0].text and logprobs == body.choices[0].logprobs.token_logprobs
 
 
+UNICODE_PROMPT = "héllo 日本語 🎉 = 'x'"  # 17 characters, 24 byte-level tokens
+
+
+def collect_completion(client, stream: bool, **request) -> tuple[str, dict[str, list]]:
+    """A completion's text and its logprobs lists, from the body or put together from a
+    stream."""
+    if not stream:
+        choice = client.completions.create(model=MODEL, **request).choices[0]
+        return choice.text, choice.logprobs.model_dump()
+    text, logprobs = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                          "text_offset": []}
+    for chunk in client.completions.create(model=MODEL, stream=True, **request):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs is not None:
+            for key in logprobs:
+                logprobs[key] += getattr(chunk.choices[0].logprobs, key)
+    return text, logprobs
+
+
+def assert_offsets_fit_the_text(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """OpenAI's text_offset: the characters of the text before each token's text; a token
+    holding part of a character (its text U+FFFD) starts where that character starts."""
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[-1] + len(tokens[-1]) == len(text)
+    for token, offset in zip(tokens, offsets):
+        if "\ufffd" not in token:
+            assert text[offset : offset + len(token)] == token, (token, offset)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token_ids"])
+def test_text_offsets_count_characters_of_split_characters_once(client, decoder, stream,
+                                                                 as_ids):
+    prompt_ids = decoder.tokenizer.encode(UNICODE_PROMPT)
+    assert len(prompt_ids) > len(UNICODE_PROMPT)  # characters split over byte tokens
+    text, logprobs = collect_completion(
+        client, stream, prompt=prompt_ids if as_ids else UNICODE_PROMPT, max_tokens=8,
+        temperature=0, echo=True, logprobs=0)
+    offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
+    assert text.startswith(UNICODE_PROMPT) and len(tokens) > len(prompt_ids)
+    assert offsets[len(prompt_ids)] == len(UNICODE_PROMPT)  # the first new token's
+    assert offsets[: len(prompt_ids)] == [0, 1, 1, 2, 3, 5, 6, 6, 6, 7, 7, 7, 8, 8, 8, 9, 10,
+                                          10, 10, 10, 11, 13, 15, 16]
+    assert_offsets_fit_the_text(text, tokens, offsets)
+
+
+def test_text_offsets_of_new_tokens_that_split_characters(client, decoder):
+    """New tokens that split characters: a logit bias on the first and last byte of "日"
+    (E6 .. A5) makes the greedy text lone E6 bytes (a U+FFFD each), then E6 A5 A5, a character
+    of its own (楥), then lone A5 bytes: each character counts once, and starts a token."""
+    first, _, last = decoder.tokenizer.encode("日", add_special_tokens=False)
+    for stream in (False, True):
+        text, logprobs = collect_completion(client, stream, prompt="x =", max_tokens=10,
+                                            temperature=0, logit_bias={str(first): 100,
+                                                                       str(last): 100},
+                                            logprobs=0)
+        offsets = logprobs["text_offset"]
+        assert_offsets_fit_the_text(text, logprobs["tokens"], offsets)
+        assert len(text) < len(offsets) and text.strip("\ufffd")  # a character was split
+        assert sorted(set(offsets)) == list(range(len(text)))
+
+
 def test_echo_without_logprobs_and_several_prompts(client, decoder):
     out = client.completions.create(model=MODEL, prompt=["a = 1", "b = 2"], max_tokens=0,
                                     echo=True)

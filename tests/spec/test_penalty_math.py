@@ -122,3 +122,80 @@ def test_min_p_and_logprobs_are_checked():
         GenerationConfig(logprobs=21)
     with pytest.raises(ConfigError, match="logprobs"):
         GenerationConfig(logprobs=1.5)
+
+
+# --- bounds where the arithmetic needs them (a seen token's logit divided by the penalty) ------
+
+
+@pytest.mark.parametrize("value", [1e-40, 1e-3, 0.0099, 100.5, 1e38, float("inf")])
+def test_repetition_penalty_outside_its_bounds_is_refused_naming_the_field(value):
+    with pytest.raises(ConfigError, match=r"repetition_penalty=.*\[0\.01, 100\]") as caught:
+        PenaltyConfig(repetition_penalty=value)
+    assert caught.value.field == "repetition_penalty"
+
+
+@pytest.mark.parametrize("value", [0.01, 100.0])
+def test_repetition_penalty_at_its_bounds_keeps_huge_logits_finite(value):
+    """Within the bounds a seen token's logit, however large in fp32, stays finite: the largest
+    fp32 magnitude, not +-inf (whose softmax is NaN); inf and NaN logits stay what they are,
+    for the sampler's NonFiniteError."""
+    top = torch.finfo(torch.float32).max
+    logits = torch.tensor([[1e38, -1e38, 3.0, -3.0, float("inf"), float("nan"), 2.0]])
+    shaped = shape_logits(logits, PenaltyConfig(repetition_penalty=value),
+                          seen_tokens([0, 1, 2, 3, 4, 5], 7), [])[0]
+    assert torch.isfinite(shaped[:4]).all() and shaped[6] == 2.0
+    assert shaped[0] == (top if value < 1 else 1e38 / value)
+    assert shaped[1] == (-top if value > 1 else -1e38 * value)
+    assert shaped[4] == float("inf") and math.isnan(shaped[5])
+    probs = to_probs(shaped[None, [0, 1, 2, 3, 6]], SamplingConfig(temperature=1.0))
+    assert torch.isfinite(probs).all()
+
+
+@pytest.mark.parametrize("value", [1e4 + 1, 1e39, float("inf"), -0.5])
+def test_temperature_outside_its_bounds_is_refused_naming_the_field(value):
+    """fp32 holds no temperature past 3.4e38: dividing a masked token's -inf by inf is NaN.
+    The highest temperature allowed keeps a masked token out."""
+    with pytest.raises(ConfigError, match=r"temperature=.*\[0, 10000\]") as caught:
+        SamplingConfig(temperature=value)
+    assert caught.value.field == "temperature"
+    probs = to_probs(torch.tensor([[1.0, 2.0, float("-inf"), 3.0]]),
+                     SamplingConfig(temperature=1e4))
+    assert probs[0, 2] == 0 and torch.isfinite(probs).all()
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SamplingConfig(top_k=0), "top_k"), (lambda: SamplingConfig(top_p=0.0), "top_p"),
+    (lambda: SamplingConfig(min_p=1.5), "min_p"),
+    (lambda: PenaltyConfig(presence_penalty=2.5), "presence_penalty"),
+    (lambda: PenaltyConfig(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+    (lambda: GenerationConfig(seed=-1), "seed"),
+    (lambda: GenerationConfig(num_draft_tokens=33), "num_draft_tokens"),
+    (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens"),
+    (lambda: GenerationConfig(logprobs=21), "logprobs"),
+])
+def test_config_errors_carry_their_field(make, field):
+    with pytest.raises(ConfigError) as caught:
+        make()
+    assert caught.value.field == field
+
+
+def test_numpy_scalars_are_read_as_python_numbers():
+    numpy = pytest.importorskip("numpy")
+    sampling = SamplingConfig(temperature=numpy.float32(0.5), top_k=numpy.int64(3),
+                              top_p=numpy.float64(0.9), min_p=numpy.float16(0.25))
+    assert sampling == SamplingConfig(temperature=0.5, top_k=3, top_p=0.9, min_p=0.25)
+    assert type(sampling.temperature) is float and type(sampling.top_k) is int
+    penalty = PenaltyConfig(presence_penalty=numpy.float32(0.5),
+                            repetition_penalty=numpy.float64(1.25),
+                            logit_bias=((numpy.int64(5), numpy.float32(-2.0)),))
+    assert penalty == PenaltyConfig(presence_penalty=0.5, repetition_penalty=1.25,
+                                    logit_bias=((5, -2.0),))
+    config = GenerationConfig(max_new_tokens=numpy.int32(8), num_draft_tokens=numpy.int64(2),
+                              seed=numpy.uint64(5), logprobs=numpy.int64(2),
+                              min_new_tokens=numpy.int8(1), stop_token_ids=(numpy.int64(0),))
+    assert (config.max_new_tokens, config.num_draft_tokens, config.seed, config.logprobs,
+            config.min_new_tokens, config.stop_token_ids) == (8, 2, 5, 2, 1, (0,))
+    assert all(type(value) is int for value in (config.seed, config.logprobs))
+    for bad in ({"top_k": True}, {"top_k": numpy.bool_(True)}, {"temperature": "1"}):
+        with pytest.raises(ConfigError):
+            SamplingConfig(**bad)

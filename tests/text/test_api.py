@@ -324,6 +324,55 @@ def test_prompt_token_ids_as_a_list_numpy_ints_or_a_tensor(decoder):
     assert decoder.generate(torch.tensor([5, 6, 7]), max_new_tokens=3).token_ids == expected
 
 
+# settings whose values numpy holds exactly in float32, so both runs sample the same law
+EXACT_SETTINGS = {"max_new_tokens": 6, "temperature": 0.75, "top_k": 50, "top_p": 0.875,
+                  "min_p": 0.0625, "seed": 5, "logprobs": 2, "presence_penalty": 0.5,
+                  "frequency_penalty": 0.25, "repetition_penalty": 1.125, "num_draft_tokens": 2,
+                  "min_new_tokens": 1, "logit_bias": {5: -2.0, 7: 1.5}}
+
+
+def test_numpy_scalars_are_read_as_the_python_numbers_they_hold(decoder):
+    numpy = pytest.importorskip("numpy")
+    as_numpy = {name: (numpy.float32(value) if isinstance(value, float) else numpy.int64(value))
+                for name, value in EXACT_SETTINGS.items() if name != "logit_bias"}
+    as_numpy["logit_bias"] = {numpy.int64(5): numpy.float32(-2.0), numpy.int32(7): 1.5}
+    expected = decoder.generate(PROMPT, **EXACT_SETTINGS)
+    out = decoder.generate(PROMPT, **as_numpy)
+    assert out.token_ids == expected.token_ids and out.logprobs == expected.logprobs
+    # a batch's int seed is seed + i per prompt; a numpy seed too
+    prompts = [PROMPT, "x = 1"]
+    assert [c.token_ids for c in decoder.generate(prompts, **as_numpy)] == [
+        c.token_ids for c in decoder.generate(prompts, **EXACT_SETTINGS)]
+    scored = decoder.prompt_logprobs(PROMPT, num_top=numpy.int64(2))
+    assert scored == decoder.prompt_logprobs(PROMPT, num_top=2)
+
+
+@pytest.mark.parametrize("name, value", [("max_new_tokens", True), ("logprobs", True),
+                                         ("seed", "numpy.bool_"), ("top_k", False)])
+def test_a_bool_is_not_a_number_setting(decoder, name, value):
+    numpy = pytest.importorskip("numpy")
+    value = numpy.bool_(True) if value == "numpy.bool_" else value
+    with pytest.raises(ConfigError, match=name) as caught:
+        decoder.generate(PROMPT, **{"max_new_tokens": 2, name: value})
+    assert caught.value.field == name
+
+
+@pytest.mark.parametrize("prompt, kwargs, error, field", [
+    ([5, 10**6], {}, InputError, "prompt"),
+    ([5, -1], {}, InputError, "prompt"),
+    ("", {}, EmptyPromptError, "prompt"),
+    (PROMPT, {"max_new_tokens": 10**6}, verispec.ContextLengthExceeded, "prompt"),
+    (PROMPT, {"logit_bias": {10**6: 1.0}}, ConfigError, "logit_bias"),
+    (PROMPT, {"repetition_penalty": 1e-40}, ConfigError, "repetition_penalty"),
+    (PROMPT, {"stop": [""]}, ConfigError, "stop"),
+])
+def test_errors_name_the_setting_or_input_at_fault(decoder, prompt, kwargs, error, field):
+    """Each error's field (what the server reports as its param)."""
+    with pytest.raises(error) as caught:
+        decoder.generate(prompt, **{"max_new_tokens": 2, **kwargs})
+    assert caught.value.field == field
+
+
 @pytest.mark.parametrize("prompt, expected", [
     (b"def f():", "bytes"),  # used to be read as token ids 100, 101, 102, ...
     (torch.zeros(2, 2, dtype=torch.int64), "1-D"),

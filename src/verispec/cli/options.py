@@ -67,7 +67,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
                           "other CPUs, where verifying more costs more than it saves)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                          help="0 = greedy (default: 0)")
+                          help="0 = greedy, at most 10000 (default: 0)")
     sampling.add_argument("--top-k", type=_int, default=None, metavar="K")
     sampling.add_argument("--top-p", type=float, default=None, metavar="P")
     sampling.add_argument("--max-new-tokens", type=_int, default=64, metavar="N",
@@ -117,36 +117,40 @@ def _add_penalty_options(parser: argparse.ArgumentParser) -> None:
                            help="subtracted per earlier occurrence in the output, -2 to 2 "
                            "(OpenAI's; default: 0)")
     penalties.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
-                           help="Hugging Face's, over prompt and output: > 1 discourages "
-                           "repeats (default: 1, off)")
+                           help="Hugging Face's, over prompt and output, 0.01 to 100: > 1 "
+                           "discourages repeats (default: 1, off)")
     penalties.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID:BIAS,...",
                            help="add BIAS (-100 to 100) to token ID's logit: ID:BIAS pairs "
-                           "separated by commas, or a JSON object {\"ID\": BIAS}")
+                           "separated by commas, or a JSON object {\"ID\": BIAS}; each ID once")
     penalties.add_argument("--logprobs", type=_int, default=None, metavar="N",
                            help="after the text, each token's logprob and its N (0 to 20) most "
                            "likely alternatives (with --json: in the JSON)")
 
 
 def _logit_bias(text: str) -> dict[int, float]:
-    """--logit-bias: '13:-100,42:5' or '{"13": -100}' -> {13: -100.0, ...} (the ranges are the
-    library's to check)."""
+    """--logit-bias: '13:-100,42:5' or '{"13": -100}' -> {13: -100.0, ...}; a token id given
+    twice (5:1,5:2, or 5 and 05) is refused, as the server refuses it, rather than one value
+    silently kept (the ranges are the library's to check)."""
     expected = (f"expected ID:BIAS pairs separated by commas (e.g. 13:-100,42:5) or a JSON "
                 f"object (e.g. '{{\"13\": -100}}'), got {text!r}")
     if text.lstrip().startswith("{"):
-        try:
-            pairs = json.loads(text)
+        try:  # the object as its (key, value) pairs: a key it repeats must not vanish
+            items = json.loads(text, object_pairs_hook=list)
         except ValueError:
             raise argparse.ArgumentTypeError(expected) from None
-        items = list(pairs.items()) if isinstance(pairs, dict) else [()]
     else:
         items = [tuple(part.split(":")) for part in text.split(",")]
-    bias = {}
+    bias: dict[int, float] = {}
     for item in items:
         try:
             key, value = item
             if isinstance(value, bool) or not str(key).strip().lstrip("-").isdigit():
                 raise ValueError
-            bias[int(key)] = float(value)
+            token, value = int(key), float(value)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(expected) from None
+        if token in bias:
+            raise argparse.ArgumentTypeError(f"token id {token} is given twice in {text!r}; "
+                                             "give each token id once")
+        bias[token] = value
     return bias

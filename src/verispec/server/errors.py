@@ -7,6 +7,10 @@ The table is looked up along the exception's MRO, so a subclass inherits its par
 it has its own (EmptyPromptError -> its own row; TokenOutOfRangeError -> InputError's row). The
 message is the exception's own text: no matching on message text, no fallback that hides an error.
 Anything not in the table is a server bug: 500, logged with its traceback.
+
+``param`` names the request field at fault: a RequestError's own, a pydantic error's location,
+or the ``field`` of the library's error (ConfigError, InputError, ContextLengthExceeded: set
+where the library checks the value), spelled as the request spells it (REQUEST_FIELDS).
 """
 
 from __future__ import annotations
@@ -139,15 +143,36 @@ def error_kind(exc: BaseException) -> ErrorKind:
     return ERROR_TABLE[Exception]  # BaseException subclasses that are not Exceptions
 
 
-def error_body(exc: BaseException) -> tuple[int, dict[str, object]]:
-    """(status, OpenAI error JSON) for ``exc``; also used for errors in the middle of a stream."""
+CHAT_PATH = "/v1/chat/completions"
+# a library field (VerispecError.field) -> the request field that sets it, where the names differ
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                  "num_top": "logprobs"}
+# /v1/chat/completions sends the prompt as messages, and the logprobs' count as top_logprobs
+CHAT_REQUEST_FIELDS = {**REQUEST_FIELDS, "prompt": "messages", "logprobs": "top_logprobs",
+                       "num_top": "top_logprobs"}
+
+
+def error_param(exc: BaseException, path: str | None = None) -> str | None:
+    """The request field ``exc`` is about (None: the request as a whole), as the endpoint at
+    ``path`` names it."""
+    if isinstance(exc, pydantic.ValidationError):
+        return ".".join(str(part) for part in exc.errors()[0]["loc"]) or None
+    param = getattr(exc, "param", None)
+    if param is None and isinstance(exc, VerispecError) and exc.field is not None:
+        names = CHAT_REQUEST_FIELDS if path == CHAT_PATH else REQUEST_FIELDS
+        param = names.get(exc.field, exc.field)
+    return param
+
+
+def error_body(exc: BaseException, path: str | None = None) -> tuple[int, dict[str, object]]:
+    """(status, OpenAI error JSON) for ``exc`` raised answering a request to ``path``; also
+    used for errors in the middle of a stream."""
     kind = error_kind(exc)
     status = kind.status if kind.status is not None else int(getattr(exc, "status_code"))
-    message, param = _message(exc), getattr(exc, "param", None)
-    if isinstance(exc, pydantic.ValidationError):
-        param = ".".join(str(part) for part in exc.errors()[0]["loc"]) or None
+    message, param = _message(exc), error_param(exc, path)
     if kind.fault:
         message = f"internal server error ({type(exc).__name__}); see the server log"
+        param = None
     return status, {"error": {"message": message, "type": kind.type, "param": param,
                               "code": kind.code}}
 
@@ -173,15 +198,16 @@ def log_error(where: str, exc: BaseException) -> None:
         logger.info("%s: %s (%s)", where, type(exc).__name__, exc)
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The OpenAI error JSON response for ``exc``, with its row's headers."""
-    status, body = error_body(exc)
+def error_response(exc: BaseException, path: str | None = None) -> JSONResponse:
+    """The OpenAI error JSON response for ``exc`` (raised answering a request to ``path``),
+    with its row's headers."""
+    status, body = error_body(exc, path)
     return JSONResponse(body, status_code=status, headers=dict(error_kind(exc).headers))
 
 
 async def _handle(request: Request, exc: Exception) -> JSONResponse:
     log_error(f"{request.method} {request.url.path}", exc)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -19,13 +19,13 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.batch import check_prompts
 from ..engine.metrics import GenerationMetrics
 from ..text.decoder import Completion, Decoder
 from ..text.batch import PendingRow, TextBatch
+from ..text.prompts import check_prompt_ids
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .metrics import ServerMetrics
-from .logprobs import Echo, TokenTexts
+from .logprobs import Echo, TextOffsets, TokenTexts
 from .prompts import Prompt
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
 from .schemas import GenerationParams
@@ -142,13 +142,18 @@ class GenerationService:
     def _echo(self, params: GenerationParams, prompt: Prompt, prompt_ids: list[int]
               ) -> Echo | None:
         """What a completions choice with echo puts first: the prompt's text, and with
-        logprobs its tokens scored by the target (one pass, Decoder.prompt_logprobs)."""
+        logprobs its tokens scored by the target (one pass, Decoder.prompt_logprobs) and their
+        offsets in that text."""
         if not params.echo:
             return None
-        check_prompts([prompt_ids], self.decoder.target.vocab_size)
-        scores = (None if params.logprobs is None
-                  else self.decoder.prompt_logprobs(prompt_ids, params.logprobs))
-        return Echo(prompt.echo_text(self.decoder, prompt_ids), prompt_ids, scores)
+        check_prompt_ids(prompt_ids, self.decoder.target.vocab_size)
+        text = prompt.echo_text(self.decoder, prompt_ids)
+        if params.logprobs is None:
+            return Echo(text, prompt_ids, None)
+        offsets = TextOffsets(self.decoder.tokenizer, end=len(text),
+                              skip_special_tokens=not prompt.echo_shows_special_tokens)
+        return Echo(text, prompt_ids, self.decoder.prompt_logprobs(prompt_ids, params.logprobs),
+                    offsets(prompt_ids))
 
     def _room(self, num_prompt_tokens: int, params: GenerationParams) -> int:
         """max_tokens when the request omits it: what fits after the prompt (and k draft

@@ -22,10 +22,14 @@ from ..text.prompts import check_text
 class TextPrompt:
     text: str
     param: ClassVar[str] = "prompt"  # the request field it came from, for error messages
+    # its echo is the text sent, which holds no added special token (BOS): none is counted in
+    # its text offsets
+    echo_shows_special_tokens: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not self.text:
-            raise EmptyPromptError("prompt is empty; pass some text or token ids.")
+            raise EmptyPromptError("prompt is empty; pass some text or token ids.",
+                                   field="prompt")
         check_text(self.text, "prompt")
 
     def encode(self, decoder) -> list[int]:
@@ -40,13 +44,15 @@ class TextPrompt:
 class TokenPrompt:
     token_ids: tuple[int, ...]
     param: ClassVar[str] = "prompt"
+    echo_shows_special_tokens: ClassVar[bool] = True
 
     def encode(self, decoder) -> list[int]:
         return list(self.token_ids)  # the engine checks emptiness and the vocabulary range
 
     def echo_text(self, decoder, token_ids: list[int]) -> str:
         """The prompt as a completion with ``echo`` repeats it: its tokens' decode."""
-        return decoder.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return decoder.tokenizer.decode(token_ids,
+                                        skip_special_tokens=not self.echo_shows_special_tokens)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class ChatPrompt:
     def __post_init__(self) -> None:
         if not self.messages:
             raise EmptyPromptError("messages is empty; send at least one message, e.g. "
-                                   '[{"role": "user", "content": "Hi"}].')
+                                   '[{"role": "user", "content": "Hi"}].', field="messages")
 
     def encode(self, decoder) -> list[int]:
         return decoder.chat_prompt_ids([{"role": m.role, "content": m.content}

@@ -35,7 +35,7 @@ import uuid
 
 from ..engine.rows import TokenLogprob
 from ..text.decoder import Completion
-from .logprobs import Echo, TokenTexts
+from .logprobs import Echo, TextOffsets, TokenTexts
 from .worker import Delta
 
 DONE_LINE = "data: [DONE]\n\n"
@@ -124,7 +124,7 @@ class CompletionFormat(_Format):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._offsets: dict[int, int] = {}  # choice -> text_offset of its next token
+        self._offsets: dict[int, TextOffsets] = {}  # choice -> its new tokens' text offsets
 
     def body(self, completions: list[Completion], echoes: list[Echo | None]
              ) -> dict[str, object]:
@@ -133,17 +133,31 @@ class CompletionFormat(_Format):
             text = completion.text if echo is None else echo.text + completion.text
             logprobs = None
             if self.token_texts is not None:
-                logprobs = self._logprobs(index, [*_echoed(echo), *(completion.logprobs or [])],
-                                          [*_echoed_ids(echo), *completion.token_ids])
+                offsets = self._start_offsets(index, echo)(completion.token_ids)
+                logprobs = self.token_texts.completion_logprobs(
+                    [*_echoed(echo), *(completion.logprobs or [])],
+                    [*_echoed_ids(echo), *completion.token_ids],
+                    [*_echoed_offsets(echo), *offsets])
             choices.append(self._choice(index, text, completion.finish_reason, logprobs))
         return self._envelope("text_completion", choices, completions)
 
     def opening_chunks(self, echoes: list[Echo | None]) -> list[dict[str, object]]:
         """With echo, each choice's prompt first (and its logprobs)."""
+        if self.token_texts is not None:
+            for index, echo in enumerate(echoes):
+                self._start_offsets(index, echo)
         return [self._envelope("text_completion", [self._choice(
             index, echo.text, None, None if self.token_texts is None
-            else self._logprobs(index, _echoed(echo), echo.token_ids))])
+            else self.token_texts.completion_logprobs(_echoed(echo), echo.token_ids,
+                                                      _echoed_offsets(echo)))])
             for index, echo in enumerate(echoes) if echo is not None]
+
+    def _start_offsets(self, index: int, echo: Echo | None) -> TextOffsets:
+        """Choice ``index``'s text offsets of new tokens, which follow its echoed prompt."""
+        assert self.token_texts is not None
+        self._offsets[index] = TextOffsets(self.token_texts.tokenizer,
+                                           start=0 if echo is None else len(echo.text))
+        return self._offsets[index]
 
     def delta_chunk(self, delta: Delta, index: int) -> dict[str, object]:
         self._count_sent(delta, index)
@@ -158,20 +172,13 @@ class CompletionFormat(_Format):
 
     def _new_logprobs(self, logprobs: list[TokenLogprob], index: int
                       ) -> dict[str, object] | None:
+        """The completions logprobs object of a choice's next new tokens, their text offsets
+        going on from its tokens before."""
         if self.token_texts is None:
             return None
-        return self._logprobs(index, logprobs, [lp.token_id for lp in logprobs])
-
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob | None], token_ids: list[int]
-                  ) -> dict[str, object]:
-        """The completions logprobs object of a choice's next tokens, their text offsets
-        going on from its tokens before."""
-        assert self.token_texts is not None
-        body = self.token_texts.completion_logprobs(logprobs, token_ids,
-                                                     self._offsets.get(index, 0))
-        if token_ids:
-            self._offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
-        return body
+        token_ids = [lp.token_id for lp in logprobs]
+        offsets = self._offsets.get(index) or self._start_offsets(index, None)
+        return self.token_texts.completion_logprobs(logprobs, token_ids, offsets(token_ids))
 
     @staticmethod
     def _choice(index: int, text: str, finish_reason: str | None,
@@ -189,6 +196,14 @@ def _echoed(echo: Echo | None) -> list[TokenLogprob | None]:
 
 def _echoed_ids(echo: Echo | None) -> list[int]:
     return [] if echo is None else echo.token_ids
+
+
+def _echoed_offsets(echo: Echo | None) -> list[int]:
+    """An echoed prompt's text offsets (computed with its logprobs), or none without echo."""
+    if echo is None:
+        return []
+    assert echo.text_offsets is not None and len(echo.text_offsets) == len(echo.token_ids)
+    return echo.text_offsets
 
 
 class ChatFormat(_Format):

@@ -7,11 +7,13 @@ Two layers of checks, two status codes:
   400  the types are right but a value is not accepted: max_tokens outside 1..--max-tokens-limit
        (0 too with echo), n < 1, more choices (prompts x n) than one request may run, logprobs
        that are not an integer from 0 to 20, a logit_bias key that is not a token id
-       (ParameterError here), and the library's own range checks (temperature >= 0, top_p in
-       (0, 1], top_k >= 1, min_p in [0, 1], penalties in [-2, 2], repetition_penalty > 0, a
-       bias in [-100, 100], seed, num_draft_tokens), run here by building the library's
-       configs, before the request is queued (a logit_bias id beyond the vocabulary: when the
-       row is prepared, also a 400).
+       (ParameterError here), and the library's own range checks (temperature in [0, 1e4],
+       top_p in (0, 1], top_k >= 1, min_p in [0, 1], penalties in [-2, 2],
+       repetition_penalty in [0.01, 100], a bias in [-100, 100], each token id once, seed,
+       num_draft_tokens), run here by building the library's configs, before the request is
+       queued (a logit_bias id beyond the vocabulary, prompt ids, the context window: when
+       the row is prepared, also a 400). Every 400 names its field in the error's param
+       (the library's ConfigError.field, errors.py); the JSON schema shows these ranges.
 Choices: a request may carry several prompts (/v1/completions: a list of texts or of token-id
 lists) and ask for ``n`` choices of each, as OpenAI's API does; choice i (prompt i // n) is a
 row of its own in the batch, seeded with seed + i when a seed is given (so a seeded request
@@ -40,12 +42,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from ..config import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, GenerationConfig, PenaltyConfig,
-                      SamplingConfig)
+from ..config import (MAX_LOGIT_BIAS, MAX_NUM_DRAFT_TOKENS, MAX_PENALTY,
+                      MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+                      MIN_REPETITION_PENALTY, GenerationConfig, PenaltyConfig, SamplingConfig)
 from ..errors import EmptyPromptError
 from ..text.grammar import Grammar, InvalidConstraintError, compile_response_format
 from .errors import ParameterError, UnsupportedParameter
@@ -107,27 +110,41 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _ranged(about: str, **bounds: float) -> Any:
+    """An optional field whose range the library checks (a 400 naming it), shown in the JSON
+    schema (minimum, maximum, ...) but not enforced by pydantic (which would answer 422)."""
+    return Field(None, description=about, json_schema_extra=bounds)
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept only to refuse OUTPUT_CHANGING_FIELDS
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None  # extension
-    seed: StrictInt | None = None
+    temperature: Number | None = _ranged("0 = greedy", minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: Number | None = _ranged("nucleus mass kept", exclusiveMinimum=0, maximum=1)
+    top_k: StrictInt | None = _ranged("extension: the k most likely tokens kept", minimum=1)
+    seed: StrictInt | None = _ranged("choice i is seeded with seed + i", minimum=0,
+                                     maximum=2**63 - 1)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
-    num_draft_tokens: StrictInt | None = None  # extension: speculation depth k for this request
+    num_draft_tokens: StrictInt | None = _ranged(  # extension
+        "the speculation depth k of this request", minimum=1, maximum=MAX_NUM_DRAFT_TOKENS)
     ignore_eos: StrictBool = False  # extension (vLLM, llama.cpp): do not stop at EOS tokens
     min_tokens: StrictInt = 0  # extension (vLLM): no EOS token before this many tokens
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None  # extension (vLLM): Hugging Face's, 1 = off
-    min_p: Number | None = None  # extension (vLLM)
-    logit_bias: dict[str, Number] | None = None
+    presence_penalty: Number | None = _ranged("OpenAI's", minimum=-MAX_PENALTY,
+                                              maximum=MAX_PENALTY)
+    frequency_penalty: Number | None = _ranged("OpenAI's", minimum=-MAX_PENALTY,
+                                               maximum=MAX_PENALTY)
+    repetition_penalty: Number | None = _ranged(  # extension (vLLM)
+        "Hugging Face's, over prompt and output; 1 = off", minimum=MIN_REPETITION_PENALTY,
+        maximum=MAX_REPETITION_PENALTY)
+    min_p: Number | None = _ranged("extension (vLLM)", minimum=0, maximum=1)
+    logit_bias: dict[str, Number] | None = Field(
+        None, description=f"{{token id: bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]}}, "
+        "each token id once")
     response_format: ResponseFormat | None = None
 
 
@@ -301,8 +318,11 @@ def _params(body: _SamplingFields, prompts: tuple[Prompt, ...],
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias))
-    # the library's own range checks, before the request is queued (ConfigError -> 400)
-    GenerationConfig(max_new_tokens=max_tokens or 1, num_draft_tokens=body.num_draft_tokens or 1,
+    # the library's own range checks, before the request is queued (ConfigError -> 400, its
+    # field the error's param)
+    GenerationConfig(max_new_tokens=max_tokens or 1,
+                     num_draft_tokens=(1 if body.num_draft_tokens is None
+                                       else body.num_draft_tokens),
                      sampling=sampling, seed=body.seed, penalty=penalty, logprobs=logprobs)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if not all(stop):
@@ -377,12 +397,13 @@ def _completion_prompts(prompt: str | list) -> tuple[Prompt, ...]:
     if isinstance(prompt, str):
         return (TextPrompt(prompt),)
     if not prompt:
-        raise EmptyPromptError("prompt is an empty list; pass some text or token ids.")
+        raise EmptyPromptError("prompt is an empty list; pass some text or token ids.",
+                               field="prompt")
     if all(isinstance(t, int) for t in prompt):
         return (TokenPrompt(tuple(prompt)),)
     if any(isinstance(p, list) and not p for p in prompt):
         raise EmptyPromptError("prompt holds an empty list of token ids; every prompt needs at "
-                               "least one token.")
+                               "least one token.", field="prompt")
     return tuple(TextPrompt(p) if isinstance(p, str) else TokenPrompt(tuple(p)) for p in prompt)
 
 

@@ -13,7 +13,8 @@ The order, the same for draft and target, before the min_tokens ban, the grammar
 then temperature, top-k, top-p and min-p (spec/sampling.py):
   1. logit_bias is added (OpenAI's);
   2. repetition_penalty (Hugging Face's): a token seen in prompt or output has its positive
-     logit divided by it, its negative one multiplied;
+     logit divided by it, its negative one multiplied (saturating at fp32's largest finite
+     magnitude, never overflowing to inf);
   3. frequency_penalty times the token's count in the output is subtracted, then
      presence_penalty once for a token the output holds (OpenAI's).
 
@@ -77,13 +78,25 @@ def _penalized(logits: torch.Tensor, bias: torch.Tensor | None, counts: torch.Te
     if bias is not None:
         logits = logits + bias
     if seen is not None:
-        rp = penalty.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = torch.where(seen, _repetition_scaled(logits, penalty.repetition_penalty), logits)
     if penalty.frequency_penalty:
         logits = logits - penalty.frequency_penalty * counts
     if penalty.presence_penalty:
         logits = logits - penalty.presence_penalty * (counts > 0).float()
     return logits
+
+
+def _repetition_scaled(logits: torch.Tensor, repetition_penalty: float) -> torch.Tensor:
+    """Step 2 on every entry: a positive logit divided by the penalty, a negative one
+    multiplied, [P, N] -> [P, N]. A finite logit stays finite: past fp32's range the result
+    saturates at its largest magnitude (within PenaltyConfig's bounds only a logit beyond 3e36
+    gets there), where +inf would make the row's softmax NaN; an infinite or NaN logit stays
+    what it is, for the sampler's NonFiniteError."""
+    scaled = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+    return torch.where(torch.isfinite(logits), scaled.clamp(-_FP32_MAX, _FP32_MAX), logits)
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _draft_counts(drafted: Sequence[int], touched: list[int], num_positions: int

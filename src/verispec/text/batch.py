@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from ..config import plain_number
 from ..engine.batch import Batch, check_prompts
 from ..engine.prefill import ChunkedPrefill
 from ..engine.constraints import ConstraintSet
@@ -193,7 +194,7 @@ def row_settings(settings: dict[str, object], num_prompts: int) -> list[dict[str
     one list (or None) per prompt varies per row."""
     rows: list[dict[str, object]] = [dict(settings) for _ in range(num_prompts)]
     for name in PER_ROW_SETTINGS:
-        value = settings.get(name)
+        value = plain_number(settings.get(name))  # a numpy seed is an int seed too
         if name == "seed" and isinstance(value, int) and not isinstance(value, bool):
             for i, row in enumerate(rows):
                 row["seed"] = (value + i) % 2**63
@@ -205,7 +206,7 @@ def row_settings(settings: dict[str, object], num_prompts: int) -> list[dict[str
             continue
         if len(value) != num_prompts:
             raise ConfigError(f"{name} has {len(value)} values for {num_prompts} prompts; give "
-                              "one value for all of them or one per prompt.")
+                              "one value for all of them or one per prompt.", field=name)
         for row, item in zip(rows, value):
             row[name] = item
     return rows

@@ -93,7 +93,7 @@ class ChatTemplate:
             raise
         except Exception as exc:  # a template's own checks, or a message shape it rejects
             raise InputError(f"messages cannot be rendered by chat template {self.name!r}: "
-                             f"{exc}; check the roles and their order.") from exc
+                             f"{exc}; check the roles and their order.", field="messages") from exc
 
 
 @lru_cache(maxsize=16)
@@ -112,7 +112,7 @@ def _compile(name: str, source: str):
 
 
 def _raise_template_error(message: str) -> None:
-    raise InputError(f"the chat template rejected the messages: {message}")
+    raise InputError(f"the chat template rejected the messages: {message}", field="messages")
 
 
 def chat_template_for(name: str | Path | None, tokenizer) -> ChatTemplate | None:
@@ -177,13 +177,13 @@ def check_messages(messages: object) -> list[dict[str, str]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InputError(f"messages={messages!r:.80} is invalid: expected a non-empty list of "
                          '{"role": ..., "content": ...} dicts, e.g. '
-                         '[{"role": "user", "content": "Hi"}].')
+                         '[{"role": "user", "content": "Hi"}].', field="messages")
     checked = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not all(
                 isinstance(message.get(field), str) for field in ("role", "content")):
             raise InputError(f"messages[{index}]={message!r:.80} is invalid: expected a dict "
-                             'with text "role" and "content".')
+                             'with text "role" and "content".', field="messages")
         check_text(message["role"], f"messages[{index}].role")
         check_text(message["content"], f"messages[{index}].content")
         checked.append({"role": message["role"], "content": message["content"]})

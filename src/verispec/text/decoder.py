@@ -18,14 +18,13 @@ from typing import Literal
 import torch
 
 from ..policy.base import AdaptivePolicyConfig
-from ..engine.batch import check_prompts
 from ..engine.constraints import ConstraintSet
 from ..engine.rows import TokenLogprob
 from ..engine.scoring import score_prompt
 from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
 from ..config import GenerationConfig, SamplingConfig
 from ..spec.checks import as_index
-from .prompts import check_text
+from .prompts import check_prompt_ids, check_text
 from ..errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from ..proposers import ModelFreeDraft
 from .assemble import DecoderOptions, LoadedModel, assemble
@@ -103,7 +102,7 @@ class Decoder:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise EmptyPromptError("the chat template rendered the messages as no tokens; send "
-                                   "a message with some content.")
+                                   "a message with some content.", field="messages")
         return ids
 
     def prompt_logprobs(self, prompt: str | Sequence[int], num_top: int = 0
@@ -117,12 +116,12 @@ class Decoder:
 
             [lp.logprob for lp in dec.prompt_logprobs("The cat sat")[1:]]
         """
-        prompt_ids = check_prompts([self._encode(prompt)], self.target.vocab_size)[0]
+        prompt_ids = self._encode(prompt)
         window = self.target.max_positions
         if window is not None and len(prompt_ids) > window:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt_ids)} tokens, more than the target's context window "
-                f"of {window}; shorten it.")
+                f"of {window}; shorten it.", field="prompt")
         return score_prompt(self.target, prompt_ids, num_top)
 
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], speculative: bool = True,
@@ -134,7 +133,7 @@ class Decoder:
         check_keywords(RequestSettings, "stream_batch", settings)
         if not is_batch(prompts):
             raise InputError(f"prompts must be a non-empty list of texts or token-id lists; got "
-                             f"{prompts!r:.80}.")
+                             f"{prompts!r:.80}.", field="prompts")
         text_batch = self.open_batch(speculative, adaptive)
         text_batch.add_rows([text_batch.prepare(prompts[index], index, adaptive=adaptive, **row)
                              for index, row in enumerate(row_settings(settings, len(prompts)))])
@@ -192,7 +191,8 @@ class Decoder:
         check_flag("speculative", speculative)
         if speculative and self.engine.proposer is None:
             raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
-                              "(a model, or NgramDraft()) to verispec.load, or speculative=False.")
+                              "(a model, or NgramDraft()) to verispec.load, or speculative=False.",
+                              field="speculative")
 
     def _constraints(self, response_format: Mapping[str, object] | Grammar | None,
                      min_new_tokens: int, max_new_tokens: int) -> ConstraintSet | None:
@@ -202,7 +202,8 @@ class Decoder:
             return None
         if min_new_tokens:
             raise ConfigError("min_new_tokens cannot be combined with response_format: the "
-                              "grammar decides where the output may end; drop one.")
+                              "grammar decides where the output may end; drop one.",
+                              field="min_new_tokens")
         if self._constraint_index is None:  # built once: about a second for a large vocabulary
             self._constraint_index = TokenizerIndex(self.tokenizer, self.target.vocab_size,
                                                     self.stop_token_ids)
@@ -211,19 +212,24 @@ class Decoder:
         if forced > max_new_tokens:
             raise InvalidConstraintError(
                 f"response_format ({grammar.kind}) forces {forced} tokens before its output can "
-                f"end, more than max_new_tokens={max_new_tokens}: raise max_new_tokens.")
+                f"end, more than max_new_tokens={max_new_tokens}: raise max_new_tokens.",
+                field="max_new_tokens")
         return constraints
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids, each in the target's vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
-                raise EmptyPromptError("prompt is empty; pass some text or token ids.")
+                raise EmptyPromptError("prompt is empty; pass some text or token ids.",
+                                       field="prompt")
             check_text(prompt, "prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = list(self.tokenizer.encode(prompt))
         else:
             ids = _token_ids(prompt)
         if not ids:
-            raise EmptyPromptError("prompt encodes to no tokens; pass some text or token ids.")
+            raise EmptyPromptError("prompt encodes to no tokens; pass some text or token ids.",
+                                   field="prompt")
+        check_prompt_ids(ids, self.target.vocab_size)
         return ids
 
     def _check_context(self, num_prompt_tokens: int, config: GenerationConfig,
@@ -239,7 +245,7 @@ class Decoder:
                     f"prompt ({num_prompt_tokens} tokens) + max_new_tokens "
                     f"({config.max_new_tokens}) + draft depth ({k}) = {needed} exceeds the "
                     f"{role}'s context window of {lm.max_positions} tokens; shorten the prompt or "
-                    "lower max_new_tokens.")
+                    "lower max_new_tokens.", field="prompt")
 
 
 def _token_ids(prompt: object) -> list[int]:
@@ -247,19 +253,19 @@ def _token_ids(prompt: object) -> list[int]:
     integer tensor. Bytes are refused rather than read as ids (b"hi" would be [104, 105])."""
     if isinstance(prompt, (bytes, bytearray)):
         raise InputError("prompt is bytes; decode it to text first (prompt.decode('utf-8')) or "
-                         "pass a list of token ids.")
+                         "pass a list of token ids.", field="prompt")
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or (
                 prompt.dtype == torch.bool):
             raise InputError(f"prompt as a tensor must be 1-D of integer token ids; got shape "
-                             f"{tuple(prompt.shape)} and dtype {prompt.dtype}.")
+                             f"{tuple(prompt.shape)} and dtype {prompt.dtype}.", field="prompt")
         return prompt.tolist()
     if not isinstance(prompt, Sequence):
         raise InputError(f"prompt must be a string or a list of token ids; got "
-                         f"{type(prompt).__name__}.")
+                         f"{type(prompt).__name__}.", field="prompt")
     ids = [as_index(token) for token in prompt]
     if None in ids:
         position = ids.index(None)
         raise InputError(f"prompt[{position}]={prompt[position]!r:.40} is not a token id; pass "
-                         "text, or a list of ints.")
+                         "text, or a list of ints.", field="prompt")
     return ids

@@ -9,7 +9,8 @@ neighbour (SentencePiece's word-start space, dropped at the start of a decode) d
 boundary as they would in one piece.
 
 What this is not: a tokenizer. It calls ``tokenizer.decode(ids, skip_special_tokens=True)``
-(any Hugging Face tokenizer) and nothing else.
+(any Hugging Face tokenizer; False where asked, for a text that shows special tokens) and
+nothing else.
 
 Worked example, the byte tokens of "ü" = [C3, BC] arriving one per step after "a":
   step 1: window [a]          -> "a"          new text "a"; the window moves to [a]
@@ -29,11 +30,13 @@ class IncrementalDetokenizer:
     concatenate to the decode of all the tokens (for byte-level BPE exactly; the tests check
     it against whole decodes for byte-level and SentencePiece-style tokenizers)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self._window = 0  # first token of the decode window: the previous step's new tokens
         self._read = 0  # tokens whose text has been returned
+        self.held = ""  # the text of the tokens not returned yet: "", or ending in U+FFFD
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Append ``token_ids`` and return the text they complete: "" while the tokens not yet
@@ -45,9 +48,12 @@ class IncrementalDetokenizer:
         before = self._decode(self.token_ids[self._window : self._read])
         window = self._decode(self.token_ids[self._window :])
         if not final and (len(window) <= len(before) or window.endswith(REPLACEMENT)):
+            self.held = window[len(before) :]
             return ""
-        self._window, self._read = self._read, len(self.token_ids)
+        self._window, self._read, self.held = self._read, len(self.token_ids), ""
         return window[len(before) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+        if not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

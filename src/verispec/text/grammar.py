@@ -19,7 +19,11 @@ from ..errors import ConfigError, UnsupportedFeatureError
 
 class InvalidConstraintError(ConfigError):
     """A response_format that cannot be compiled: a bad schema, a regex that does not compile,
-    a grammar with a syntax error, a keyword the grammar engine does not support."""
+    a grammar with a syntax error, a keyword the grammar engine does not support. Its field is
+    response_format unless another is named."""
+
+    def __init__(self, *args: object, field: str | None = "response_format") -> None:
+        super().__init__(*args, field=field)
 
 
 @dataclass(frozen=True)

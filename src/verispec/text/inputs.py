@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, TypeVar
 
-from ..config import GenerationConfig, PenaltyConfig
+from ..config import GenerationConfig, PenaltyConfig, plain_number
 from ..engine.constraints import ConstraintSet
 from .grammar import Grammar
 from ..errors import ConfigError
@@ -30,7 +30,8 @@ class RequestSettings:
 
     max_new_tokens: the most tokens generated. Generation also stops at the tokenizer's
     end-of-generation tokens and at a stop string.
-    temperature, top_k, top_p: the sampling settings (SamplingConfig); temperature 0 is greedy.
+    temperature, top_k, top_p: the sampling settings (SamplingConfig); temperature 0 is greedy,
+    at most 10000.
     seed: the text is then the same for any k, draft, depth policy and batch, and with
     ``speculative=False`` (each token is the target's sample on clocks keyed by the seed and its
     position, spec/seeded.py).
@@ -51,7 +52,7 @@ class RequestSettings:
     verification: "block" or "token", the rule that tests an unseeded sampled row's draft-model
     tokens; None: the decoder's.
     presence_penalty, frequency_penalty: OpenAI's, over the generated tokens, in [-2, 2].
-    repetition_penalty: Hugging Face's, over prompt and output (1 = off).
+    repetition_penalty: Hugging Face's, over prompt and output, in [0.01, 100] (1 = off).
     logit_bias: {token id: bias in [-100, 100]} added to the logits.
     min_p: keep tokens at least min_p times as likely as the most likely one (None = off).
     Penalties and bias are applied at every verified position counting the block's earlier
@@ -60,8 +61,10 @@ class RequestSettings:
     logprobs: None, or N in 0..20: each new token's logprob under the distribution it was
     drawn from, with the N most likely alternatives (Completion.logprobs, TextRow.logprobs).
 
-    The values are checked where the decoder turns them into a GenerationConfig
-    (Decoder.prepare), since k and the depth policy default to the decoder's.
+    A number may be a numpy scalar (np.int64(5), np.float32(0.5)): it is read as the Python
+    number it holds (a bool is never a number). The values are checked where the decoder turns
+    them into a GenerationConfig (Decoder.prepare), since k and the depth policy default to the
+    decoder's; an error names its setting (ConfigError.field).
     """
 
     max_new_tokens: int = 64
@@ -97,14 +100,18 @@ def penalty_config(settings: RequestSettings, vocab_size: int) -> PenaltyConfig:
         pairs: tuple[tuple[int, float], ...] = ()
     elif not isinstance(bias, Mapping):
         raise ConfigError(f"logit_bias={bias!r:.60} is invalid: expected a mapping "
-                          "{token id: bias}, e.g. {50256: -100}.")
+                          "{token id: bias}, e.g. {50256: -100}.", field="logit_bias")
     else:
         for token in bias:
+            token = plain_number(token)
             if isinstance(token, bool) or not isinstance(token, int) or not (
                     0 <= token < vocab_size):
                 raise ConfigError(f"logit_bias key {token!r:.40} is invalid: expected a token "
-                                  f"id of the model, an integer in [0, {vocab_size}).")
-        pairs = tuple(sorted(bias.items()))
+                                  f"id of the model, an integer in [0, {vocab_size}).",
+                                  field="logit_bias")
+        # numpy keys as ints (PenaltyConfig refuses two keys of one id, e.g. 5 and np.int64(5))
+        pairs = tuple(sorted(((plain_number(token), value) for token, value in bias.items()),
+                             key=lambda pair: pair[0]))
     return PenaltyConfig(presence_penalty=settings.presence_penalty,
                          frequency_penalty=settings.frequency_penalty,
                          repetition_penalty=settings.repetition_penalty, logit_bias=pairs)
@@ -113,7 +120,7 @@ def penalty_config(settings: RequestSettings, vocab_size: int) -> PenaltyConfig:
 def check_flag(name: str, value: object) -> None:
     """``value`` is True or False, else ConfigError naming ``name``."""
     if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} is invalid: expected True or False.")
+        raise ConfigError(f"{name}={value!r} is invalid: expected True or False.", field=name)
 
 
 def check_keywords(settings_class: type, caller: str, given: Mapping[str, object]) -> None:
@@ -124,7 +131,7 @@ def check_keywords(settings_class: type, caller: str, given: Mapping[str, object
     if unknown:
         raise UnknownSettingError(
             f"{caller}() got an unexpected keyword argument {unknown[0]!r}; expected one of "
-            f"{', '.join(names)} ({settings_class.__name__}).")
+            f"{', '.join(names)} ({settings_class.__name__}).", field=unknown[0])
 
 
 def settings_of(settings_class: type[S], caller: str, given: Mapping[str, object]) -> S:

@@ -49,7 +49,7 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     stops = tuple(stop) if isinstance(stop, Sequence) and not isinstance(stop, str) else (stop,)
     if not all(isinstance(s, str) and s for s in stops):
         raise ConfigError(f"stop={stop!r} is invalid: expected a non-empty string or a list of "
-                          "non-empty strings.")
+                          "non-empty strings.", field="stop")
     return stops
 
 

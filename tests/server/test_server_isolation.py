@@ -8,7 +8,9 @@ default block rule (T = 0.1, 64 tokens, k = 4: they failed in the block rule's a
 its fix, and must succeed or fail alone either way). The long streams must end with the texts
 they have alone, each faulty request gets its own error (an error status with the OpenAI error body,
 or an error event in its stream), and the server goes on serving: a greedy request afterwards
-returns the reference text, and no row is left running.
+returns the reference text, and no row is left running. A fault of the work every request
+shares (the target's pass, made to fail once) ends each request of the batch with a 500
+batch_failed, and the next requests are served as before.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from verispec.engine.target import TargetScorer
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import load_decoder
 
@@ -140,3 +143,36 @@ def test_a_dead_end_grammar_gets_a_400_naming_response_format(server):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "response_format" in error["message"]
+
+
+def test_a_fault_of_the_shared_pass_ends_each_request_of_the_batch_with_a_500(server,
+                                                                               monkeypatch):
+    # the target's pass is the work every row shares: its fault ends the whole batch, each
+    # request with batch_failed naming the cause's type, and the next batch serves as before
+    reference = httpx.post(server.url + "/v1/completions", json=SHORT,
+                           timeout=120).json()["choices"][0]["text"]
+    results: dict[str, tuple[str, dict | None]] = {}
+    started = {name: threading.Event() for name in LONG}
+    streams = [threading.Thread(target=lambda name=name: results.update(
+        {name: _streamed(server.url, LONG[name], started[name])})) for name in LONG]
+    for stream in streams:
+        stream.start()
+    assert all(event.wait(120) for event in started.values())
+    score, failed = TargetScorer.score, []
+
+    def failing_once(self, *args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("the target's pass failed (injected)")
+        return score(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetScorer, "score", failing_once)
+    for stream in streams:
+        stream.join(300)
+    assert failed
+    for name, (_, error) in results.items():
+        assert error is not None and error["code"] == "batch_failed", (name, error)
+        assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    monkeypatch.undo()
+    after = httpx.post(server.url + "/v1/completions", json=SHORT, timeout=120)
+    assert after.json()["choices"][0]["text"] == reference

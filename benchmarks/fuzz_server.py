@@ -1,6 +1,6 @@
-"""Fuzz ``verispec serve`` with request settings at and around their bounds, many batch mates at once.
+"""Fuzz ``verispec serve``: request settings at and past their bounds, many batch mates at once.
 
-    python benchmarks/fuzz_server.py                          # 2000 requests, demo pair started here
+    python benchmarks/fuzz_server.py                          # 2000 requests, the demo pair
     python benchmarks/fuzz_server.py --requests 60 --clients 4
     python benchmarks/fuzz_server.py --url http://127.0.0.1:8000 --seed 7
 

@@ -1,16 +1,17 @@
 """No request can fail another: a real uvicorn on 127.0.0.1 serving the demo pair.
 
 Two clients stream long completions (greedy, and seeded sampled) while others send requests
-that fail on faults of their own, at once, as batch mates of those streams: a grammar with a dead end (streamed and not), a
-repetition_penalty small enough to overflow a logit (refused up front once the settings are
-bounded, else a NonFiniteError of that row's own), and low-temperature sampled requests on the
-default block rule (T = 0.1, 64 tokens, k = 4: they failed in the block rule's arithmetic until
-its fix, and must succeed or fail alone either way). The long streams must end with the texts
-they have alone, each faulty request gets its own error (an error status with the OpenAI error body,
-or an error event in its stream), and the server goes on serving: a greedy request afterwards
-returns the reference text, and no row is left running. A fault of the work every request
-shares (the target's pass, made to fail once) ends each request of the batch with a 500
-batch_failed, and the next requests are served as before.
+that fail on faults of their own, all at once, as batch mates of those streams: a grammar with
+a dead end (streamed and not), a repetition_penalty small enough to overflow a logit (refused
+up front once the settings are bounded, else a NonFiniteError of that row's own), and
+low-temperature sampled requests on the default block rule (T = 0.1, 64 tokens, k = 4: they
+failed in the block rule's arithmetic until its fix, and must succeed or fail alone either
+way). The long streams must end with the texts they have alone, each faulty request gets its
+own error (an error status with the OpenAI error body, or an error event in its stream), and
+the server goes on serving: a greedy request afterwards returns the reference text, and no row
+is left running. A fault of the work every request shares (the target's pass, made to fail
+once) ends each request of the batch with a 500 batch_failed, and the next requests are served
+as before.
 """
 
 from __future__ import annotations

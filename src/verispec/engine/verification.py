@@ -169,17 +169,11 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
     with their own generators."""
     num_rows, width = draft_tokens.shape
     num_accepted, output_tokens = [0] * num_rows, [[0] + [PAD_TOKEN] * width] * num_rows
-    greedy = [b for b in target_out["greedy"] if b not in faults]
     sampled = target_out["sampled"]
     draft_rows = draft_tokens.tolist()
-    if greedy:
-        target_tokens = target_out["greedy_tokens"]
-        for part, (accepted, outputs) in run_isolated(greedy, lambda part: verify_greedy_rows(
-                [draft_rows[b][: num_draft[b]] for b in part],
-                [target_tokens[b][: num_draft[b] + 1] for b in part], vocab_size),
-                _failer(faults)):
-            for b, n, tokens in zip(part, accepted, outputs):
-                num_accepted[b], output_tokens[b] = n, tokens
+    for b, (n, tokens) in _verify_greedy(draft_rows, num_draft, target_out, vocab_size,
+                                         faults).items():
+        num_accepted[b], output_tokens[b] = n, tokens
     target_probs = target_out.get("target_probs")  # [S, K+1, V], rows in `sampled` order
     by_rule: dict[str, list[int]] = {}
     for position, b in enumerate(sampled):
@@ -197,13 +191,30 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
     for rule, positions in by_rule.items():
         chosen = [sampled[position] for position in positions]
         verified = _verify_drawing(verify_block_rows if rule == "block" else verify_rows,
-                                   [rows[b].generator for b in chosen], [num_draft[b] for b in chosen],
+                                   [rows[b].generator for b in chosen],
+                                   [num_draft[b] for b in chosen],
                                    _take(draft_tokens, chosen), _take(draft_probs, chosen),
                                    _take(target_probs, positions), _failer(faults, chosen))
         for i, (n, tokens) in verified.items():
             num_accepted[chosen[i]], output_tokens[chosen[i]] = n, tokens
     assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
     return num_accepted, output_tokens
+
+
+def _verify_greedy(draft_rows: list[list[int]], num_draft: list[int],
+                   target_out: dict[str, object], vocab_size: int, faults: RowFaults
+                   ) -> dict[int, tuple[int, list[int]]]:
+    """The greedy rows (not in ``faults``) by spec.greedy.verify_greedy_rows on host lists:
+    {row: (num_accepted, output tokens)}; a row that raises joins ``faults``."""
+    greedy = [b for b in target_out["greedy"] if b not in faults]
+    target_tokens = target_out.get("greedy_tokens", {})
+    verified = {}
+    for part, (accepted, outputs) in run_isolated(greedy, lambda part: verify_greedy_rows(
+            [draft_rows[b][: num_draft[b]] for b in part],
+            [target_tokens[b][: num_draft[b] + 1] for b in part], vocab_size),
+            _failer(faults)):
+        verified.update(zip(part, zip(accepted, outputs)))
+    return verified
 
 
 def _verify_drawing(verify: Callable, generators: list[torch.Generator], num_draft: list[int],

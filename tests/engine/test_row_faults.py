@@ -9,7 +9,8 @@ verification group's one call, which draws the group's random numbers first: the
 draw the same numbers again). The faulty row ends with finish_reason "error" and its typed
 error; every other row's tokens equal the same row alone. Through the library
 (Decoder.generate over a list, TextBatch): a grammar with a dead end (a genuine fault of the
-request's own) and a row whose text fails; a single prompt still raises its typed error.
+request's own) and a row whose text fails; a single prompt still raises its typed error. On
+the CPU, and on a CUDA device where there is one.
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+import verispec
 from verispec import GenerationConfig, PenaltyConfig, SamplingConfig, SpeculativeDecoder
 from verispec.errors import ConstraintDeadEnd, DraftContractError, NonFiniteError
 from verispec.proposers.base import Proposal
 from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.fixture(scope="module", params=["cpu", CUDA])
+def decoder(request, demo_decoder):
+    """The demo pair on the CPU, and on a CUDA device where there is one (its fast path, step
+    graphs and CUDA generators)."""
+    return demo_decoder if request.param == "cpu" else verispec.load(device="cuda")
 
 GREEDY, HOT = SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.9)
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range("]
@@ -30,8 +41,8 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range
 DEAD_END = {"type": "grammar", "grammar": 'start: "a" x\nx: x "b"'}
 
 
-def _ids(demo_decoder, prompt: str) -> list[int]:
-    return demo_decoder.tokenizer.encode(prompt)
+def _ids(decoder, prompt: str) -> list[int]:
+    return decoder.tokenizer.encode(prompt)
 
 
 def _run(batch, rows) -> list[list[int]]:
@@ -74,9 +85,9 @@ def _configs(verification: str = "block") -> dict[str, GenerationConfig]:
 SEEDS = {"greedy": 1, "seeded": 7, "sampled": 11, "faulty": 13}
 
 
-def test_a_row_whose_logits_turn_nan_fails_alone_and_its_mates_are_unchanged(demo_decoder):
-    engine, configs = demo_decoder.engine, _configs()
-    prompts = dict(zip(configs, (_ids(demo_decoder, p) for p in PROMPTS)))
+def test_a_row_whose_logits_turn_nan_fails_alone_and_its_mates_are_unchanged(decoder):
+    engine, configs = decoder.engine, _configs()
+    prompts = dict(zip(configs, (_ids(decoder, p) for p in PROMPTS)))
     alone = {name: _alone(engine, prompts[name], configs[name], SEEDS[name])
              for name in ("greedy", "seeded", "sampled")}
     batch = engine.batch()
@@ -127,12 +138,12 @@ class _ContractBreaker:
 
 
 @pytest.mark.parametrize("verification", ["block", "token"])
-def test_a_row_whose_verification_fails_leaves_its_rule_mates_draws_unchanged(demo_decoder,
+def test_a_row_whose_verification_fails_leaves_its_rule_mates_draws_unchanged(decoder,
                                                                              verification):
     # three unseeded rows under one rule: verified in one call that draws all their numbers
     # first; the call raises for the faulty row, and the others must get what they would have
-    engine, config = demo_decoder.engine, _configs(verification)["sampled"]
-    prompts = [_ids(demo_decoder, p) for p in PROMPTS[:3]]
+    engine, config = decoder.engine, _configs(verification)["sampled"]
+    prompts = [_ids(decoder, p) for p in PROMPTS[:3]]
     alone = [_alone(engine, prompt, config, seed) for prompt, seed in zip(prompts[:2], (21, 22))]
     faulty_generator = make_generator(23)
     breaker = _ContractBreaker(engine.proposer, faulty_generator, after=4)
@@ -148,23 +159,23 @@ def test_a_row_whose_verification_fails_leaves_its_rule_mates_draws_unchanged(de
     assert all(row.finish_reason == "length" for row in rows[:2])
 
 
-def test_a_prompt_whose_grammar_dead_ends_fails_alone_in_a_list(demo_decoder):
+def test_a_prompt_whose_grammar_dead_ends_fails_alone_in_a_list(decoder):
     settings = {"max_new_tokens": 24, "temperature": [0.0, 0.0, 0.8], "seed": [None, None, 5]}
-    alone = [demo_decoder.generate(PROMPTS[0], max_new_tokens=24),
-             demo_decoder.generate(PROMPTS[2], max_new_tokens=24, temperature=0.8, seed=5)]
-    out = demo_decoder.generate(PROMPTS[:3], response_format=[None, DEAD_END, None], **settings)
+    alone = [decoder.generate(PROMPTS[0], max_new_tokens=24),
+             decoder.generate(PROMPTS[2], max_new_tokens=24, temperature=0.8, seed=5)]
+    out = decoder.generate(PROMPTS[:3], response_format=[None, DEAD_END, None], **settings)
     assert out[1].finish_reason == "error" and isinstance(out[1].error, ConstraintDeadEnd)
     assert "response_format" in str(out[1].error)
     assert [(c.text, c.finish_reason, c.error) for c in (out[0], out[2])] == [
         (c.text, c.finish_reason, None) for c in alone]
     with pytest.raises(ConstraintDeadEnd):  # one prompt: its typed error is raised
-        demo_decoder.generate(PROMPTS[1], max_new_tokens=24, response_format=DEAD_END)
+        decoder.generate(PROMPTS[1], max_new_tokens=24, response_format=DEAD_END)
 
 
-def test_a_rows_text_fault_fails_it_alone(demo_decoder):
+def test_a_rows_text_fault_fails_it_alone(decoder):
     # the tokenizer side: the row's text fails (here its feed raises) after two rounds
-    alone = [demo_decoder.generate(prompt, max_new_tokens=20).text for prompt in PROMPTS[:2]]
-    batch = demo_decoder.open_batch()
+    alone = [decoder.generate(prompt, max_new_tokens=20).text for prompt in PROMPTS[:2]]
+    batch = decoder.open_batch()
     rows = [batch.add(prompt, tag=i, max_new_tokens=20) for i, prompt in enumerate(PROMPTS[:3])]
     feed, calls = rows[2].text.feed, []
 

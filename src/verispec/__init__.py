@@ -9,6 +9,7 @@ from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDec
 from .errors import (
     BackendError,
     ConfigError,
+    ConstraintDeadEnd,
     ContextLengthExceeded,
     DraftContractError,
     EmptyPromptError,
@@ -57,7 +58,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "load", "Decoder", "Completion", "demo_pair",
     "LlamaCppConfig", "BackendError",
-    "ConfigError", "ContextLengthExceeded", "DraftContractError", "EmptyPromptError",
+    "ConfigError", "ConstraintDeadEnd", "ContextLengthExceeded", "DraftContractError",
+    "EmptyPromptError",
     "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
     "TokenOutOfRangeError", "UnsupportedFeatureError", "UnsupportedModelError", "VerispecError",
     "GenerationConfig", "SamplingConfig", "PenaltyConfig", "TokenLogprob",

@@ -46,6 +46,12 @@ class NonFiniteError(VerispecError, ArithmeticError):
     """NaN or +inf logits, or NaN/inf probabilities: never sampled from silently."""
 
 
+class ConstraintDeadEnd(ConfigError):
+    """A row's response_format admits no continuation of the text generated so far (an empty
+    language, or a rule that can never end): the grammar engine allows no next token. The row
+    fails with it alone; its batch mates go on."""
+
+
 class DraftContractError(VerispecError, RuntimeError):
     """A proposer broke its contract: it proposed a token its reported distribution gives p = 0."""
 

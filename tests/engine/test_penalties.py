@@ -59,7 +59,7 @@ def _first_two(target, draft, penalty, k: int, seed: int) -> tuple[np.ndarray, f
     return np.array(result.token_ids)[:, :2], result.metrics.acceptance_rate
 
 
-def _committed_only(rows, target_logits, draft_tokens, num_draft):
+def _committed_only(rows, target_logits, draft_tokens, num_draft, faults):
     """The control: every position of a block shaped from the committed tokens alone."""
     shaped = target_logits.float().clone()
     for b, row in enumerate(rows):
@@ -86,7 +86,7 @@ def test_first_two_tokens_follow_the_penalised_law(penalty, draft_kind, k):
 @pytest.mark.parametrize("penalty", [PENALTY, BIAS], ids=["penalty", "bias"])
 def test_control_ignoring_draft_tokens_inside_the_block_is_rejected(monkeypatch, penalty):
     if penalty is BIAS:  # a bias has no history: the control drops it past the block's start
-        def control(rows, target_logits, draft_tokens, num_draft):
+        def control(rows, target_logits, draft_tokens, num_draft, faults):
             shaped = target_logits.float().clone()
             for b, row in enumerate(rows):
                 shaped[b, :1] = row.shape_logits(target_logits[b, :1])

@@ -24,6 +24,13 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
 Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
 caches untouched) and leave (:meth:`Batch.remove`, or by finishing).
 
+Faults: a fault of one row's own work (its drafting or shaping, non-finite logits, its rule's
+arithmetic, its grammar's dead end, its logprobs) fails that row alone (Row.fail,
+finish_reason "error", Row.error): it takes no token that round and leaves, and its batch
+mates' tokens are exactly what they would have been (verification.py, Proposal.faults). A
+fault of the work the rows share (the models' passes, their caches, the proposer's state)
+raises from :meth:`Batch.step`: the batch is then unusable.
+
 Exactness per row: a row's tokens are drawn from its own distributions with its own random
 numbers, so its output law is the target's whatever the other rows do. A seeded row's tokens
 are the target's samples at their positions on clocks keyed by its seed, so they are the same
@@ -42,12 +49,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
-from .verification import (ban_early_stops, emitted_logprobs, shape_target_logits,
-                           target_outputs, verify_batch)
+from .verification import (RowFaults, ban_early_stops, emitted_logprobs,
+                           shape_target_logits, target_outputs, verify_batch)
 from .prefill import ChunkedPrefill
 from ..config import GenerationConfig
 from .constraints import ConstraintSet
@@ -179,42 +187,53 @@ class Batch:
             self.proposer.catch_up()
         captures = self._num_captured()
         started = time.perf_counter()
+        faults: RowFaults = {}  # rows failing on faults of their own this round -> errors
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
-        draft_tokens, draft_probs, num_draft, allowed = self._propose(plan.num_draft_tokens)
+        draft_tokens, draft_probs, num_draft, allowed = self._propose(plan.num_draft_tokens,
+                                                                      faults)
         draft_time = _synced_elapsed(started, draft_tokens)
         # 2. score: one target pass over each row's pending token and its k_b draft tokens
         target_started = time.perf_counter()
         target_logits = ban_early_stops(self.rows, shape_target_logits(
-            self.rows, self.target.score(draft_tokens, num_draft), draft_tokens, num_draft))
-        target_out = target_outputs(self.rows, target_logits, allowed)  # [B, K+1, V] each
+            self.rows, self.target.score(draft_tokens, num_draft), draft_tokens, num_draft,
+            faults))
+        target_out = target_outputs(self.rows, target_logits, allowed, faults)  # [B, K+1, V]
         target_time = _synced_elapsed(target_started, target_logits)
         # 3. verify each row on its first k_b tokens
         verify_started = time.perf_counter()
         measured, output_tokens = verify_batch(self.rows, draft_tokens, draft_probs, num_draft,
-                                               target_out, self.vocab_size)
+                                               target_out, self.vocab_size, faults)
         # a round that only measures drafting keeps each row's first token: rows in step stay so
         num_accepted = [0] * len(self.rows) if plan.measuring else measured
         # 4. commit / rewind both sides (and the grammar) to the accepted prefix + the new token
-        self._commit(num_accepted, [row[n] for row, n in zip(output_tokens, num_accepted)])
-        # 5. emit (with their logprobs, for the rows that ask)
+        self._commit(num_accepted, [row[n] for row, n in zip(output_tokens, num_accepted)],
+                     faults)
+        # 5. emit (with their logprobs, for the rows that ask); a failed row takes nothing
         logprobs = emitted_logprobs(self.rows, target_logits, allowed, output_tokens,
-                                    num_accepted)
-        emitted = [(row, row.emit(tokens[: n + 1], row_logprobs)) for row, tokens, n, row_logprobs
-                   in zip(self.rows, output_tokens, num_accepted, logprobs)]
+                                    num_accepted, faults)
+        self._take_constraint_faults(faults)
+        emitted = [(row, _emit_or_fail(row, tokens[: n + 1], row_logprobs, faults.get(b)))
+                   for b, (row, tokens, n, row_logprobs)
+                   in enumerate(zip(self.rows, output_tokens, num_accepted, logprobs))]
         times = {"draft_time": draft_time, "target_time": target_time,
                  "verify_time": time.perf_counter() - verify_started,
                  "wall_time": time.perf_counter() - started}
-        self._record(RoundReport(draft_tokens.shape[1], plan.num_draft_tokens, num_draft,
-                                 measured, times, self._num_captured() > captures),
-                     emitted, plan.measuring)
+        self._record(_without_failed(RoundReport(
+            draft_tokens.shape[1], plan.num_draft_tokens, num_draft, measured, times,
+            self._num_captured() > captures), faults), emitted, plan.measuring)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
 
     def _num_captured(self) -> int:
         return sum(model.num_captured for model in self._capturers)
 
-    def _commit(self, num_accepted: list[int], next_tokens: list[int]) -> None:
-        """Each side keeps its row's accepted prefix, then the recovered or bonus token."""
+    def _commit(self, num_accepted: list[int], next_tokens: list[int],
+                faults: RowFaults) -> None:
+        """Each side keeps its row's accepted prefix, then the recovered or bonus token (a
+        failed row's placeholder: it leaves after this round, its grammar released first)."""
+        if self.constraints is not None:
+            for b in faults:
+                self.constraints.release(b)
         self.target.commit(num_accepted, next_tokens)
         if self.proposer is not None:
             self.proposer.commit(num_accepted, next_tokens)
@@ -225,24 +244,33 @@ class Batch:
         return self.constraints if self.constraints is not None and (
             self.constraints.active) else None
 
-    def _propose(self, num_draft: list[int]) -> tuple[
+    def _propose(self, num_draft: list[int], faults: RowFaults) -> tuple[
             torch.Tensor, torch.Tensor | None, list[int], torch.Tensor | None]:
         """Step 1 -> draft_tokens [B, K], draft_probs [B, K, V] or None, each row's k_b <= K,
         and the grammar's masks for the target's K + 1 positions [B, K+1, V] (None: free
-        rows). A deterministic proposal is cut where it leaves the grammar."""
-        draft_tokens, draft_probs, num_draft = self._draft(num_draft)
+        rows). A deterministic proposal is cut where it leaves the grammar. A row whose
+        grammar reached a dead end joins ``faults`` (its masks then allow every token)."""
+        draft_tokens, draft_probs, num_draft = self._draft(num_draft, faults)
         constraints = self._active_constraints()
         if constraints is None:
             return draft_tokens, draft_probs, num_draft, None
         kept = constraints.cover(draft_tokens)
         draft_probs = None if draft_probs is None else draft_probs[:, :kept]
-        return (draft_tokens[:, :kept], draft_probs, [min(k, kept) for k in num_draft],
-                constraints.round_masks())
+        masks = constraints.round_masks()
+        self._take_constraint_faults(faults)
+        return draft_tokens[:, :kept], draft_probs, [min(k, kept) for k in num_draft], masks
 
-    def _draft(self, num_draft: list[int]
+    def _take_constraint_faults(self, faults: RowFaults) -> None:
+        """The rows whose grammar failed (ConstraintSet.take_faults) join ``faults``."""
+        if self.constraints is not None:
+            for b, error in self.constraints.take_faults().items():
+                faults.setdefault(b, error)
+
+    def _draft(self, num_draft: list[int], faults: RowFaults
                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """-> draft_tokens [B, K], draft_probs [B, K, V] or None, each row's k_b <= K (a
-        proposer may find fewer than asked: an n-gram lookup)."""
+        proposer may find fewer than asked: an n-gram lookup); the rows whose drafting failed
+        join ``faults`` (Proposal.faults)."""
         constraints = self._active_constraints()
         if constraints is not None:
             constraints.start_round()
@@ -256,6 +284,8 @@ class Batch:
                          keyed if any(row is not None for row in keyed) else None,
                          shapers if any(row is not None for row in shapers) else None)
         proposal = self.proposer.propose(plan, constraints)
+        for b, error in proposal.faults.items():
+            faults.setdefault(b, error)
         width = proposal.draft_tokens.shape[1]
         found = proposal.num_proposed or [width] * len(num_draft)
         num_draft = [min(k, width, n) for k, n in zip(num_draft, found)]
@@ -298,6 +328,27 @@ class Batch:
         if self.constraints is not None:
             self.constraints.keep_rows(indices)
         self.rows = [self.rows[i] for i in indices]
+
+
+def _emit_or_fail(row: Row, tokens: list[int], logprobs: list | None,
+                  error: Exception | None) -> list[int]:
+    """Step 5 for one row: its tokens taken (Row.emit), or, for a row that failed this round
+    with ``error``, none: it ends with the error (Row.fail)."""
+    if error is None:
+        return row.emit(tokens, logprobs)
+    row.fail(error)
+    return []
+
+
+def _without_failed(report: RoundReport, faults: RowFaults) -> RoundReport:
+    """The round as the depth policy should see it: a failed row asked, drafted and accepted
+    nothing (it says nothing about the draft's acceptance)."""
+    if not faults:
+        return report
+    keep = [b not in faults for b in range(len(report.asked))]
+    return replace(report, asked=[k if ok else 0 for k, ok in zip(report.asked, keep)],
+                   num_draft=[k if ok else 0 for k, ok in zip(report.num_draft, keep)],
+                   num_accepted=[n if ok else 0 for n, ok in zip(report.num_accepted, keep)])
 
 
 def fill_from_the_end(kept: list[int]) -> list[int]:

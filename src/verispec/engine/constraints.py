@@ -29,7 +29,11 @@ One round with this module (see batch.Batch.step):
 
 A row without a grammar allows every token. A row whose grammar has finished allows only its
 stop tokens: the engine stops it at the first one, or under ignore_eos (no stop tokens for the
-engine) its text does (ConstraintSet.end_token_ids).
+engine) its text does (ConstraintSet.end_token_ids). A row whose grammar reaches a dead end (the
+grammar engine allows no next token: an empty language, a rule that can never end) or refuses
+a token is a fault of that row alone: the set records its error (``faults``, which the engine
+takes each round to fail the row) and treats the row as free from then on, so its batch mates'
+masks and draws are untouched.
 
 What this is not: compiling a response_format into a grammar, or the grammar engine's view of a
 tokenizer (text/grammar.py); a ConstraintSet sees only token ids and the GrammarIndex protocol.
@@ -43,6 +47,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from ..errors import ConstraintDeadEnd
 
 
 class GrammarIndex(Protocol):
@@ -84,6 +90,7 @@ class ConstraintSet:
         self._advanced = 0  # draft tokens advanced this round
         self._consumed = [0] * len(self.matchers)  # of those, taken by each row's grammar (a
         # finished grammar takes no more: the row has ended at its stop token)
+        self.faults: dict[int, Exception] = {}  # row -> its grammar's fault (take_faults)
         self.mask_seconds = 0.0  # time spent computing masks (the grammar's cost)
         self.num_masks = 0  # masks computed (one per row-less step: [B, V] at a time)
 
@@ -120,6 +127,20 @@ class ConstraintSet:
         self.matchers = [self.matchers[row] for row in rows]
         self.start_round()
 
+    def take_faults(self) -> dict[int, Exception]:
+        """The rows whose grammar failed since the last call, each with its error; those rows
+        are free from then on (the engine fails them before they leave)."""
+        faults, self.faults = self.faults, {}
+        return faults
+
+    def release(self, row: int) -> None:
+        """The row leaves its grammar (it failed): it allows every token from now on."""
+        self.matchers[row] = None
+
+    def _fail(self, row: int, error: Exception) -> None:
+        self.faults.setdefault(row, error)
+        self.release(row)
+
     def start_round(self) -> None:
         self._masks, self._advanced = {}, 0
         self._consumed = [0] * len(self.matchers)
@@ -134,8 +155,9 @@ class ConstraintSet:
         """One draft token per row (host ints) joins each row's grammar state."""
         for row, (matcher, token) in enumerate(zip(self.matchers, tokens)):
             if matcher is not None and not matcher.is_stopped():
-                ok = matcher.consume_token(int(token))
-                assert ok, f"row {row}: token {token} left the grammar ({matcher.get_error()})"
+                if not matcher.consume_token(int(token)):
+                    self._fail(row, _refused(matcher, token))
+                    continue
                 self._consumed[row] += 1
         self._advanced += 1
 
@@ -166,11 +188,12 @@ class ConstraintSet:
                                                              next_tokens)):
             if matcher is None:
                 continue
-            if self._consumed[row] > accepted:
-                assert matcher.rollback(self._consumed[row] - accepted), matcher.get_error()
-            if not matcher.is_stopped():
-                ok = matcher.consume_token(int(token))
-                assert ok, f"row {row}: token {token} left the grammar ({matcher.get_error()})"
+            if self._consumed[row] > accepted and not matcher.rollback(
+                    self._consumed[row] - accepted):
+                self._fail(row, AssertionError(f"row {row}: the grammar could not roll back "
+                                               f"({_first_line(matcher.get_error())})"))
+            elif not matcher.is_stopped() and not matcher.consume_token(int(token)):
+                self._fail(row, _refused(matcher, token))
         self.start_round()
 
     def _compute(self) -> torch.Tensor:
@@ -190,9 +213,31 @@ class ConstraintSet:
         unpacked = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(unpacked[:, : self.vocab_size].astype(np.bool_))  # [B, V]
         for row, matcher in enumerate(self.matchers):
-            if matcher is not None and matcher.is_stopped():  # finished: only a stop token
+            if matcher is None:
+                continue
+            if matcher.is_error():  # a dead end (the engine then allows only a stop): it fails
+                self._fail(row, ConstraintDeadEnd(
+                    "response_format allows no next token after the text generated so far: "
+                    "the grammar cannot be completed (its language is empty, or a rule can "
+                    f"never end): {_first_line(matcher.get_error())}. Fix the grammar."))
+                allowed[row] = self._all
+            elif matcher.is_stopped():  # finished: only a stop token
                 allowed[row] = self._stops_only
         self.mask_seconds += time.perf_counter() - started
         self.num_masks += 1
         return allowed
 
+
+
+def _refused(matcher: Any, token: int) -> Exception:
+    """The fault of a row whose grammar refused ``token``: a dead end when the grammar engine
+    is in an error state, else a token drawn outside its mask (a bug)."""
+    if matcher.is_error():
+        return ConstraintDeadEnd(f"response_format cannot be completed: the grammar engine "
+                                 f"stopped ({_first_line(matcher.get_error())}). Fix the "
+                                 "grammar.")
+    return AssertionError(f"token {token} left the grammar ({_first_line(matcher.get_error())})")
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "no message"

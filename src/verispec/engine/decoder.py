@@ -37,11 +37,14 @@ from ..spec.sampling import make_generator
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """token_ids: the new tokens of each row; finish_reasons: "stop" or "length" per row."""
+    """token_ids: the new tokens of each row; finish_reasons: "stop", "length" or "error" per
+    row; errors: per row, what a row that failed on a fault of its own ("error": non-finite
+    logits, a verification fault) failed with, else None (the other rows ran on)."""
 
     token_ids: list[list[int]]
     finish_reasons: list[str]
     metrics: GenerationMetrics
+    errors: list[Exception | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,17 @@ class SpeculativeDecoder:
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  speculative: bool = True, constraints: ConstraintSet | None = None,
                  generator: torch.Generator | None = None) -> GenerationResult:
+        """:meth:`stream` run to the end. A row that failed on a fault of its own
+        (NonFiniteError, ...) raises its error once every row has ended; ``stream``'s
+        DecodingRun.result() gives each row's outcome instead."""
         run = self.stream(prompts, config, speculative, constraints, generator)
         for _ in run:
             pass
-        return run.result()
+        result = run.result()
+        failed = [error for error in result.errors or [] if error is not None]
+        if failed:
+            raise failed[0]
+        return result
 
 
 class DecodingRun:
@@ -163,5 +173,7 @@ class DecodingRun:
         return self.batch.recorder.snapshot()
 
     def result(self) -> GenerationResult:
-        reasons = ["stop" if row.finish_reason == "stop" else "length" for row in self.rows]
-        return GenerationResult(self.token_ids, reasons, self.metrics)
+        reasons = [row.finish_reason if row.finish_reason in ("stop", "error") else "length"
+                   for row in self.rows]
+        return GenerationResult(self.token_ids, reasons, self.metrics,
+                                [row.error for row in self.rows])

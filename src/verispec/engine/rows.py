@@ -54,8 +54,10 @@ def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int], num_top: int
 
 class Row:
     """One sequence in a batch. ``token_ids``: its new tokens so far; ``finished`` once it hit a
-    stop token (``finish_reason`` "stop") or max_new_tokens ("length"), or was removed
-    ("cancelled"); ``metrics``: the rounds it took part in.
+    stop token (``finish_reason`` "stop") or max_new_tokens ("length"), was removed
+    ("cancelled"), or failed on a fault of its own ("error", with ``error``: non-finite
+    logits, a verification fault, its grammar's dead end; its batch mates go on);
+    ``metrics``: the rounds it took part in.
 
     ``follows_policy``: its depth is the batch's adaptive policy's choice each round; else it
     is its config's num_draft_tokens.
@@ -82,6 +84,7 @@ class Row:
         self.num_generated = 0
         self.finished = False
         self.finish_reason: str | None = None
+        self.error: Exception | None = None  # what it failed with (finish_reason "error")
         self.recorder = MetricsRecorder(config.cost_ratio)
 
     @property
@@ -176,3 +179,8 @@ class Row:
     def cancel(self) -> None:
         if not self.finished:
             self.finished, self.finish_reason = True, "cancelled"
+
+    def fail(self, error: Exception) -> None:
+        """It ends on a fault of its own, ``error``: finish_reason "error"."""
+        if not self.finished:
+            self.finished, self.finish_reason, self.error = True, "error", error

@@ -14,16 +14,23 @@ target's distribution where they are not yet allowed. A row with penalties or a 
 its logits reshaped first, position j counting the row's first j draft tokens
 (spec/penalties.py). A row that asks for logprobs gets them for its emitted tokens from the
 same processed logits (emitted_logprobs).
+Faults per row: each function takes the round's ``faults`` (row -> its error). A row whose own
+work raises (non-finite logits, a rule's arithmetic, its shaper) is entered there and left out
+of the rest of the round, and the batch engine fails it; its batch mates' results are exactly
+what they would have been: work done over several rows at once is done again row by row
+when it raises (proposers.base.run_isolated), and a rule that draws random numbers draws them
+again from the generators' states before the call (verify_batch).
 What it is not: the acceptance math (spec/rejection.py, spec/block.py, spec/greedy.py,
 spec/seeded.py), the loop, its policy and its caches (batch.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ..proposers.base import run_isolated
 from .rows import Row, TokenLogprob, token_logprobs
 from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
 from ..spec.seeded import race
@@ -34,8 +41,18 @@ from ..spec.checks import raise_out_of_range
 from ..spec.greedy import verify_greedy_rows
 
 
+RowFaults = dict[int, Exception]  # a round's failed rows (batch index) -> each one's error
+
+
+def _failer(faults: RowFaults, rows: Sequence[int] | None = None
+            ) -> Callable[[int, Exception], None]:
+    """run_isolated's on_fault: enters a row's first error; ``rows`` maps positions to rows."""
+    return lambda at, error: faults.setdefault(at if rows is None else rows[at], error)
+
+
 def shape_target_logits(rows: Sequence[Row], target_logits: torch.Tensor,
-                        draft_tokens: torch.Tensor, num_draft: Sequence[int]) -> torch.Tensor:
+                        draft_tokens: torch.Tensor, num_draft: Sequence[int],
+                        faults: RowFaults) -> torch.Tensor:
     """Each row with penalties or a logit bias gets its k_b + 1 positions reshaped, position
     j counting its committed tokens and its draft tokens d_1 .. d_j (Row.shape_logits); the
     others are untouched. target_logits [B, K+1, V]; draft_tokens [B, K] -> [B, K+1, V]."""
@@ -46,14 +63,18 @@ def shape_target_logits(rows: Sequence[Row], target_logits: torch.Tensor,
     drafted = draft_tokens.tolist()
     for b in shaped_rows:
         positions = num_draft[b] + 1
-        shaped[b, :positions] = rows[b].shape_logits(target_logits[b, :positions],
-                                                     drafted[b][: num_draft[b]])
+        try:
+            shaped[b, :positions] = rows[b].shape_logits(target_logits[b, :positions],
+                                                         drafted[b][: num_draft[b]])
+        except Exception as exc:  # the row's own fault: it fails alone
+            faults.setdefault(b, exc)
     return shaped
 
 
 def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
                      allowed: torch.Tensor | None, output_tokens: Sequence[Sequence[int]],
-                     num_accepted: Sequence[int]) -> list[list[TokenLogprob] | None]:
+                     num_accepted: Sequence[int], faults: RowFaults
+                     ) -> list[list[TokenLogprob] | None]:
     """Per row, None or (when its config asks for logprobs) the TokenLogprob of each token it
     takes this round: output_tokens[b][: n_b + 1], position j under the processed logits
     target_logits[b, j] (shaped and stop-banned) and the grammar's mask allowed[b, j] [B, K+1,
@@ -61,12 +82,15 @@ def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
     out: list[list[TokenLogprob] | None] = [None] * len(rows)
     for b, row in enumerate(rows):
         num_top = row.config.logprobs
-        if num_top is None:
+        if num_top is None or b in faults:
             continue
         tokens = list(output_tokens[b][: num_accepted[b] + 1])
-        logprobs = to_logprobs(target_logits[b, : len(tokens)], row.config.sampling,
-                               None if allowed is None else allowed[b, : len(tokens)])
-        out[b] = token_logprobs(logprobs, tokens, num_top)
+        try:
+            logprobs = to_logprobs(target_logits[b, : len(tokens)], row.config.sampling,
+                                   None if allowed is None else allowed[b, : len(tokens)])
+            out[b] = token_logprobs(logprobs, tokens, num_top)
+        except Exception as exc:  # the row's own fault: it fails alone
+            faults.setdefault(b, exc)
     return out
 
 
@@ -88,40 +112,55 @@ def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.T
 
 
 def target_outputs(rows: Sequence[Row], target_logits: torch.Tensor,
-                   allowed: torch.Tensor | None) -> dict[str, object]:
+                   allowed: torch.Tensor | None, faults: RowFaults) -> dict[str, object]:
     """The target's side of verification: greedy rows' argmax tokens (host lists, [K+1]
-    each) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own settings
-    (rows with equal settings in one call; all rows in one call needs no indexing).
-    target_logits [B, K+1, V]; allowed: a grammar's masks [B, K+1, V] or None."""
-    greedy = [b for b, row in enumerate(rows) if row.is_greedy]
-    sampled = [b for b, row in enumerate(rows) if not row.is_greedy]
+    each, by row) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own
+    settings (rows with equal settings in one call; all rows in one call needs no indexing).
+    Rows already in ``faults`` are left out; a row whose logits cannot be processed (not
+    finite) joins them. target_logits [B, K+1, V]; allowed: a grammar's masks [B, K+1, V] or
+    None."""
+    greedy = [b for b, row in enumerate(rows) if row.is_greedy and b not in faults]
+    sampled = [b for b, row in enumerate(rows) if not row.is_greedy and b not in faults]
     out: dict[str, object] = {"greedy": greedy, "sampled": sampled}
     if greedy:
-        out["greedy_tokens"] = greedy_tokens(_take(target_logits, greedy),
-                                             _take(allowed, greedy)).tolist()
+        tokens: dict[int, list[int]] = {}
+        for part, part_tokens in run_isolated(
+                greedy, lambda part: greedy_tokens(_take(target_logits, part),
+                                                   _take(allowed, part)).tolist(),
+                _failer(faults)):
+            tokens.update(zip(part, part_tokens))
+        out["greedy_tokens"] = tokens
     if sampled:
         groups: dict[object, list[int]] = {}
         for position, b in enumerate(sampled):
             groups.setdefault(rows[b].config.sampling, []).append(position)
         logits, masks = _take(target_logits, sampled), _take(allowed, sampled)
-        if len(groups) == 1:
-            out["target_probs"] = to_probs(logits, next(iter(groups)), masks)
-        else:
-            probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            for sampling, positions in groups.items():
-                probs[positions] = to_probs(logits[positions], sampling,
-                                            None if masks is None else masks[positions])
-            out["target_probs"] = probs
+        probs = None
+        for sampling, positions in groups.items():
+            def process(part: list[int], sampling: object = sampling) -> torch.Tensor:
+                return to_probs(_take(logits, part), sampling, _take(masks, part))
+
+            for part, part_probs in run_isolated(positions, process, _failer(faults, sampled)):
+                if len(part) == len(sampled):  # every sampled row in one call: no copy
+                    probs = part_probs
+                    continue
+                if probs is None:
+                    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+                probs[part] = part_probs
+        out["target_probs"] = probs if probs is not None else torch.zeros(
+            logits.shape, dtype=torch.float32, device=logits.device)  # every row failed
     return out
 
 
 def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
                  draft_probs: torch.Tensor | None, num_draft: list[int],
-                 target_out: dict[str, object], vocab_size: int
+                 target_out: dict[str, object], vocab_size: int, faults: RowFaults
                  ) -> tuple[list[int], list[list[int]]]:
     """Each row's accepted count and output tokens (K+1 ints, PAD after its new token), row b
     verified on its first num_draft[b] draft tokens. draft_tokens [B, K]; draft_probs
     [B, K, V] fp32, or None for a deterministic proposal; target_out from target_outputs.
+    A row in ``faults``, or whose verification raises (then entered there), gets 0 accepted
+    and a placeholder token it never emits.
 
     Three rules, one per kind of row: greedy rows keep draft tokens while they are the
     target's argmax; keyed rows (seeded, sampled) while they are the target's race winner on
@@ -129,36 +168,86 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
     (spec/rejection.py) or over the block (spec/block.py) as their config's ``verification`` asks,
     with their own generators."""
     num_rows, width = draft_tokens.shape
-    num_accepted, output_tokens = [0] * num_rows, [[]] * num_rows
-    greedy, sampled = target_out["greedy"], target_out["sampled"]
+    num_accepted, output_tokens = [0] * num_rows, [[0] + [PAD_TOKEN] * width] * num_rows
+    sampled = target_out["sampled"]
     draft_rows = draft_tokens.tolist()
-    if greedy:
-        accepted, outputs = verify_greedy_rows(
-            [draft_rows[b][: num_draft[b]] for b in greedy],
-            [tokens[: num_draft[b] + 1] for tokens, b in zip(target_out["greedy_tokens"],
-                                                              greedy)], vocab_size)
-        for b, n, tokens in zip(greedy, accepted, outputs):
-            num_accepted[b], output_tokens[b] = n, tokens
+    for b, (n, tokens) in _verify_greedy(draft_rows, num_draft, target_out, vocab_size,
+                                         faults).items():
+        num_accepted[b], output_tokens[b] = n, tokens
     target_probs = target_out.get("target_probs")  # [S, K+1, V], rows in `sampled` order
     by_rule: dict[str, list[int]] = {}
     for position, b in enumerate(sampled):
-        by_rule.setdefault(_rule(rows[b], draft_probs), []).append(position)
+        if b not in faults:
+            by_rule.setdefault(_rule(rows[b], draft_probs), []).append(position)
     for position in by_rule.pop("keyed", []):
         b = sampled[position]
-        n, tokens = _verify_keyed(rows[b], draft_rows[b][: num_draft[b]],
-                                  target_probs[position], vocab_size)
+        try:
+            n, tokens = _verify_keyed(rows[b], draft_rows[b][: num_draft[b]],
+                                      target_probs[position], vocab_size)
+        except Exception as exc:  # the row's own fault: it fails alone
+            faults.setdefault(b, exc)
+            continue
         num_accepted[b], output_tokens[b] = n, tokens + [PAD_TOKEN] * (width - n)
     for rule, positions in by_rule.items():
         chosen = [sampled[position] for position in positions]
-        verify = verify_block_rows if rule == "block" else verify_rows
-        accepted, outputs = verify(
-            _take(draft_tokens, chosen), _take(draft_probs, chosen),
-            _take(target_probs, positions),
-            [rows[b].generator for b in chosen], [num_draft[b] for b in chosen])
-        for b, n, tokens in zip(chosen, accepted, outputs):
-            num_accepted[b], output_tokens[b] = n, tokens
+        verified = _verify_drawing(verify_block_rows if rule == "block" else verify_rows,
+                                   [rows[b].generator for b in chosen],
+                                   [num_draft[b] for b in chosen],
+                                   _take(draft_tokens, chosen), _take(draft_probs, chosen),
+                                   _take(target_probs, positions), _failer(faults, chosen))
+        for i, (n, tokens) in verified.items():
+            num_accepted[chosen[i]], output_tokens[chosen[i]] = n, tokens
     assert all(n <= k for n, k in zip(num_accepted, num_draft)) and width >= max(num_draft)
     return num_accepted, output_tokens
+
+
+def _verify_greedy(draft_rows: list[list[int]], num_draft: list[int],
+                   target_out: dict[str, object], vocab_size: int, faults: RowFaults
+                   ) -> dict[int, tuple[int, list[int]]]:
+    """The greedy rows (not in ``faults``) by spec.greedy.verify_greedy_rows on host lists:
+    {row: (num_accepted, output tokens)}; a row that raises joins ``faults``."""
+    greedy = [b for b in target_out["greedy"] if b not in faults]
+    target_tokens = target_out.get("greedy_tokens", {})
+    verified = {}
+    for part, (accepted, outputs) in run_isolated(greedy, lambda part: verify_greedy_rows(
+            [draft_rows[b][: num_draft[b]] for b in part],
+            [target_tokens[b][: num_draft[b] + 1] for b in part], vocab_size),
+            _failer(faults)):
+        verified.update(zip(part, zip(accepted, outputs)))
+    return verified
+
+
+def _verify_drawing(verify: Callable, generators: list[torch.Generator], num_draft: list[int],
+                    draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                    target_probs: torch.Tensor, on_fault: Callable[[int, Exception], None]
+                    ) -> dict[int, tuple[int, list[int]]]:
+    """``verify`` (a rows-form rule: verify_rows, verify_block_rows) over these R rows with
+    their generators -> {row: (num_accepted, output tokens)}. A rule draws its numbers before
+    it decides, so when the call raises, the generators are set back to their states before it
+    and each row is verified alone: a row with a generator of its own draws the numbers it
+    drew in the call and gets what the call would have given it (rows sharing one draw fresh
+    numbers, each used once); a row that raises alone goes to ``on_fault``. draft_tokens [R, K];
+    draft_probs [R, K, V] or None; target_probs [R, K+1, V]."""
+    states = {id(generator): (generator, generator.get_state()) for generator in generators}
+    try:
+        return dict(enumerate(zip(*verify(draft_tokens, draft_probs, target_probs, generators,
+                                          num_draft))))
+    except Exception as exc:  # some row's fault: each row alone finds which
+        if len(generators) == 1:
+            on_fault(0, exc)
+            return {}
+    for generator, state in states.values():
+        generator.set_state(state)
+    verified = {}
+    for i, generator in enumerate(generators):
+        try:
+            (n,), (tokens,) = verify(draft_tokens[i : i + 1], _take(draft_probs, [i]),
+                                     target_probs[i : i + 1], [generator], num_draft[i : i + 1])
+        except Exception as exc:  # the row's own fault: it fails alone
+            on_fault(i, exc)
+            continue
+        verified[i] = (n, tokens)
+    return verified
 
 
 def _rule(row: Row, draft_probs: torch.Tensor | None) -> str:

@@ -11,9 +11,9 @@ exactness of speculative sampling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -26,11 +26,15 @@ from ..spec.seeded import RaceClocks
 class Proposal:
     """draft_tokens [B, K] int64; draft_probs [B, K, V] fp32 or None (deterministic).
     num_proposed: the tokens row b really proposes (its first num_proposed[b]; the rest is
-    padding the engine does not verify), B host ints <= K; None: K for every row."""
+    padding the engine does not verify), B host ints <= K; None: K for every row.
+    faults: the rows whose drafting failed on a fault of their own (non-finite draft logits,
+    their shaper's error), each with its error: they propose 0 tokens and the engine fails
+    them; their batch mates drew what they would have (run_isolated)."""
 
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor | None
     num_proposed: list[int] | None = None
+    faults: dict[int, Exception] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,37 @@ class DraftPlan:
     @property
     def num_steps(self) -> int:
         return max(self.num_draft_tokens)
+
+
+R = TypeVar("R")
+
+
+def run_isolated(rows: Sequence[int], run: Callable[[list[int]], R],
+                 on_fault: Callable[[int, Exception], None]) -> list[tuple[list[int], R]]:
+    """``run`` over a batch's ``rows`` in one call or, where that call raises, over each row
+    alone: [(rows, run(rows))] for the parts that ran; a row that raises alone goes to
+    ``on_fault`` with its own error and is left out. What keeps one row's fault (non-finite
+    logits, a rule's arithmetic) from failing its batch mates, at no cost while nothing
+    fails: a row's result does not depend on the rows computed with it, so each row alone
+    gets what the whole call would have given it. Only for work that draws no random numbers
+    (running a row again would draw them again). Example: rows [0, 1, 2] where row 1's logits
+    are NaN -> the call raises; [([0], run([0])), ([2], run([2]))], on_fault(1, its error)."""
+    rows = list(rows)
+    if not rows:
+        return []
+    try:
+        return [(rows, run(rows))]
+    except Exception as exc:  # some row's fault: each row alone finds which
+        if len(rows) == 1:
+            on_fault(rows[0], exc)
+            return []
+    parts = []
+    for row in rows:
+        try:
+            parts.append(([row], run([row])))
+        except Exception as exc:  # this row's own fault: it alone fails
+            on_fault(row, exc)
+    return parts
 
 
 class KeyedClocks(Protocol):

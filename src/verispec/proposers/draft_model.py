@@ -30,7 +30,14 @@ from ..config import SamplingConfig
 from ..models.base import CapturesSteps, LanguageModel, LMSession, as_ints
 from ..spec.sampling import draw_step_uniforms, greedy_tokens, sample_from_logits
 from ..spec.seeded import race
-from .base import DraftPlan, KeyedClocks, LogitShaper, Proposal, RoundConstraint
+from .base import (
+    DraftPlan,
+    KeyedClocks,
+    LogitShaper,
+    Proposal,
+    RoundConstraint,
+    run_isolated,
+)
 
 
 class DraftModelProposer:
@@ -95,9 +102,11 @@ class DraftModelSession:
         settings; draft_probs are exactly the distributions sampled from (with a
         ``constraint``: masked by the grammar state each token extends, engine/constraints.py;
         with ``plan.shapers``: after the row's penalties and logit bias, counting its draft
-        tokens so far). A
-        row past its k_b (or at temperature 0) takes the argmax: padding, never verified, and no
-        random number; its draft_probs there are zeros."""
+        tokens so far). A row past its k_b (or at temperature 0) takes the argmax: padding,
+        never verified, and no random number; its draft_probs there are zeros. A row whose
+        step fails (non-finite logits, its shaper's or race's fault) pads from there, proposes
+        0 tokens and is reported (Proposal.faults): its batch mates draw what they would
+        have."""
         num_steps = plan.num_steps
         assert num_steps >= 1 and len(plan.num_draft_tokens) == len(self.unfed)
         # the round's uniforms, each generator group in one draw (spec.sampling.draw_step_uniforms)
@@ -109,14 +118,16 @@ class DraftModelSession:
         uniforms = [[0.0] * k if clocks is not None else drawn  # a keyed row races instead
                     for clocks, k, drawn in zip(keyed, sampled, uniforms)]
         draft_tokens, draft_probs = [], []
+        failed: dict[int, Exception] = {}  # rows whose drafting failed: padding from then on
         for step in range(num_steps):
             logits = self._feed_unfed() if step == 0 else self.session.extend(inputs)[:, -1]
             if plan.shapers is not None:
-                logits = _shaped(logits, plan.shapers, draft_tokens)
+                logits = _shaped(logits, plan.shapers, draft_tokens, failed)
             allowed = None if constraint is None else constraint.allowed()  # [B, V] or None
-            token, probs = _draw_step(logits, allowed, step, plan.samplings, sampled, uniforms)
+            token, probs = _draw_step(logits, allowed, step, plan.samplings, sampled, uniforms,
+                                      failed)
             if plan.keyed is not None:
-                token = _race_keyed(token, probs, step, keyed, sampled)
+                token = _race_keyed(token, probs, step, keyed, sampled, failed)
             if constraint is not None:
                 constraint.advance(token.tolist())
             draft_tokens.append(token)
@@ -125,7 +136,9 @@ class DraftModelSession:
             inputs = token[:, None]
         self._proposal = torch.stack(draft_tokens, dim=1)  # [B, K]
         stacked_probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, K, V]
-        return Proposal(self._proposal, stacked_probs, list(plan.num_draft_tokens))
+        return Proposal(self._proposal, stacked_probs,
+                        [0 if row in failed else k for row, k in enumerate(plan.num_draft_tokens)],
+                        failed)
 
     def _feed_unfed(self) -> torch.Tensor:
         """Feed every row's unfed tokens in one pass; the logits after each row's last [B, V],
@@ -166,61 +179,116 @@ class DraftModelSession:
 
 
 def _shaped(logits: torch.Tensor, shapers: Sequence[LogitShaper | None],
-            draft_tokens: list[torch.Tensor]) -> torch.Tensor:
+            draft_tokens: list[torch.Tensor], failed: dict[int, Exception]) -> torch.Tensor:
     """One step's logits [B, V] with each row that has a shaper reshaped by it after the row's
-    draft tokens so far (draft_tokens: one [B] tensor per earlier step) -> [B, V] fp32."""
+    draft tokens so far (draft_tokens: one [B] tensor per earlier step) -> [B, V] fp32. A row
+    whose shaper raises joins ``failed`` with its error."""
     drafted = torch.stack(draft_tokens, dim=1).tolist() if draft_tokens else [[]] * len(shapers)
     shaped = logits.float().clone()
     for b, shaper in enumerate(shapers):
-        if shaper is not None:
-            shaped[b] = shaper.shape_draft(logits[b], drafted[b])
+        if shaper is not None and b not in failed:
+            try:
+                shaped[b] = shaper.shape_draft(logits[b], drafted[b])
+            except Exception as exc:  # the row's own fault: it drafts nothing, and fails
+                failed.setdefault(b, exc)
     return shaped
 
 
 def _race_keyed(tokens: torch.Tensor, probs: torch.Tensor | None, step: int,
-                keyed: Sequence[KeyedClocks | None], sampled: Sequence[int]) -> torch.Tensor:
+                keyed: Sequence[KeyedClocks | None], sampled: Sequence[int],
+                failed: dict[int, Exception]) -> torch.Tensor:
     """tokens [B] with each keyed row that samples at this step redrawn by a race of its
     probs [B, V] on its position's clocks (spec.seeded.race): the draft's token is then coupled to
-    the target's race winner there, which verification compares it with."""
+    the target's race winner there, which verification compares it with. A row whose race
+    raises joins ``failed``."""
     rows = [row for row, (clocks, count) in enumerate(zip(keyed, sampled))
-            if clocks is not None and count > step]
+            if clocks is not None and count > step and row not in failed]
     if not rows:
         return tokens
     assert probs is not None
     tokens = tokens.clone()
     host_probs = probs[rows].cpu()  # [R, V]: one copy from an accelerator, not one a race
     for row, row_probs in zip(rows, host_probs):
-        tokens[row] = race(row_probs, keyed[row].clocks(step, probs.shape[-1]))
+        try:
+            tokens[row] = race(row_probs, keyed[row].clocks(step, probs.shape[-1]))
+        except Exception as exc:  # the row's own fault: it drafts nothing, and fails
+            failed.setdefault(row, exc)
     return tokens
 
 
 def _draw_step(logits: torch.Tensor, allowed: torch.Tensor | None, step: int,
                samplings: Sequence[SamplingConfig], sampled: Sequence[int],
-               uniforms: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+               uniforms: list[list[float]], failed: dict[int, Exception]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft step's tokens [B] and, when any row samples in this round, probs [B, V] fp32.
 
     Rows that sample at this step (sampled[b] > step) are drawn by spec.sampling.sample_from_logits,
     each group of rows with equal settings in one call, their probs exactly what they were drawn
     from; the others take the argmax (greedy drafts: point masses; rows past their k: padding)
-    with zero probs. One group covering every row (a batch under one setting) indexes nothing."""
+    with zero probs. One group covering every row (a batch under one setting) indexes nothing.
+    A row whose draw raises (its logits are not finite) joins ``failed`` and pads; the others
+    are drawn with the uniforms they had (run_isolated): what they would have drawn anyway."""
     groups: dict[SamplingConfig, list[int]] = {}
     for row, (sampling, count) in enumerate(zip(samplings, sampled)):
-        if count > step:
+        if count > step and row not in failed:
             groups.setdefault(sampling, []).append(row)
     num_rows = logits.shape[0]
     if len(groups) == 1 and len(next(iter(groups.values()))) == num_rows:
         (sampling, _), = groups.items()
-        probs, tokens = sample_from_logits(logits, sampling, [u[step] for u in uniforms], allowed)
-        return tokens, probs
-    tokens = greedy_tokens(logits, allowed)  # [B]
+        try:
+            probs, tokens = sample_from_logits(logits, sampling, [u[step] for u in uniforms],
+                                               allowed)
+        except Exception:  # some row's fault: drawn in parts below, with the same uniforms
+            probs = None
+        if probs is not None:
+            return tokens, probs
+    tokens = _argmax_rows(logits, allowed, failed)  # [B]
     if not any(sampled):
         return tokens, None
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V]
-    for sampling, rows in groups.items():
-        index = torch.tensor(rows, device=logits.device)
-        group_probs, group_tokens = sample_from_logits(
-            logits[index], sampling, [uniforms[row][step] for row in rows],
-            None if allowed is None else allowed[index.to(allowed.device)])
-        probs[index], tokens[index] = group_probs, group_tokens
+    for sampling, group in groups.items():
+        rows = [row for row in group if row not in failed]  # the argmax may have found some
+
+        def draw(part: list[int], sampling: SamplingConfig = sampling
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            index = torch.tensor(part, device=logits.device)
+            return sample_from_logits(logits[index], sampling,
+                                      [uniforms[row][step] for row in part],
+                                      _rows_of(allowed, index))
+
+        for part, (part_probs, part_tokens) in run_isolated(rows, draw,
+                                                            failed.setdefault):
+            index = torch.tensor(part, device=logits.device)
+            probs[index], tokens[index] = part_probs, part_tokens
     return tokens, probs
 
+
+def _argmax_rows(logits: torch.Tensor, allowed: torch.Tensor | None,
+                 failed: dict[int, Exception]) -> torch.Tensor:
+    """spec.sampling.greedy_tokens of each row [B] (one call while no row fails); a row whose
+    logits have no finite maximum joins ``failed`` and pads with the first token its grammar
+    allows (its grammar state advances with it), else 0."""
+    num_rows = logits.shape[0]
+    live = [row for row in range(num_rows) if row not in failed]
+
+    def argmax(part: list[int]) -> torch.Tensor:
+        if len(part) == num_rows:
+            return greedy_tokens(logits, allowed)
+        index = torch.tensor(part, device=logits.device)
+        return greedy_tokens(logits[index], _rows_of(allowed, index))
+
+    parts = run_isolated(live, argmax, failed.setdefault)
+    if len(parts) == 1 and len(parts[0][0]) == num_rows:
+        return parts[0][1]
+    tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+    for part, part_tokens in parts:
+        tokens[torch.tensor(part, device=logits.device)] = part_tokens
+    if allowed is not None:
+        for row in failed:
+            tokens[row] = int(allowed[row].to(torch.uint8).argmax())  # 0 when none is allowed
+    return tokens
+
+
+def _rows_of(allowed: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """A grammar's masks [B, V] at the rows ``index`` (on the masks' device), or None."""
+    return None if allowed is None else allowed[index.to(allowed.device)]

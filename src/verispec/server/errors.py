@@ -92,6 +92,13 @@ class BodyTimeout(RequestError):
     """The client did not send its whole body within --body-timeout seconds."""
 
 
+class BatchFailed(RequestError):
+    """The generation batch running the request failed in work its requests share (a model's
+    forward pass, its cache, a backend error, out of memory): every request in it ends with
+    this 500, its cause logged with its traceback; the worker starts a new batch. A fault of
+    one request's own (its grammar, its logits) is that request's error alone."""
+
+
 class ClientDisconnected(RequestError):
     """The client went away before its response was ready; nobody reads this one."""
 
@@ -127,6 +134,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorKind] = {
     UnsupportedMediaType: ErrorKind(415, _INVALID, "unsupported_media_type"),
     pydantic.ValidationError: ErrorKind(422, _INVALID, "validation_error"),
     ClientDisconnected: ErrorKind(499, "client_closed_request", "client_disconnected"),
+    BatchFailed: ErrorKind(500, "server_error", "batch_failed"),
     ServerOverloaded: ErrorKind(503, "server_overloaded", "queue_full", (("Retry-After", "1"),)),
     ServerShuttingDown: ErrorKind(503, "server_overloaded", "shutting_down",
                                   (("Retry-After", "5"),)),

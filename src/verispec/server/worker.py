@@ -11,6 +11,12 @@ rows, and hands every row's verified text delta to its
 request's event loop queue in one ``loop.call_soon_threadsafe`` per round, so every row's text
 goes out as soon as its round is verified.
 
+Faults: a row's own fault (its grammar's dead end, non-finite logits, a verification fault, its
+text's tokenizer) fails that row's request alone with its typed error (TextBatch: a Completion
+with ``error``), posted as its ERROR; its batch mates go on unchanged. A fault of what the rows
+share (a model's pass, its cache, a backend error, out of memory) raises from the round: every
+running request gets BatchFailed (a 500 naming the cause) and a new batch starts.
+
 Back-pressure: at most ``max_queue`` jobs wait for a place in the batch; :meth:`submit` raises
 ServerOverloaded beyond that. Cancellation: ``job.cancel()`` (a client went away) is checked
 before a job joins and between rounds, and a cancelled row leaves the batch before the next
@@ -34,7 +40,7 @@ from ..engine.rows import TokenLogprob
 from ..text.batch import PendingRow, TextBatch, TextRow
 from ..text.stream import Completion
 from ..engine.prefill import ChunkedPrefill
-from .errors import ServerOverloaded, ServerShuttingDown
+from .errors import BatchFailed, ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")
 
@@ -343,18 +349,21 @@ class GenerationWorker:
         self.num_rounds += 1
         self.num_row_rounds += num_rows
         posts: list[tuple[Job, Event, object]] = []
-        finished = []
+        ended = []
         for row, delta in batch.step():
             job = self._running[row.row.id][0]
             if delta:
                 posts.append((job, Event.DELTA, Delta(delta, _shown_logprobs(job, row))))
-            if row.completion is not None:
-                posts.append((job, Event.DONE, row.completion))
-                finished.append(row.row.id)
+            if row.completion is None:
+                continue
+            error = row.completion.error  # a fault of its own: its request alone gets it
+            posts.append((job, Event.DONE, row.completion) if error is None
+                         else (job, Event.ERROR, error))
+            ended.append((row.row.id, "completed" if error is None else "failed"))
         # The books close before the events go out: a client that has read its row's end
         # finds the worker and /metrics already without that row.
-        for row_id in finished:
-            self._finish(row_id, "completed")
+        for row_id, outcome in ended:
+            self._finish(row_id, outcome)
         if self._on_round is not None:
             try:
                 self._on_round(num_rows, batch.batch.last_num_draft_tokens)
@@ -370,10 +379,15 @@ class GenerationWorker:
         except Exception:  # a bug in a hook must not kill the only worker thread
             logger.exception("the generation worker's finish hook failed")
 
-    def _fail_running(self, error: Exception) -> None:
-        """A round failed (e.g. NonFiniteError): every running request gets the error, and so
-        does every one being prefilled apart (its cache belonged to the failed batch's model
-        state as much as the rows')."""
+    def _fail_running(self, cause: Exception) -> None:
+        """A round failed in work its rows share (a model's pass, its cache): every running
+        request gets BatchFailed naming ``cause``, and so does every one being prefilled apart
+        (its cache belonged to the failed batch's model state as much as the rows')."""
+        error = BatchFailed(f"the generation batch running this request failed in a step its "
+                            f"requests share ({type(cause).__name__}; see the server log), and "
+                            "every request in it was ended; the server goes on serving: retry "
+                            "the request.")
+        error.__cause__ = cause
         for row_id, (job, _) in list(self._running.items()):
             self._finish(row_id, "failed")
             job.post(Event.ERROR, error)

@@ -6,7 +6,9 @@ and the server's continuous batching run on: rows join with their own text-level
 one-prompt call checks them), every :meth:`TextBatch.step` is one verified round for all of
 them, and each row's tokens become text through its own stream.RowText. A row whose text
 is complete (a stop token, max_new_tokens, a stop string, or its grammar's end token under
-ignore_eos) leaves the batch at once.
+ignore_eos) leaves the batch at once. A row that fails on a fault of its own (the engine's
+Row.fail, or its text's: the tokenizer) leaves too, its Completion with finish_reason "error"
+and the typed error; the other rows go on unchanged.
 
 What this is not: the round (engine/batch.py) or tokenisation and checks (decoder.Decoder).
 """
@@ -133,19 +135,28 @@ class TextBatch:
 
     def step(self) -> list[tuple[TextRow, str]]:
         """One round: [(row, its new text)] for every row that took part (the text may be
-        empty); rows whose ``completion`` is now set have left the batch."""
-        out = []
-        for row, new_tokens in self.batch.step():
-            text_row = self._rows[row.id]
+        empty); rows whose ``completion`` is now set have left the batch (a failed row's
+        has finish_reason "error" and its ``error``)."""
+        return [(self._rows[row.id], self._feed(self._rows[row.id], new_tokens))
+                for row, new_tokens in self.batch.step()]
+
+    def _feed(self, text_row: TextRow, new_tokens: list[int]) -> str:
+        """A row's new tokens into its text -> the text now safe to show; a row whose text is
+        complete gets its completion and leaves."""
+        row = text_row.row
+        in_batch = not row.finished  # else the round has taken it out already
+        try:
             delta, done = text_row.text.feed(new_tokens, final=row.finished)
-            if done:
-                text_row.completion = text_row.text.completion(row.finish_reason or "stop",
-                                                               row.metrics, text_row.logprobs)
-                self._rows.pop(row.id)
-                if not row.finished:  # a stop string ended its text: its row leaves now
-                    self.batch.remove([row])
-            out.append((text_row, delta))
-        return out
+        except Exception as exc:  # its text's own fault (the tokenizer): it fails alone
+            row.fail(exc)
+            delta, done = "", True
+        if done:
+            text_row.completion = text_row.text.completion(
+                row.finish_reason or "stop", row.metrics, text_row.logprobs, row.error)
+            self._rows.pop(row.id)
+            if in_batch:  # a stop string ended its text, or it failed here: it leaves now
+                self.batch.remove([row])
+        return delta
 
 
 class BatchStream:

@@ -66,6 +66,14 @@ class Decoder:
         ``seed`` seeds prompt i with seed + i. A seeded prompt's text is a function of the
         prompt, its seed and its settings alone: the same whatever else is in the batch, k,
         the draft or the depth policy, and the same as with ``speculative=False``.
+
+        Errors: one prompt raises its typed error (a bad setting before any work; a fault of
+        its own during generation: its grammar's dead end, ConstraintDeadEnd, or non-finite
+        logits, NonFiniteError). In a list, settings are checked before any work (one bad
+        prompt refuses the call), but a fault during generation fails that prompt alone: its
+        Completion has finish_reason "error" and ``error`` (the exception), the others are
+        exactly what they would have been without it. A fault of what the prompts share (the
+        model's forward pass) raises for the call.
         """
         check_keywords(RequestSettings, "generate", settings)
         if is_batch(prompt):
@@ -129,7 +137,9 @@ class Decoder:
                      **settings) -> BatchStream:
         """Decode several prompts as one batch: an iterator of (prompt index, text delta) as
         each round is verified; ``.completions`` holds one Completion per prompt at the end.
-        ``settings``: :meth:`generate`'s, one value for all prompts or a list of one each."""
+        ``settings``: :meth:`generate`'s, one value for all prompts or a list of one each.
+        A prompt that fails on a fault of its own ends in that round: its Completion has
+        finish_reason "error" and ``error``; the others go on (see :meth:`generate`)."""
         check_keywords(RequestSettings, "stream_batch", settings)
         if not is_batch(prompts):
             raise InputError(f"prompts must be a non-empty list of texts or token-id lists; got "

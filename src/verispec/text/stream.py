@@ -23,14 +23,18 @@ from ..engine.rows import TokenLogprob
 @dataclass(frozen=True)
 class Completion:
     """text: the new text (cut before a stop string); token_ids: the new tokens only, up to the
-    one where the text ends (tokens verified past a stop string's start are not included)."""
+    one where the text ends (tokens verified past a stop string's start are not included).
+    A prompt of a batch that failed on a fault of its own (its grammar's dead end, non-finite
+    logits, ...) ends with finish_reason "error" and ``error``, the typed exception, its text
+    what it had generated before; the batch's other prompts ran on unchanged."""
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "error" (see error)
     metrics: GenerationMetrics
     num_prompt_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, where asked
+    error: Exception | None = None  # what the generation failed with (finish_reason "error")
 
     def to_dict(self) -> dict[str, object]:
         out = {"text": self.text, "token_ids": self.token_ids,
@@ -39,6 +43,8 @@ class Completion:
         if self.logprobs is not None:
             out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
                                 "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        if self.error is not None:
+            out["error"] = f"{type(self.error).__name__}: {self.error}"
         return out
 
 
@@ -99,16 +105,19 @@ class RowText:
         return delta, final
 
     def completion(self, finish_reason: str, metrics: GenerationMetrics,
-                   logprobs: list[TokenLogprob] | None = None) -> Completion:
+                   logprobs: list[TokenLogprob] | None = None,
+                   error: Exception | None = None) -> Completion:
         """The finished text's Completion (finish_reason: the engine's, "stop" or "length";
-        a stop string or an end token makes it "stop"); ``logprobs``: the row's, one per
-        token the engine emitted (None: not asked for), cut as the token ids are."""
+        a stop string or an end token makes it "stop"; an ``error`` makes it "error");
+        ``logprobs``: the row's, one per token the engine emitted (None: not asked for), cut
+        as the token ids are."""
         token_ids = list(self.token_ids)
         if self.stopped_by_string:  # the tokens after the stop string's start were not shown
             token_ids = token_ids[: self._tokens_covering(token_ids, self.text)]
         reason = "stop" if self.stopped_by_string or self.stopped_by_token else finish_reason
         kept = None if logprobs is None else list(logprobs[: len(token_ids)])
-        return Completion(self.text, token_ids, reason, metrics, self.num_prompt_tokens, kept)
+        return Completion(self.text, token_ids, "error" if error is not None else reason,
+                          metrics, self.num_prompt_tokens, kept, error)
 
     def _cut_after_end_token(self, token_ids: Sequence[int]) -> Sequence[int]:
         """A round's tokens up to and including the first end token (a speculative round may
@@ -173,7 +182,8 @@ class RowText:
 class TextStream:
     """Text deltas of one row of a :class:`DecodingRun` (a one-prompt generation), through
     :class:`RowText`; ``.completion`` is set when the text is complete (the run is then
-    dropped: a grammar's end token under ignore_eos ends it early, as a stop string does)."""
+    dropped: a grammar's end token under ignore_eos ends it early, as a stop string does).
+    A row that fails (engine.rows.Row.fail) raises its typed error from the iteration."""
 
     def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
                  num_prompt_tokens: int) -> None:
@@ -201,6 +211,8 @@ class TextStream:
     def __next__(self) -> str:
         while self.completion is None:
             chunk = next(self.run, None)
+            if self.run.rows[0].error is not None:  # the one prompt failed: its error is ours
+                raise self.run.rows[0].error
             delta, done = self._text.feed(chunk.token_ids[0] if chunk else (),
                                           final=chunk is None or chunk.finished[0])
             if done:

@@ -34,6 +34,7 @@ import torch
 
 import verispec
 from verispec.bench.run import environment
+from verispec.models.fast_llama.model import FastLlamaLM
 from verispec.models.llama_cpp.model import (
     LlamaCppConfig,
     LlamaCppLM,
@@ -98,13 +99,24 @@ def llama_rows(source: Path, types: list[str], repetitions: int, folder: Path) -
     return rows
 
 
-def torch_row(repetitions: int) -> dict:
-    decoder = verispec.load()  # the demo pair on the fast path, float32
-    costs = time_passes(decoder.target.new_session(), TORCH_NS, repetitions)
-    row = {"engine": f"torch ({getattr(decoder.target, 'matmul', '?')})", "model": "demo target",
-           "type": "F32", "repack": "-", "buffers": {}, "ms": costs}
-    print(_line(row), flush=True)
-    return row
+def torch_rows(repetitions: int) -> list[dict]:
+    """The demo target on the fast path, float32, with each matmul kernel (matmul.py): ATen
+    (MKL on x86) and packed oneDNN, whatever "auto" picks on this CPU; then the demo draft as
+    "auto" loads it (its step against the target's is the cost ratio c)."""
+    decoder = verispec.load()
+    rows = []
+    for matmul in ("aten", "onednn"):
+        target = FastLlamaLM(decoder.target.model, decoder.target.vocab_size, matmul=matmul)
+        costs = time_passes(target.new_session(), TORCH_NS, repetitions)
+        rows.append({"engine": f"torch ({matmul})", "model": "demo target", "type": "F32",
+                     "repack": "-", "buffers": {}, "ms": costs,
+                     "auto": decoder.target.matmul == matmul})
+        print(_line(rows[-1]), flush=True)
+    costs = time_passes(decoder.draft.new_session(), TORCH_NS, repetitions)
+    rows.append({"engine": f"torch ({decoder.draft.matmul})", "model": "demo draft",
+                 "type": "F32", "repack": "-", "buffers": {}, "ms": costs, "auto": True})
+    print(_line(rows[-1]), flush=True)
+    return rows
 
 
 def _line(row: dict) -> str:
@@ -135,7 +147,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, default=None,
                         help="GGUF file to quantize (default: the packaged SmolLM2-135M)")
-    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
+    parser.add_argument("--types", nargs="*", default=list(TYPES), choices=TYPES,
+                        help="llama.cpp weight types (none: the demo target's rows only)")
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--no-torch", action="store_true", help="skip the demo target row")
     parser.add_argument("--cache", type=Path, default=ROOT / "build" / "pass-costs")
@@ -144,9 +157,9 @@ def main(argv: list[str]) -> int:
                         default=ROOT / "benchmarks/results/pass_costs.md")
     args = parser.parse_args(argv)
     source = args.source or packaged_model_path("smollm2-135m-instruct")
-    rows = llama_rows(source, args.types, args.repetitions, args.cache)
+    rows = llama_rows(source, args.types, args.repetitions, args.cache) if args.types else []
     if not args.no_torch:
-        rows.append(torch_row(args.repetitions))
+        rows += torch_rows(args.repetitions)
     env = environment()
     args.json.write_text(json.dumps({"environment": env, "context": CONTEXT, "rows": rows},
                                     indent=1) + "\n")

@@ -162,8 +162,9 @@ def test_rows_started_through_their_prompts_take_whatever_token_comes_next(tiny)
 
 def test_joining_prompts_ride_the_next_extend_in_its_batch(tiny, monkeypatch):
     """add_rows(ride=True): the joining prompts go into the next extend's llama_decode batch
-    (no pass of their own) and the rows go on as if prefilled on joining; a feed or a rewind
-    prefills them first; a riding row that leaves is never decoded."""
+    (no pass of their own) with every row's first token, the rows' other tokens (a round's
+    drafts) into a second batch, and the rows go on as if prefilled on joining; a feed or a
+    rewind prefills them first; a riding row that leaves is never decoded."""
     lm, reference = (LlamaCppLM(LlamaCppModel(tiny["target"])) for _ in range(2))
     session, fresh = lm.new_session(), reference.new_session()
     for s in (session, fresh):  # a context with room for two more rows: no regrowth
@@ -178,7 +179,8 @@ def test_joining_prompts_ride_the_next_extend_in_its_batch(tiny, monkeypatch):
     fresh.add_rows([[4, 5, 6, 7], [8, 9]])
     tokens = torch.tensor([[10, 11], [12, 13], [14, 15]])
     logits, expected = session.extend(tokens), fresh.extend(tokens)
-    assert decodes == [6 + 6], decodes  # one batch: both prompts, then every row's two tokens
+    # both prompts and every row's first token, then every row's second token
+    assert decodes == [6 + 3, 3], decodes
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=2e-3)
     assert session.lengths == fresh.lengths == [5, 6, 4]
     session.add_rows([[16, 17, 18]], ride=True)

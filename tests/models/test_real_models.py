@@ -34,6 +34,7 @@ from verispec.models.packaged import (
     resolve_packaged,
 )
 from verispec.proposers.ngram import NgramDraft
+from verispec.proposers.suffix import SuffixDraft
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import load_decoder
 
@@ -129,6 +130,23 @@ def test_smollm2_server_chat_equals_the_library(smollm2):
                 assert (content, finish_reason) == (expected.text, "stop"), kwargs
             else:
                 assert_greedy_agree(steps_of_completion(expected, smollm2.tokenizer), steps)
+
+
+# a copy-heavy chat: the suffix drafter matches the prompt itself at the first round
+COPY_CHAT = [{"role": "user", "content": "Fix any mistakes in this text and return all of "
+              "it:\n\ndef add(a, b):\n    return a + b"}]
+
+
+def test_smollm2_suffix_drafts_from_the_first_round_keep_greedy_text(smollm2):
+    """Sent twice, so the second time the pool also holds the first reply: drafts verified at
+    the first round, while the prompt is still being decoded, give plain decoding's reply
+    (session.py: the drafts get a pass of their own, never the prompt's batch)."""
+    suffix = verispec.load(SMOLLM2, SuffixDraft())
+    expected = smollm2.chat(COPY_CHAT, max_new_tokens=96, speculative=False).token_ids
+    first = suffix.chat(COPY_CHAT, max_new_tokens=96)
+    second = suffix.chat(COPY_CHAT, max_new_tokens=96)
+    assert second.metrics.num_drafted > 0
+    assert first.token_ids == expected and second.token_ids == expected
 
 
 def test_smollm2_cli_chat_prints_the_librarys_reply(smollm2, capsys):

@@ -108,17 +108,25 @@ def _send_low_temperature(url: str) -> None:
         _assert_own_error(error)
 
 
+def _start_long_streams(url: str) -> tuple[dict[str, tuple[str, dict | None]],
+                                           list[threading.Thread]]:
+    """The LONG streams on threads, returned once each has its first chunk: their results
+    (text, error event) fill the dict as they end."""
+    results: dict[str, tuple[str, dict | None]] = {}
+    started = {name: threading.Event() for name in LONG}
+    streams = [threading.Thread(target=lambda name=name: results.update(
+        {name: _streamed(url, LONG[name], started[name])})) for name in LONG]
+    for stream in streams:
+        stream.start()
+    assert all(event.wait(120) for event in started.values())
+    return results, streams
+
+
 def test_faulty_requests_fail_alone_and_their_batch_mates_stream_on(server):
     alone = {name: _streamed(server.url, body)[0] for name, body in LONG.items()}
     reference = httpx.post(server.url + "/v1/completions", json=SHORT,
                            timeout=120).json()["choices"][0]["text"]
-    results: dict[str, tuple[str, dict | None]] = {}
-    started = {name: threading.Event() for name in LONG}
-    streams = [threading.Thread(target=lambda name=name: results.update(
-        {name: _streamed(server.url, LONG[name], started[name])})) for name in LONG]
-    for stream in streams:
-        stream.start()
-    assert all(event.wait(120) for event in started.values())
+    results, streams = _start_long_streams(server.url)
     faulty = [lambda: _send_faulty(server.url, "dead_end_grammar", stream=False),
               lambda: _send_faulty(server.url, "dead_end_grammar", stream=True),
               lambda: _send_faulty(server.url, "tiny_repetition_penalty", stream=False)]
@@ -152,13 +160,7 @@ def test_a_fault_of_the_shared_pass_ends_each_request_of_the_batch_with_a_500(se
     # request with batch_failed naming the cause's type, and the next batch serves as before
     reference = httpx.post(server.url + "/v1/completions", json=SHORT,
                            timeout=120).json()["choices"][0]["text"]
-    results: dict[str, tuple[str, dict | None]] = {}
-    started = {name: threading.Event() for name in LONG}
-    streams = [threading.Thread(target=lambda name=name: results.update(
-        {name: _streamed(server.url, LONG[name], started[name])})) for name in LONG]
-    for stream in streams:
-        stream.start()
-    assert all(event.wait(120) for event in started.values())
+    results, streams = _start_long_streams(server.url)
     score, failed = TargetScorer.score, []
 
     def failing_once(self, *args, **kwargs):

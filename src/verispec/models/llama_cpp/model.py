@@ -244,8 +244,9 @@ class LlamaCppLM:
     resets the context, and the old session raises if it is used again."""
 
     matmul = "llama.cpp"  # names the kernel, as FastLlamaLM.matmul does
-    # a pass over a few tokens costs about one token's: the deeper default depth
-    # (policy.default_num_draft_tokens)
+    # the deeper default depth (policy.default_num_draft_tokens): a model whose weights outgrow
+    # the CPU's cache reads them once for all of a pass's tokens; a cache-resident one pays
+    # per token (docs/performance.md's pass-cost table), where the goodput policy measures
     flat_verify = True
 
     def __init__(self, model: LlamaCppModel, vocab_size: int | None = None,

@@ -152,6 +152,7 @@ def test_a_dead_end_grammar_gets_a_400_naming_response_format(server):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "response_format" in error["message"]
+    assert error["param"] == "response_format"
 
 
 def test_a_fault_of_the_shared_pass_ends_each_request_of_the_batch_with_a_500(server,

@@ -219,7 +219,8 @@ class ConstraintSet:
                 self._fail(row, ConstraintDeadEnd(
                     "response_format allows no next token after the text generated so far: "
                     "the grammar cannot be completed (its language is empty, or a rule can "
-                    f"never end): {_first_line(matcher.get_error())}. Fix the grammar."))
+                    f"never end): {_first_line(matcher.get_error())}. Fix the grammar.",
+                    field="response_format"))
                 allowed[row] = self._all
             elif matcher.is_stopped():  # finished: only a stop token
                 allowed[row] = self._stops_only
@@ -235,7 +236,7 @@ def _refused(matcher: Any, token: int) -> Exception:
     if matcher.is_error():
         return ConstraintDeadEnd(f"response_format cannot be completed: the grammar engine "
                                  f"stopped ({_first_line(matcher.get_error())}). Fix the "
-                                 "grammar.")
+                                 "grammar.", field="response_format")
     return AssertionError(f"token {token} left the grammar ({_first_line(matcher.get_error())})")
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 
@@ -39,6 +40,24 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def add_server_options(parser: argparse.ArgumentParser, pid_help: str) -> None:
+    """The flags of a script that loads a server: --url and --server-pid (one already running,
+    ``pid_help`` saying what its pid is for), else --target, --draft and --threads of the one
+    it starts; --api-key either way. check_loopback holds --url to this machine."""
+    parser.add_argument("--url", help="a running server (loopback only); default: start one")
+    parser.add_argument("--server-pid", type=int, help=f"pid of the --url server ({pid_help})")
+    parser.add_argument("--target", help="target model dir for the started server (default: demo)")
+    parser.add_argument("--draft", help="draft model dir for the started server")
+    parser.add_argument("--threads", type=int, help="torch threads of the started server")
+    parser.add_argument("--api-key", help="API key of the server")
+
+
+def check_loopback(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a --url off this machine: these scripts send a server thousands of requests."""
+    if args.url and urlparse(args.url).hostname not in LOOPBACK:
+        parser.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
 
 
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:

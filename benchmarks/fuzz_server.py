@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LOOPBACK, served  # noqa: E402
+from common import add_server_options, check_loopback, served  # noqa: E402
 
 # each field's values in range, where the arithmetic is hardest (its bounds, tiny and huge
 # values); None leaves the field out
@@ -77,22 +77,16 @@ CONTROLS = {  # the innocent client's two requests
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running server (loopback only); default: start one")
-    parser.add_argument("--server-pid", type=int, help="pid of the --url server (unused here)")
-    parser.add_argument("--target", help="target model dir for the started server (default: demo)")
-    parser.add_argument("--draft", help="draft model dir for the started server")
-    parser.add_argument("--threads", type=int, help="torch threads of the started server")
-    parser.add_argument("--api-key", help="API key of the server")
+    add_server_options(parser, "unused here")
     parser.add_argument("--requests", type=int, default=2000, help="fuzzed requests (2000)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients (8)")
     parser.add_argument("--max-tokens", type=int, default=32, help="the most per request (32)")
     parser.add_argument("--seed", type=int, default=0, help="the sweep's seed (0)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--json", default="benchmarks/results/fuzz_server.json",
-                        help="where the outcomes go")
+                        help="where the counts and the faults go")
     args = parser.parse_args(argv)
-    if args.url is not None and httpx.URL(args.url).host not in LOOPBACK:
-        parser.error("--url must be a loopback address: this sends thousands of requests")
+    check_loopback(parser, args)
     return args
 
 
@@ -253,6 +247,14 @@ def report(result: dict[str, object]) -> list[str]:
     return reasons
 
 
+def summary(result: dict[str, object], reasons: list[str]) -> dict[str, object]:
+    """What --json keeps: the counts, and the records of faults alone (the requests are drawn
+    from --seed, so any other record is the same in a rerun)."""
+    records = result.pop("records")
+    return {**result, "outcomes": dict(Counter(record["outcome"] for record in records)),
+            "faults": [record for record in records if record["fault"]], "failures": reasons}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with served(args) as (url, _):
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     reasons = report(result)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result, "failures": reasons}, indent=1))
+    path.write_text(json.dumps(summary(result, reasons), indent=1))
     print(f"\nwrote {path}")
     for reason in reasons:
         print(f"FAIL: {reason}")

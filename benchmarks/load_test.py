@@ -21,12 +21,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LOOPBACK, percentile, prompts_for, rss_bytes, served  # noqa: E402
+from common import (  # noqa: E402
+    add_server_options,
+    check_loopback,
+    percentile,
+    prompts_for,
+    rss_bytes,
+    served,
+)
 
 
 @dataclass
@@ -42,13 +48,8 @@ class Tally:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running server (loopback only); default: start one")
-    parser.add_argument("--server-pid", type=int, help="pid of the --url server, for its RSS")
-    parser.add_argument("--target", help="target model dir for the started server (default: demo)")
-    parser.add_argument("--draft", help="draft model dir for the started server")
+    add_server_options(parser, "for its RSS")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (default: 4)")
-    parser.add_argument("--threads", type=int, help="torch threads of the started server")
-    parser.add_argument("--api-key", help="API key of the server")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (default: 16)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds (default: 60)")
     parser.add_argument("--max-requests", type=int, default=10_000, help="request cap")
@@ -59,8 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.clients <= 256 or not 0 < args.duration <= 3600 or args.max_requests < 1:
         parser.error("expected 1 <= --clients <= 256, 0 < --duration <= 3600, --max-requests >= 1")
-    if args.url and urlparse(args.url).hostname not in LOOPBACK:
-        parser.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
+    check_loopback(parser, args)
     return args
 
 

@@ -25,6 +25,9 @@ from verispec.bench.run import environment
 from verispec.models.llama_cpp.model import LlamaCppConfig
 from verispec.proposers.suffix import SuffixDraft
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import first_difference  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
     "def add(a, b):\n    return a + b",
@@ -51,16 +54,17 @@ def chats(count: int) -> list[list[dict[str, str]]]:
 
 
 def margin_at(reply, other) -> dict | None:
-    """Where two replies' tokens first differ, and the first reply's logprob margin there."""
-    for position, (one, two) in enumerate(zip(reply.token_ids, other.token_ids)):
-        if one != two:
-            step = reply.logprobs[position]
-            alternatives = dict(step.top)
-            margin = step.logprob - alternatives[two] if two in alternatives else None
-            return {"position": position, "margin": margin}
-    if len(reply.token_ids) != len(other.token_ids):
-        return {"position": min(len(reply.token_ids), len(other.token_ids)), "margin": None}
-    return None
+    """Where two replies' tokens first differ, and the first reply's logprob margin there
+    (None where one reply only stops sooner)."""
+    position = first_difference(reply.token_ids, other.token_ids)
+    if position is None:
+        return None
+    if position == min(len(reply.token_ids), len(other.token_ids)):
+        return {"position": position, "margin": None}
+    step, token = reply.logprobs[position], other.token_ids[position]
+    alternatives = dict(step.top)
+    return {"position": position,
+            "margin": step.logprob - alternatives[token] if token in alternatives else None}
 
 
 def main(argv: list[str]) -> int:

@@ -32,13 +32,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    LOOPBACK,
+    add_server_options,
+    check_loopback,
     launch,
     percentile,
     prompts_for,
@@ -74,12 +74,7 @@ class Sample:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running server (loopback only); default: start one")
-    parser.add_argument("--server-pid", type=int, help="pid of the --url server (RSS, fds)")
-    parser.add_argument("--target", help="target model dir for the started server (default: demo)")
-    parser.add_argument("--draft", help="draft model dir for the started server")
-    parser.add_argument("--threads", type=int, help="torch threads of the started server")
-    parser.add_argument("--api-key", help="API key of the server")
+    add_server_options(parser, "RSS, fds")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (default: 16)")
     parser.add_argument("--duration", type=float, default=600.0,
                         help="seconds of load after the warm-up (default: 600)")
@@ -102,8 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.sample_every <= args.duration or args.max_tokens < 1 or args.warmup < 0:
         parser.error("expected 1 <= --sample-every <= --duration, --max-tokens >= 1 and "
                      "--warmup >= 0")
-    if args.url and urlparse(args.url).hostname not in LOOPBACK:
-        parser.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
+    check_loopback(parser, args)
     if args.server_pid and not args.url:
         parser.error("--server-pid goes with --url")
     return args

@@ -30,7 +30,7 @@ What this is not: a kernel. Nothing here runs a matmul; the probe's model is ran
 from __future__ import annotations
 
 import ctypes
-import logging
+import functools
 import os
 import signal
 import subprocess
@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 from ...config import REPACK_MODES
 
-logger = logging.getLogger("verispec.llama_cpp")
 
 AMX = "AMX"
 _GGML_BACKEND_DEVICE_TYPE_CPU = 0
@@ -115,18 +114,10 @@ class ExtraBufferTypes:
             self.array[index] = pointer
 
 
-class _Types:
-    value: ExtraBufferTypes | None = None
-
-
-_TYPES = _Types()
-
-
+@functools.cache
 def extra_buffer_types(llama_cpp) -> ExtraBufferTypes:
     """The CPU backend's extra buffer types (read once per process)."""
-    if _TYPES.value is None:
-        _TYPES.value = ExtraBufferTypes(llama_cpp)
-    return _TYPES.value
+    return ExtraBufferTypes(llama_cpp)
 
 
 def probe_amx(command: Sequence[str] | None = None) -> AmxProbe:
@@ -202,10 +193,10 @@ def load_with_kernels(llama_cpp, repack: str, load: Callable[[bool], object]
     types = extra_buffer_types(llama_cpp)
     plan = plan_kernels(repack, types)
     with _LOAD_LOCK:
-        if not plan.left_out:
-            return load(plan.use_extra_bufts), plan
-        types.write(plan.left_out)
+        if plan.left_out:
+            types.write(plan.left_out)
         try:
             return load(plan.use_extra_bufts), plan
         finally:
-            types.write(())
+            if plan.left_out:
+                types.write(())

@@ -135,8 +135,13 @@ def _silence_stdout() -> None:
 
 def _check_model_choice(args: argparse.Namespace) -> None:
     """The model flags' rules, the same as the server's (server.settings.check_model_flags)."""
-    from ..server.settings import check_model_flags  # dataclasses only; no FastAPI import
+    from ..server.settings import check_model_flags, paired_draft_for  # no FastAPI import
 
+    paired = paired_draft_for(args.target, args.draft, ngram=args.ngram, no_draft=args.no_draft)
+    if paired is not None:
+        print(f"verispec: drafting with {paired}, the paired draft of {args.target} (--ngram "
+              "or --no-draft to go without)", file=sys.stderr)
+        args.draft = paired
     check_model_flags(args.target, args.draft, ngram=args.ngram, hybrid=args.hybrid,
                       no_draft=args.no_draft)
 

@@ -134,6 +134,12 @@ def paired_draft(target: object) -> str | None:
     return draft if draft is not None and is_installed(draft) else None
 
 
+def is_paired_draft(target: object, draft: object) -> bool:
+    """Whether ``draft`` is the packaged draft that packaged target ``target`` pairs with."""
+    return (is_packaged_name(target) and draft is not None
+            and PACKAGED_MODELS[target].paired_draft == draft)
+
+
 def missing_paired_draft(target: object) -> str | None:
     """The packaged draft ``target`` pairs with when its packages are not installed, else
     None (for the error that asks for a draft)."""

@@ -99,6 +99,10 @@ def describe_decoding(decoder, settings: ServerSettings) -> str:
         return "plain decoding"
     drafting = ("n-gram drafting" if settings.ngram else
                 "hybrid drafting" if settings.hybrid else "draft model")
+    from ..models.packaged import is_paired_draft
+
+    if is_paired_draft(settings.target, settings.draft):
+        drafting += f" {settings.draft} (the target's paired draft; --no-draft to go without)"
     depth = f"k = {decoder.num_draft_tokens}"
     if settings.num_draft_tokens is None:
         depth += f" by default on {decoder.target.device.type}"

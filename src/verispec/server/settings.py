@@ -42,8 +42,26 @@ def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hyb
         raise ConfigError("--draft was given without --target; pass both, or neither for the "
                           "shipped demo pair.")
     if target is not None and draft is None and not (no_draft or ngram):
-        raise ConfigError("--target was given without --draft; pass --draft PATH, --ngram for "
-                          "prompt-lookup drafting, or --no-draft for plain decoding.")
+        from ..models.packaged import missing_paired_draft  # imports torch: only on this path
+
+        missing = missing_paired_draft(target)
+        hint = (f" (its paired draft {missing!r} is not installed: pip install "
+                "'verispec[coder]')" if missing else "")
+        raise ConfigError(f"--target was given without --draft{hint}; pass --draft PATH, "
+                          "--ngram for prompt-lookup drafting, or --no-draft for plain "
+                          "decoding.")
+
+
+def paired_draft_for(target: str | None, draft: str | None, *, ngram: bool,
+                     no_draft: bool) -> str | None:
+    """The draft to use where only a target is named: its paired packaged draft (for example
+    qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct) when that is installed and
+    neither --ngram nor --no-draft is given; None otherwise (check_model_flags then asks)."""
+    if target is None or draft is not None or ngram or no_draft:
+        return None
+    from ..models.packaged import paired_draft  # imports torch: only on this path
+
+    return paired_draft(target)
 
 
 def _setting(default: object, help: str, *, flag: str | None = None, metavar: str | None = None,
@@ -176,6 +194,10 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_kinds(self)  # kinds first, so the range checks below compare like with like
+        paired = paired_draft_for(self.target, self.draft, ngram=self.ngram,
+                                  no_draft=self.no_draft)
+        if paired is not None:
+            object.__setattr__(self, "draft", paired)
         check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
                           no_draft=self.no_draft)
         k = self.num_draft_tokens

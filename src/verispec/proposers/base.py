@@ -212,6 +212,14 @@ class LookupSession:
         self.append_committed([drafted[:n] + [token] for drafted, n, token
                                in zip(proposal, num_accepted, next_tokens)])
 
+    def commit_chained(self, num_found: Sequence[int], num_accepted: Sequence[int],
+                       committed: Sequence[Sequence[int]]) -> None:
+        """Index the tokens committed ([B][*] host ids) after a round whose proposal began
+        with num_found[b] of this session's tokens for row b and went on with another
+        proposer's (proposers/hybrid.py, chained); num_accepted [B] of the whole proposal were
+        kept. A session that learns from its drafts' fate overrides it."""
+        self.append_committed(committed)
+
     def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
         """Index tokens committed without a proposal of this session's: [B][*] host ids."""
         for row, tokens in zip(self.rows, committed):

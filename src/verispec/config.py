@@ -257,6 +257,9 @@ class GenerationConfig:
 # llama.cpp's weight kernels (LlamaCppConfig.repack, --repack; models/llama_cpp/kernels.py)
 REPACK_MODES = ("auto", "on", "off")
 VERIFICATION_RULES = ("block", "token")  # the first is the default
+# what a hybrid proposer looks up before its draft model (--hybrid-lookup; proposers/hybrid.py):
+# prompt lookup of the last 2-3 tokens, or the suffix drafter; the first is the default
+HYBRID_LOOKUPS = ("ngram", "suffix")
 # the rules a sampled `verispec bench` row can run under: block and token verification of
 # unseeded rows (their generator seeded by the bench), and "seeded": a row with a seed, whose
 # tokens are races on keyed clocks (spec/seeded.py), which couples the draft to the target instead
@@ -267,4 +270,11 @@ def check_verification(verification: object) -> None:
     """One of VERIFICATION_RULES, else ConfigError naming them."""
     _require(verification in VERIFICATION_RULES, "verification", verification,
              " or ".join(repr(rule) for rule in VERIFICATION_RULES))
+
+
+def check_draft_p_min(draft_p_min: object) -> None:
+    """A draft model's confidence floor (``--draft-p-min``; proposers/draft_model.py): a number
+    in [0, 1], 0 for none, else ConfigError naming it."""
+    _require(_is_real(draft_p_min) and 0.0 <= draft_p_min <= 1.0, "draft_p_min", draft_p_min,
+             "a number from 0 to 1 (0: no floor), e.g. 0.75")
 

@@ -182,7 +182,7 @@ def test_negative_control_a_mask_on_the_target_side_only_is_rejected(law_setup, 
     """The draft draws under the grammar's mask but reports its unmasked distribution: the
     acceptance test then compares the masked target with a distribution the token was not
     drawn from, and the output leaves the constrained law."""
-    import verispec.proposers.draft_model as draft_model_module
+    import verispec.proposers.draws as draws_module
     from verispec.spec.sampling import sample_from_logits
 
     def masked_draw_unmasked_report(logits, sampling, uniforms, allowed=None):
@@ -190,7 +190,7 @@ def test_negative_control_a_mask_on_the_target_side_only_is_rejected(law_setup, 
         unmasked, _ = sample_from_logits(logits, sampling, uniforms)
         return unmasked, tokens
 
-    monkeypatch.setattr(draft_model_module, "sample_from_logits", masked_draw_unmasked_report)
+    monkeypatch.setattr(draws_module, "sample_from_logits", masked_draw_unmasked_report)
     tokenizer, target, draft, index = law_setup
     prompt, sampling = tokenizer.encode("x = "), SamplingConfig(temperature=1.0)
     law = exact_constrained_law(tokenizer, target, index, prompt, sampling)

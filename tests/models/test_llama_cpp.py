@@ -46,6 +46,7 @@ from verispec.errors import (
 from verispec.models.gguf_export import export_gguf, save_gguf
 from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from verispec.proposers.draft_model import DraftModelProposer
+from verispec.proposers.hybrid import lookup_named
 
 PROMPT = [3, 17, 5]
 NUM_SAMPLES = 20_000
@@ -380,6 +381,19 @@ def test_hybrid_proposer_on_llama_cpp(tiny):
     out = decoder.generate(prompt, max_new_tokens=40, num_draft_tokens=3)
     assert out.token_ids == decoder.generate(prompt, max_new_tokens=40,
                                              speculative=False).token_ids
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_chained_hybrid_with_a_confidence_stop_on_llama_cpp(tiny, lookup):
+    # chained rounds feed each row's lookup before its draft; a floor stops rows at their own
+    # depths: ragged feeds and rewinds on llama.cpp's cache, the greedy output unchanged
+    decoder = verispec.load(tiny["target"], tiny["draft"], hybrid=lookup_named(lookup),
+                            hybrid_chain=True, draft_p_min=0.5, backend="llama.cpp")
+    prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], [7, 8, 9, 7, 8], [9]]
+    outs = decoder.generate(prompts, max_new_tokens=40, num_draft_tokens=4)
+    plain = decoder.generate(prompts, max_new_tokens=40, speculative=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_drafted for o in outs) > 0
 
 
 # --- sampling losslessness -------------------------------------------------------------------------

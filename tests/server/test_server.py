@@ -636,6 +636,9 @@ def test_settings_take_paths_and_the_devices_default_depth():
     ({"hybrid": True}, f"hybrid drafting, goodput-plain depth from k = {CPU_DEFAULT_K} by "
                        "default on cpu"),
     ({"adaptive": "goodput", "num_draft_tokens": 1}, "draft model, goodput depth from k = 1"),
+    ({"hybrid": True, "hybrid_lookup": "suffix", "hybrid_chain": True, "draft_p_min": 0.5,
+      "adaptive": "fixed", "num_draft_tokens": 4},
+     "hybrid drafting (suffix lookup, chained), draft-p-min 0.5, k = 4"),
     ({"no_draft": True}, "plain decoding"),
 ])
 def test_startup_line_says_how_requests_are_decoded(model_dirs, kwargs, expected):

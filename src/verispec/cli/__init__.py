@@ -143,7 +143,8 @@ def _check_model_choice(args: argparse.Namespace) -> None:
               "or --no-draft to go without)", file=sys.stderr)
         args.draft = paired
     check_model_flags(args.target, args.draft, ngram=args.ngram, hybrid=args.hybrid,
-                      no_draft=args.no_draft)
+                      no_draft=args.no_draft, hybrid_lookup=args.hybrid_lookup,
+                      hybrid_chain=args.hybrid_chain, draft_p_min=args.draft_p_min)
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -165,13 +166,16 @@ def _read_prompt(prompt: str | None) -> str:
 def _load_decoder(args: argparse.Namespace):
     """The decoder the model flags describe."""
     from ..text.load import load
+    from ..proposers.hybrid import lookup_named
     from ..proposers.suffix import SuffixDraft
 
     return load(args.target, SuffixDraft() if args.ngram else args.draft, device=args.device,
                 dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
                 adaptive=named_policy(args.adaptive), verification=args.verification,
-                hybrid=args.hybrid, llama_cpp_config=llama_cpp_config(args),
-                chat_template=args.chat_template, cuda_graphs=args.cuda_graphs)
+                hybrid=lookup_named(args.hybrid_lookup) if args.hybrid else False,
+                llama_cpp_config=llama_cpp_config(args), chat_template=args.chat_template,
+                cuda_graphs=args.cuda_graphs, hybrid_chain=args.hybrid_chain,
+                draft_p_min=args.draft_p_min)
 
 
 def _request_settings(args: argparse.Namespace) -> dict[str, object]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import REPACK_MODES, VERIFICATION_RULES
+from ..config import HYBRID_LOOKUPS, REPACK_MODES, VERIFICATION_RULES
 from ..policy import POLICY_NAMES
 
 
@@ -82,15 +82,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--min-p", type=float, default=None, metavar="P",
                           help="keep tokens at least P times as likely as the most likely one")
     _add_penalty_options(parser)
-    sampling.add_argument("--ngram", action="store_true",
-                          help="draft without a model, by the suffix-decoding rule: where the "
-                          "last tokens repeat a span of the prompt, the output or an earlier "
-                          "request, draft its most frequent continuation, deeper the longer "
-                          "the match; nothing elsewhere")
-    sampling.add_argument("--hybrid", action="store_true",
-                          help="draft by prompt lookup in rounds where it finds a match, by the "
-                          "draft model otherwise (needs a draft model: the demo pair's, or "
-                          "--draft)")
+    _add_drafting_options(sampling)
     sampling.add_argument("--no-draft", action="store_true",
                           help="plain target decoding through the same code path")
     sampling.add_argument("--adaptive", choices=POLICY_NAMES, default=None,
@@ -104,6 +96,31 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           "round on average) or 'token' (token-wise rejection sampling); a seeded request "
                           "keeps draft tokens while they are the target's own samples (default: "
                           f"{VERIFICATION_RULES[0]})")
+
+
+def _add_drafting_options(group: argparse._ArgumentGroup) -> None:
+    """How a model-free or hybrid draft looks up, and the draft model's confidence floor."""
+    group.add_argument("--ngram", action="store_true",
+                       help="draft without a model, by the suffix-decoding rule: where the "
+                       "last tokens repeat a span of the prompt, the output or an earlier "
+                       "request, draft its most frequent continuation, deeper the longer "
+                       "the match; nothing elsewhere")
+    group.add_argument("--hybrid", action="store_true",
+                       help="draft by prompt lookup in rounds where it finds a match, by the "
+                       "draft model otherwise (needs a draft model: the demo pair's, or "
+                       "--draft)")
+    group.add_argument("--hybrid-lookup", choices=HYBRID_LOOKUPS, default=HYBRID_LOOKUPS[0],
+                       help="with --hybrid, what is looked up before the draft model: ngram "
+                       "(the last 2-3 tokens) or suffix (the suffix drafter: the longest "
+                       f"repeated span) (default: {HYBRID_LOOKUPS[0]})")
+    group.add_argument("--hybrid-chain", action="store_true",
+                       help="with --hybrid, a row whose lookup finds fewer than k tokens goes "
+                       "on with the draft model's after them in the same round")
+    group.add_argument("--draft-p-min", type=float, default=0.0, metavar="P",
+                       help="the draft model's confidence floor, 0 to 1: a draft ends before "
+                       "the first position where its most likely token is less likely than "
+                       "P (a greedy draft's at temperature 1); exact, it changes only how "
+                       "many tokens are drafted (default: 0, none)")
 
 
 def _add_penalty_options(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,10 @@ Legend: B batch, K draft tokens, V vocabulary.
 Contract of a :class:`Proposal`: ``draft_probs`` are exactly the fp32 distributions the draft
 tokens were drawn from, after the same temperature / top-k / top-p processing the target gets
 (verispec.spec.sampling.to_probs); ``None`` means the proposal is deterministic (greedy, n-gram) and
-is verified as a point mass. A proposer that reports any other distribution silently breaks the
-exactness of speculative sampling.
+is verified as a point mass. A deterministic position within a drawn proposal (a lookup's
+token before a draft model's, proposers/hybrid.py) carries its point mass, a one-hot row. A
+proposer that reports any other distribution silently breaks the exactness of speculative
+sampling.
 """
 
 from __future__ import annotations
@@ -137,8 +139,9 @@ class ProposerSession(Protocol):
 
     def propose(self, plan: DraftPlan, constraint: RoundConstraint | None = None) -> Proposal:
         """Draft up to ``plan.num_draft_tokens[b]`` tokens for each row b after its committed
-        sequence: a [B, K] proposal with K <= plan.num_steps (a draft model always gives all of
-        them; an n-gram lookup may find fewer, K = 0 making the round a plain decoding step).
+        sequence: a [B, K] proposal with K <= plan.num_steps (a draft model gives all of them
+        unless its confidence floor ends a row's draft sooner; a lookup may find fewer; K = 0
+        makes the round a plain decoding step).
         A sampling proposer given a ``constraint`` draws each token under
         ``constraint.allowed()`` and reports it with ``advance``; a deterministic one may
         ignore it (the engine checks and cuts its tokens)."""
@@ -211,6 +214,14 @@ class LookupSession:
         self._proposal = None
         self.append_committed([drafted[:n] + [token] for drafted, n, token
                                in zip(proposal, num_accepted, next_tokens)])
+
+    def commit_chained(self, num_found: Sequence[int], num_accepted: Sequence[int],
+                       committed: Sequence[Sequence[int]]) -> None:
+        """Index the tokens committed ([B][*] host ids) after a round whose proposal began
+        with num_found[b] of this session's tokens for row b and went on with another
+        proposer's (proposers/hybrid.py, chained); num_accepted [B] of the whole proposal were
+        kept. A session that learns from its drafts' fate overrides it."""
+        self.append_committed(committed)
 
     def append_committed(self, committed: Sequence[Sequence[int]]) -> None:
         """Index tokens committed without a proposal of this session's: [B][*] host ids."""

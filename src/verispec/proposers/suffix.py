@@ -393,11 +393,21 @@ class SuffixSession(LookupSession):
         """Each row that drafted learns how its draft fared (_RowHistory.observe), then the
         kept tokens are indexed."""
         if self._found is not None:
-            for row, drafted, kept in zip(self.rows, self._found, as_ints(num_accepted)):
-                if drafted:
-                    row.observe(drafted, kept)
+            self._observe(self._found, as_ints(num_accepted))
             self._found = None
         super().commit(num_accepted, next_tokens)
+
+    def commit_chained(self, num_found: Sequence[int], num_accepted: Sequence[int],
+                       committed: Sequence[Sequence[int]]) -> None:
+        """A chained round (proposers/hybrid.py): each row that drafted learns how its part
+        fared (kept whole where the round kept more than it), then the tokens are indexed."""
+        self._observe(num_found, as_ints(num_accepted))
+        self.append_committed(committed)
+
+    def _observe(self, num_found: Sequence[int], num_accepted: Sequence[int]) -> None:
+        for row, drafted, kept in zip(self.rows, num_found, num_accepted):
+            if drafted:
+                row.observe(drafted, min(kept, drafted))
 
     def _pool_rows(self, rows: list[_RowHistory]) -> None:
         if self.pool is not None:

@@ -33,6 +33,7 @@ def load_decoder(settings: ServerSettings):
     from ..text.load import load
     from ..text.demo import demo_pair
     from ..models.llama_cpp.model import LlamaCppConfig
+    from ..proposers.hybrid import lookup_named
     from ..proposers.suffix import SuffixDraft
 
     target, draft = settings.target, settings.draft
@@ -43,7 +44,9 @@ def load_decoder(settings: ServerSettings):
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings), verification=settings.verification,
-                hybrid=settings.hybrid, backend=settings.backend,
+                hybrid=lookup_named(settings.hybrid_lookup) if settings.hybrid else False,
+                hybrid_chain=settings.hybrid_chain, draft_p_min=settings.draft_p_min,
+                backend=settings.backend,
                 chat_template=settings.chat_template, cuda_graphs=not settings.no_cuda_graphs,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
                                                 context_size=settings.context_size,
@@ -103,6 +106,12 @@ def describe_decoding(decoder, settings: ServerSettings) -> str:
 
     if is_paired_draft(settings.target, settings.draft):
         drafting += f" {settings.draft} (the target's paired draft; --no-draft to go without)"
+    if settings.hybrid:  # how, where it is not the default
+        how = [f"{settings.hybrid_lookup} lookup"] if settings.hybrid_lookup != "ngram" else []
+        how += ["chained"] if settings.hybrid_chain else []
+        drafting += f" ({', '.join(how)})" if how else ""
+    if settings.draft_p_min:
+        drafting += f", draft-p-min {settings.draft_p_min}"
     depth = f"k = {decoder.num_draft_tokens}"
     if settings.num_draft_tokens is None:
         depth += f" by default on {decoder.target.device.type}"

@@ -15,7 +15,8 @@ import argparse
 from dataclasses import Field, dataclass, field, fields
 from os import PathLike
 
-from ..config import MAX_NUM_DRAFT_TOKENS, REPACK_MODES, VERIFICATION_RULES
+from ..config import (HYBRID_LOOKUPS, MAX_NUM_DRAFT_TOKENS, REPACK_MODES, VERIFICATION_RULES,
+                      check_draft_p_min)
 from ..policy import POLICY_NAMES
 from ..errors import ConfigError
 
@@ -28,10 +29,22 @@ BACKENDS = ("auto", "fast", "transformers", "llama.cpp")  # = text.assemble.BACK
 
 
 def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hybrid: bool,
-                      no_draft: bool) -> None:
+                      no_draft: bool, hybrid_lookup: str = HYBRID_LOOKUPS[0],
+                      hybrid_chain: bool = False, draft_p_min: float = 0.0) -> None:
     """The model flags shared by ``verispec generate`` and ``verispec serve``: neither model is
     the demo pair; a target alone only with --no-draft or --ngram; a draft needs a target;
-    --hybrid needs a draft model, --ngram replaces one. ConfigError names the flag to drop."""
+    --hybrid needs a draft model, --ngram replaces one; --hybrid-lookup and --hybrid-chain
+    need --hybrid, --draft-p-min (0 to 1) a draft model. ConfigError names the flag to drop."""
+    check_draft_p_min(draft_p_min)
+    hybrid_flag = ("--hybrid-chain" if hybrid_chain else "--hybrid-lookup"
+                   if hybrid_lookup != HYBRID_LOOKUPS[0] else None)
+    if hybrid_flag is not None and not hybrid:
+        raise ConfigError(f"{hybrid_flag} sets how --hybrid drafts; pass --hybrid as well, or "
+                          f"drop {hybrid_flag}.")
+    if draft_p_min > 0 and (ngram or no_draft):
+        raise ConfigError(f"--draft-p-min is a floor on a draft model's confidence, and "
+                          f"{'--ngram' if ngram else '--no-draft'} drafts without one; drop "
+                          "--draft-p-min.")
     if hybrid and (ngram or no_draft):
         raise ConfigError("--hybrid drafts by prompt lookup, then by the draft model; drop "
                           f"{'--ngram' if ngram else '--no-draft'}.")
@@ -87,6 +100,18 @@ class ServerSettings:
                            "the last tokens repeat (deeper the longer the match)")
     hybrid: bool = _setting(False, "draft by prompt lookup in rounds where it finds a match, "
                             "by the draft model otherwise (needs a draft model)")
+    hybrid_lookup: str = _setting(
+        HYBRID_LOOKUPS[0], "with --hybrid, what is looked up before the draft model: ngram "
+        "(the last 2-3 tokens) or suffix (the suffix drafter: the longest repeated span, its "
+        "prompt, output and earlier requests)", choices=HYBRID_LOOKUPS, value_type=str)
+    hybrid_chain: bool = _setting(False, "with --hybrid, a row whose lookup finds fewer than "
+                                  "k tokens goes on with the draft model's after them in the "
+                                  "same round (instead of a round choosing one or the other)")
+    draft_p_min: float = _setting(0.0, "the draft model's confidence floor, 0 to 1: a draft "
+                                  "ends before the first position where its most likely token "
+                                  "is less likely than this (a greedy request's at temperature "
+                                  "1); exact, it changes only how many tokens are drafted; "
+                                  "0: none", metavar="P")
     no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
                               "code path")
     chat_template: str | None = _setting(
@@ -198,8 +223,11 @@ class ServerSettings:
                                   no_draft=self.no_draft)
         if paired is not None:
             object.__setattr__(self, "draft", paired)
+        _check(self.hybrid_lookup in HYBRID_LOOKUPS, "hybrid_lookup", self.hybrid_lookup,
+               " or ".join(HYBRID_LOOKUPS))
         check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
-                          no_draft=self.no_draft)
+                          no_draft=self.no_draft, hybrid_lookup=self.hybrid_lookup,
+                          hybrid_chain=self.hybrid_chain, draft_p_min=self.draft_p_min)
         k = self.num_draft_tokens
         _check(k is None or 1 <= k <= MAX_NUM_DRAFT_TOKENS, "k", k,
                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, or no --k for the device's default")
@@ -272,7 +300,8 @@ def add_field_argument(group, f: Field) -> None:
                        help=meta["help"] + shown)
 
 
-_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "chat_template",
+_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "hybrid_lookup",
+                           "hybrid_chain", "draft_p_min", "no_draft", "chat_template",
                            "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 

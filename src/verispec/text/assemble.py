@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from ..config import VERIFICATION_RULES, GenerationConfig, check_verification
+from ..config import VERIFICATION_RULES, GenerationConfig, check_draft_p_min, check_verification
 from ..policy import default_num_draft_tokens
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError
@@ -55,8 +55,16 @@ class DecoderOptions:
     k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where
     it starts. None: a fixed k.
     hybrid: True with a draft model drafts by lookup (of the last 2-3 tokens;
-    ``NgramDraft(...)`` sets other lengths) in rounds where every row's history has a match, and
-    by the draft model otherwise.
+    ``NgramDraft(...)`` sets other lengths, ``SuffixDraft(...)`` looks up by the suffix
+    drafter instead) in rounds where every row's history has a match, and by the draft model
+    otherwise (proposers/hybrid.py).
+    hybrid_chain: with hybrid, a row whose lookup finds fewer than its k tokens goes on with
+    the draft model's after them in the same round, instead of the round choosing one or the
+    other (``--hybrid-chain``).
+    draft_p_min: the draft model's confidence floor, 0 to 1 (0: none; ``--draft-p-min``): a
+    row's draft ends before the first position where the draft's most likely token (after
+    the row's sampling settings; a greedy row's at temperature 1) is less likely than it.
+    Exact: only how many tokens are drafted changes (proposers/draft_model.py).
     llama_cpp_config: llama.cpp's threads, context and batch size (LlamaCppConfig; defaults: all
     cores, the model's context up to 4096, 512).
     verification: the default rule of unseeded sampled rows with a draft model, "block" or
@@ -75,9 +83,15 @@ class DecoderOptions:
     verification: str = VERIFICATION_RULES[0]
     chat_template: str | Path | None = None
     cuda_graphs: bool = True
+    hybrid_chain: bool = False
+    draft_p_min: float = 0.0
 
     def __post_init__(self) -> None:
         check_verification(self.verification)
+        check_draft_p_min(self.draft_p_min)
+        if not isinstance(self.hybrid_chain, bool):
+            raise ConfigError(f"hybrid_chain={self.hybrid_chain!r} is invalid: expected True or "
+                              "False.")
         GenerationConfig(num_draft_tokens=1 if self.num_draft_tokens is None else
                          self.num_draft_tokens, adaptive=self.adaptive)  # checks k and adaptive
         if self.backend not in BACKENDS:
@@ -95,7 +109,7 @@ class DecoderParts:
     target: LanguageModel
     draft: LanguageModel | None
     ngram: ModelFreeDraft | None
-    hybrid: NgramDraft | None
+    hybrid: NgramDraft | SuffixDraft | None
     engine: SpeculativeDecoder
     chat_template: ChatTemplate | None
     stop_token_ids: tuple[int, ...]
@@ -110,6 +124,7 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
     where a model's output is narrower than the tokenizer, ConfigError for options that do not
     combine with the models."""
     hybrid = hybrid_lookup(options.hybrid, draft_model, target_model)
+    check_draft_model_options(options, hybrid, draft_model, target_model)
     # a model-free draft (n-gram or suffix settings) drafts without a model adapter
     ngram = draft_model if isinstance(draft_model, ModelFreeDraft) else None
     draft_model = None if ngram is not None else draft_model
@@ -122,7 +137,7 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
     draft = None if draft_model is None else wrap_model(
         draft_model, vocab_size, options.backend, options.llama_cpp_config, draft=True,
         cuda_graphs=options.cuda_graphs)
-    engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid))
+    engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid, options))
     return DecoderParts(target, draft, ngram, hybrid, engine, chat_template, stop_token_ids,
                         _num_draft_tokens(options.num_draft_tokens, target, ngram),
                         options.adaptive, options.verification)
@@ -146,14 +161,15 @@ def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
     return TransformersLM(model, vocab_size)
 
 
-def hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft | None:
+def hybrid_lookup(hybrid: object, draft: object, target: object
+                  ) -> NgramDraft | SuffixDraft | None:
     """The lookup settings of a hybrid proposer (None: not hybrid), checked against the draft."""
     if hybrid is False or hybrid is None:
         return None
-    if not (hybrid is True or isinstance(hybrid, NgramDraft)):
-        raise ConfigError(f"hybrid={hybrid!r} is invalid: expected True, False or "
-                          "NgramDraft(...) (the lookup's settings).")
-    if isinstance(draft, ModelFreeDraft) or (draft is None and target is not None):
+    if not (hybrid is True or isinstance(hybrid, ModelFreeDraft)):
+        raise ConfigError(f"hybrid={hybrid!r} is invalid: expected True, False, "
+                          "NgramDraft(...) or SuffixDraft(...) (the lookup's settings).")
+    if _no_draft_model(draft, target):
         given = f"draft={type(draft).__name__}()" if draft is not None else "no draft"
         raise ConfigError(f"hybrid falls back on a draft model where lookup finds nothing, and "
                           f"{given} was given; pass a draft model (or drop hybrid for lookup "
@@ -161,14 +177,35 @@ def hybrid_lookup(hybrid: object, draft: object, target: object) -> NgramDraft |
     return HYBRID_LOOKUP if hybrid is True else hybrid
 
 
+def check_draft_model_options(options: DecoderOptions, hybrid: object, draft: object,
+                              target: object) -> None:
+    """hybrid_chain needs hybrid, and a draft_p_min floor a draft model (ConfigError naming
+    the option); ``hybrid``: hybrid_lookup's result."""
+    if options.hybrid_chain and hybrid is None:
+        raise ConfigError("hybrid_chain=True chains a hybrid's lookup and its draft model; pass "
+                          "hybrid=True (--hybrid) as well, or drop hybrid_chain.")
+    if options.draft_p_min > 0 and _no_draft_model(draft, target):
+        raise ConfigError(f"draft_p_min={options.draft_p_min!r} is a floor on a draft model's "
+                          "confidence, and no draft model was given; pass one (--draft), or "
+                          "drop draft_p_min.")
+
+
+def _no_draft_model(draft: object, target: object) -> bool:
+    """Whether the target decodes without a draft model (a model-free draft, or none: a
+    target named alone; neither named is the demo pair, which has one)."""
+    return isinstance(draft, ModelFreeDraft) or (draft is None and target is not None)
+
+
 def _proposer(vocab_size: int, draft: LanguageModel | None, ngram: ModelFreeDraft | None,
-              hybrid: NgramDraft | None) -> Proposer | None:
+              hybrid: NgramDraft | SuffixDraft | None, options: DecoderOptions
+              ) -> Proposer | None:
     """What drafts: the model-free rule, else the draft model (behind lookup when hybrid);
     None: no draft, the target decodes alone."""
     if ngram is not None:
         return model_free_proposer(vocab_size, ngram)
-    proposer = None if draft is None else DraftModelProposer(draft)
-    return proposer if hybrid is None else HybridProposer(proposer, hybrid)
+    proposer = None if draft is None else DraftModelProposer(draft, options.draft_p_min)
+    return proposer if hybrid is None else HybridProposer(proposer, hybrid,
+                                                          options.hybrid_chain)
 
 
 def _num_draft_tokens(asked: int | None, target: LanguageModel,

@@ -31,8 +31,7 @@ from ..models.loading import (
     resolve_dtype,
 )
 from ..proposers import ModelFreeDraft
-from ..proposers.ngram import NgramDraft
-from .assemble import DecoderOptions, LoadedModel, hybrid_lookup
+from .assemble import DecoderOptions, LoadedModel, check_draft_model_options, hybrid_lookup
 from .decoder import Decoder
 
 ModelSource = str | Path | PreTrainedModel
@@ -45,10 +44,11 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
          device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
          num_draft_tokens: int | None = None, tokenizer: str | Path | None = None,
          backend: str = "auto", adaptive: AdaptivePolicyConfig | None = None,
-         hybrid: bool | NgramDraft = False,
+         hybrid: bool | ModelFreeDraft = False,
          llama_cpp_config: LlamaCppConfig | None = None,
          verification: str = VERIFICATION_RULES[0],
-         chat_template: str | Path | None = None, cuda_graphs: bool = True) -> Decoder:
+         chat_template: str | Path | None = None, cuda_graphs: bool = True,
+         hybrid_chain: bool = False, draft_p_min: float = 0.0) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
@@ -58,7 +58,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     ``draft=SuffixDraft()`` drafts without a model by the suffix-decoding rule (long drafts
     where the prompt, the output or an earlier request's text repeats, none elsewhere; what
     ``--ngram`` runs), ``draft=NgramDraft()`` by plain prompt lookup (no draft model at all;
-    with no target, the demo target). ``hybrid=True`` needs a draft model (no target, no draft:
+    with no target, the demo target). ``hybrid=True`` (or the lookup's settings, NgramDraft or
+    SuffixDraft), ``hybrid_chain`` and ``draft_p_min`` need a draft model (no target, no draft:
     the demo pair).
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
@@ -66,11 +67,12 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     ``device`` and ``dtype`` place transformers models; the llama.cpp backend runs on the CPU in
     the file's own types. The other keywords are DecoderOptions' fields (text/assemble.py, where
     each is documented): num_draft_tokens, backend, adaptive, hybrid, llama_cpp_config,
-    verification, chat_template, cuda_graphs.
+    verification, chat_template, cuda_graphs, hybrid_chain, draft_p_min.
     """
     options = DecoderOptions(num_draft_tokens, backend, adaptive, hybrid, llama_cpp_config,
-                             verification, chat_template, cuda_graphs)  # checked before loading
-    target, draft = _sources(resolve_packaged(target), resolve_packaged(draft), hybrid)
+                             verification, chat_template, cuda_graphs, hybrid_chain,
+                             draft_p_min)  # checked before loading
+    target, draft = _sources(resolve_packaged(target), resolve_packaged(draft), options)
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
     if _runs_on_llama_cpp(backend, target, draft, resolved_device):
         if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
@@ -84,10 +86,12 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
 
 
 def _sources(target: ModelSource | None, draft: ModelSource | ModelFreeDraft | None,
-             hybrid: bool | NgramDraft) -> tuple[ModelSource, ModelSource | ModelFreeDraft | None]:
+             options: DecoderOptions
+             ) -> tuple[ModelSource, ModelSource | ModelFreeDraft | None]:
     """What to load: the demo pair (or its target, with a model-free draft) where no target is
-    named; hybrid's need of a draft model checked before anything loads."""
-    hybrid_lookup(hybrid, draft, target)
+    named; the draft-model options' need of a draft model checked before anything loads."""
+    check_draft_model_options(options, hybrid_lookup(options.hybrid, draft, target), draft,
+                              target)
     if target is None and (draft is None or isinstance(draft, ModelFreeDraft)):
         from .demo import demo_pair  # the shipped assets; imported only when used
 

@@ -180,7 +180,8 @@ class DepthPolicyConfig(Protocol):
 
     carry_over: bool
 
-    def build(self, initial_num_draft_tokens: int, previous: Any = None) -> Any: ...
+    def build(self, initial_num_draft_tokens: int, previous: Any = None,
+              costs: Any = None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,9 @@ class GenerationConfig:
 
 # llama.cpp's weight kernels (LlamaCppConfig.repack, --repack; models/llama_cpp/kernels.py)
 REPACK_MODES = ("auto", "on", "off")
+# the pair's measured pass costs (LlamaCppConfig.cost_curve, --cost-curve; policy/costs.py):
+# measured once and then read from the cache, measured afresh (and cached), or not measured
+COST_CURVE_MODES = ("cached", "measure", "off")
 VERIFICATION_RULES = ("block", "token")  # the first is the default
 # what a hybrid proposer looks up before its draft model (--hybrid-lookup; proposers/hybrid.py):
 # prompt lookup of the last 2-3 tokens, or the suffix drafter; the first is the default

@@ -487,7 +487,7 @@ def test_a_batch_runs_the_depth_its_policy_returns():
     # a policy's return value is the next round's k (a goodput probe of a neighbouring depth
     # included), whatever depth it holds as its best
     class Alternating(GoodputPolicyConfig):
-        def build(self, initial_num_draft_tokens, previous=None):
+        def build(self, initial_num_draft_tokens, previous=None, costs=None):
             policy = super().build(initial_num_draft_tokens, previous)
             returned = iter([1, 3] * 50)
             policy.next_num_draft_tokens = lambda stats: next(returned)
@@ -512,7 +512,7 @@ def _recording_policy(seen: list[RoundStats], depths,
     the next of ``depths`` (an iterator of k) instead of choosing; with ``choice``, they hold
     it as their own depth (a returned k > 0 is then a probe when choice is 0)."""
     class Recording(GoodputPolicyConfig):
-        def build(self, initial_num_draft_tokens, previous=None):
+        def build(self, initial_num_draft_tokens, previous=None, costs=None):
             policy = super().build(initial_num_draft_tokens, previous)
 
             def next_depth(stats: RoundStats) -> int:

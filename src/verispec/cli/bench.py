@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -210,7 +211,8 @@ def _bench_settings(args: argparse.Namespace, on_llama_cpp: bool) -> BenchSettin
 
 def _print_header(console, args: argparse.Namespace, decoder, num_prompts: int,
                   settings: BenchSettings) -> None:
-    """One line on stderr: the run's size and where it runs."""
+    """On stderr: the run's size and where it runs, then the pair's measured cost curve
+    (policy/costs.py), where the llama.cpp backend measured one."""
     from ..bench.run import environment
 
     env = environment(decoder.target.device)
@@ -222,6 +224,8 @@ def _print_header(console, args: argparse.Namespace, decoder, num_prompts: int,
                   f"tokens, {settings.repeats} repeats, {env['threads']} threads, "
                   f"{env['processor']}, torch {env['torch']}, {device} {args.dtype}, "
                   f"matmul {matmul}")
+    if decoder.cost_curve is not None:
+        console.print(f"cost curve: {decoder.cost_curve.describe()}", highlight=False)
 
 
 def _run_temperatures(args: argparse.Namespace, decoder, prompts: list[list[int]],
@@ -261,8 +265,10 @@ def _report_results(args: argparse.Namespace, decoder,
     out = Console(width=200)  # the table is wide; do not wrap it in pipes and logs
     for temperature, results in all_results.items():
         out.print(results_table(results, temperature))
+    curve = decoder.cost_curve
     extra = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
-             "matmul": decoder.target.matmul, "num_prompts": num_prompts}
+             "matmul": decoder.target.matmul, "num_prompts": num_prompts,
+             "cost_curve": None if curve is None else asdict(curve)}
     if args.json:
         Path(args.json).write_text(to_json(all_results, settings, extra, decoder.target.device))
     if args.plot:

@@ -8,8 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import HYBRID_LOOKUPS, REPACK_MODES, VERIFICATION_RULES
+from ..config import COST_CURVE_MODES, HYBRID_LOOKUPS, REPACK_MODES, VERIFICATION_RULES
 from ..policy import POLICY_NAMES
+
+COST_CURVE_HELP = ("llama.cpp backend: the target's pass costs over 1 to 9 tokens and the "
+                   "draft's step, which price the depth policy from the first round. cached: "
+                   "measured at the first load of each model file, thread count and kernel set, "
+                   "read back after; measure: measured afresh; off: not measured (default: "
+                   "$VERISPEC_COST_CURVE, else cached)")
 
 
 def _int(text: str) -> int:
@@ -47,25 +53,28 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp backend: weight kernels. auto: repacked kernels, and "
                         "AMX only where a probe shows llama.cpp's AMX kernel runs here; on: "
                         "all llama.cpp offers, AMX unprobed; off: plain kernels (default: auto)")
+    models.add_argument("--cost-curve", default=None, choices=COST_CURVE_MODES,
+                        help=COST_CURVE_HELP)
     models.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                         help="what chat renders messages with: chatml, gemma, plain or a Jinja "
                         "file (default: the model's own template)")
 
 
 def llama_cpp_config(args: argparse.Namespace):
-    """The LlamaCppConfig of --threads, --context-size and --repack."""
+    """The LlamaCppConfig of --threads, --context-size, --repack and --cost-curve."""
     from ..models.llama_cpp.model import LlamaCppConfig
 
     return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size,
-                          repack=args.repack)
+                          repack=args.repack, cost_curve=args.cost_curve)
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("generation")
     sampling.add_argument("--k", type=_int, default=None, metavar="N",
-                          help="draft tokens per round, 1 to 32 (default: 4 on a GPU and on CPUs "
-                          "where the target runs on packed oneDNN weights, e.g. AMD; 2 on "
-                          "other CPUs, where verifying more costs more than it saves)")
+                          help="draft tokens per round, 1 to 32 (default: on llama.cpp the depth "
+                          "its measured cost curve prices best, see --cost-curve; else 4 on a "
+                          "GPU and on CPUs where the target runs on packed oneDNN weights, e.g. "
+                          "AMD; 2 on other CPUs, where verifying more costs more than it saves)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
                           help="0 = greedy, at most 10000 (default: 0)")
     sampling.add_argument("--top-k", type=_int, default=None, metavar="K")

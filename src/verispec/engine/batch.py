@@ -65,6 +65,7 @@ from ..models.base import CapturesSteps, LanguageModel
 from .target import TargetScorer
 from ..proposers.base import DraftPlan, Proposer
 from .rows import Row
+from ..policy.costs import CostCurve
 from ..policy.scheduler import RoundReport, Scheduler
 from ..spec.checks import check_stop_token_ids
 
@@ -74,14 +75,15 @@ class Batch:
 
     ``policy``: the adaptive depth policy rows with an ``adaptive`` config follow (built per
     batch-size bucket, starting at ``initial_num_draft_tokens``); ``carried``: where policies
-    with carry_over are kept between batches (SpeculativeDecoder.carried_policies).
+    with carry_over are kept between batches (SpeculativeDecoder.carried_policies);
+    ``cost_curve``: the pair's measured pass costs, which price a one-row bucket's policy.
     ``metrics``: the whole batch's rounds; each row has its own.
     """
 
     def __init__(self, target: LanguageModel, proposer: Proposer | None,
                  policy: AdaptivePolicyConfig | None = None, initial_num_draft_tokens: int = 1,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None = None,
-                 cost_ratio: float | None = None) -> None:
+                 cost_ratio: float | None = None, cost_curve: CostCurve | None = None) -> None:
         self._target_model = target  # where the target's logits, and verification, live
         self.target = TargetScorer(target.new_session(), [])
         self.proposer = None if proposer is None else proposer.start([])
@@ -91,7 +93,8 @@ class Batch:
         windows = [lm.max_positions for lm in (target, proposer) if lm is not None
                    and lm.max_positions is not None]
         self.scheduler = Scheduler(policy, initial_num_draft_tokens, carried,
-                                   proposer is not None, min(windows) if windows else None)
+                                   proposer is not None, min(windows) if windows else None,
+                                   cost_curve)
         # the models that capture steps as CUDA graphs: a round in which one captured reaches
         # the policy as a first use (a capture costs tens of steps, and a new cache layout or
         # key bucket brings one long after a depth's first round; taken at full weight, such

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
+from ..policy.costs import CostCurve
 from .batch import Batch, check_prompts
 from ..config import GenerationConfig
 from .constraints import ConstraintSet
@@ -59,10 +60,12 @@ class SpeculativeDecoder:
     """Exact speculative decoding of ``target`` with tokens drafted by ``proposer``.
 
     The draft's vocabulary and device are checked here, at construction, not on the first
-    request.
+    request. ``cost_curve``: the pair's measured pass costs (policy/costs.py), which price the
+    depth policy's rounds from the first (None: the policy measures as rounds go).
     """
 
-    def __init__(self, target: LanguageModel, proposer: Proposer | None = None) -> None:
+    def __init__(self, target: LanguageModel, proposer: Proposer | None = None,
+                 cost_curve: CostCurve | None = None) -> None:
         if proposer is not None and proposer.vocab_size != target.vocab_size:
             raise IncompatibleModelsError(
                 f"draft vocab_size={proposer.vocab_size} differs from target vocab_size="
@@ -76,6 +79,7 @@ class SpeculativeDecoder:
                 "same device=.")
         self.target = target
         self.proposer = proposer
+        self.cost_curve = cost_curve
         # adaptive policies with carry_over=True: the latest generation's policy per (policy
         # config, batch-size bucket); a new generation resumes from a copy of it
         self.carried_policies: dict[tuple[object, ...], AdaptivePolicy] = {}
@@ -103,7 +107,8 @@ class SpeculativeDecoder:
         generators and grammars of their own) and leave between rounds; ``step`` runs one round.
         ``policy``: the adaptive depth policy of rows whose config has ``adaptive`` set."""
         return Batch(self.target, self.proposer if speculative else None, policy,
-                     initial_num_draft_tokens, self.carried_policies, cost_ratio)
+                     initial_num_draft_tokens, self.carried_policies, cost_ratio,
+                     self.cost_curve)
 
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  speculative: bool = True, constraints: ConstraintSet | None = None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import ConfigError
+from .costs import CostCurve
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,13 @@ class AdaptivePolicyConfig:
     def clamp(self, k: int) -> int:
         return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))
 
-    def build(self, initial_num_draft_tokens: int,
-              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:  # pragma: no cover
+    def build(self, initial_num_draft_tokens: int, previous: AdaptivePolicy | None = None,
+              costs: CostCurve | None = None) -> AdaptivePolicy:  # pragma: no cover
         """A policy for one generation: fresh at the (clamped) initial k, or, given the
         ``previous`` generation's policy from this same config, a copy of its state that goes
-        on from the depth it had reached (the initial k is then not used)."""
+        on from the depth it had reached (the initial k is then not used). ``costs``: the
+        loaded pair's measured cost curve for one row (costs.py), for a policy that prices
+        rounds (None: none measured, or a bucket of more rows than the curve's one)."""
         raise NotImplementedError
 
     def _resume(self, previous: AdaptivePolicy) -> AdaptivePolicy:

@@ -10,10 +10,12 @@ bookkeeping: it favours deeper rounds where it is large against T), plus the dra
 joining rows spread over the tokens they may emit (GoodputPolicy.join_cost; it weighs on every
 drafting round in proportion to the tokens it emits); T is the measured mean at each depth used
 recently, interpolated between them, flat below them and rising by a fitted slope above them
-(GoodputPolicy.round_costs); a plain round ages only T(0), the one timing it measures (_faded).
+(GoodputPolicy.round_costs); a plain round ages only T(0), the one timing it measures (faded).
 To see more than one depth, every ``probe_every`` rounds one round runs at a neighbour of the
 best k. With ``min_num_draft_tokens=0`` a plain round (k = 0) is one of its choices, taken while
-no depth beats it by ``plain_margin``.
+no depth beats it by ``plain_margin``. Given the pair's cost curve (costs.py), it prices T and the
+draft step until rounds measure them, and starts at the depth it prices best at the prior
+acceptance: plain rounds, probed rarely, where no depth could pay even at full acceptance.
 
 What this is not: the policy interface and carry-over (base.py); the threshold policy
 (threshold.py); the batch's per-bucket policies and the timings it hands them (scheduler.py).
@@ -25,8 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
 from ..errors import ConfigError
+from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .costs import CostCurve, faded, piecewise, priced_rounds
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     cost_ratio: c = draft step time / target step time, with a target call costing the same
         at every depth; None measures draft steps and target calls per depth as rounds go.
     decay: weight kept by old observations each round (exponential forgetting; a plain round
-        ages only T(0), and drafting timings no lower than one round's weight, _faded).
+        ages only T(0), and drafting timings no lower than one round's weight, costs.faded).
     prior_acceptance, prior_weight: a Beta-style prior for positions with few observations.
     probe_every: with measured costs, one round in this many runs at a neighbouring k so that
         T(k) is measured at more than one depth; 0 never probes. While plain rounds stay the
@@ -121,16 +124,18 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= low):
                 raise ConfigError(f"{name}={value!r} is invalid: expected a number >= {low}.")
 
-    def build(self, initial_num_draft_tokens: int,
-              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
+    def build(self, initial_num_draft_tokens: int, previous: AdaptivePolicy | None = None,
+              costs: CostCurve | None = None) -> AdaptivePolicy:
         if previous is not None:
             return self._resume(previous)
-        return GoodputPolicy(self, self.clamp(initial_num_draft_tokens))
+        return GoodputPolicy(self, self.clamp(initial_num_draft_tokens), costs)
 
 
 class GoodputPolicy(AdaptivePolicy):
-    def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int) -> None:
+    def __init__(self, config: GoodputPolicyConfig, initial_num_draft_tokens: int,
+                 costs: CostCurve | None = None) -> None:
         self.config = config
+        self.costs = None if config.cost_ratio is not None else costs  # a given c prices alone
         self.num_draft_tokens = initial_num_draft_tokens
         self._first_k = max(1, initial_num_draft_tokens)  # the depth of probes on thin evidence
         self._thin_probes_left = config.thin_probes  # and how many such probes it may still make
@@ -158,6 +163,17 @@ class GoodputPolicy(AdaptivePolicy):
         self._join_tokens = 0.0  # the joined rows may emit (their max_new_tokens)
         self._num_rows = 1  # rows in the latest round
         self._num_drafting_probes = 0  # probes while drafting; every plain_reprobe-th is plain
+        if self.costs is not None:
+            self._start_from_curve()
+
+    def _start_from_curve(self) -> None:
+        """Start at the depth the curve prices best at the prior acceptance. Where no depth
+        could pay even at full acceptance, plain rounds probed at the longest interval from the
+        start: only a change in the costs rounds measure can make drafting pay."""
+        self.num_draft_tokens, self._first_k = self._choose(self.acceptance_estimates())
+        size = self.config.max_num_draft_tokens
+        if self.num_draft_tokens == 0 and self._choose([1.0] * size)[0] == 0:
+            self._probe_interval = self.config.plain_probe_backoff * self.config.probe_every
 
     def acceptance_estimates(self) -> list[float]:
         """Per-position acceptance estimates, shrunk towards the pooled rate."""
@@ -170,12 +186,13 @@ class GoodputPolicy(AdaptivePolicy):
                 for acc, reached in zip(self._accepted, self._reached)]
 
     def cost_ratio(self) -> float:
-        """c = draft step / target call (pooled over depths): given, measured, or 0.1 at first."""
+        """c = draft step / target call (pooled over depths): given, measured, the curve's, 0.1."""
         if self.config.cost_ratio is not None:
             return self.config.cost_ratio
         calls, seconds = sum(self._target_calls), sum(self._target_time)
         if self._draft_steps == 0 or calls == 0 or seconds <= 0:
-            return 0.1  # a typical small-draft ratio until something is measured
+            curve_ratio = None if self.costs is None else self.costs.cost_ratio
+            return 0.1 if curve_ratio is None else curve_ratio  # a typical small-draft ratio
         return (self._draft_step_time / self._draft_steps) / (seconds / calls)
 
     def join_cost(self) -> float:
@@ -203,22 +220,38 @@ class GoodputPolicy(AdaptivePolicy):
         return self._measured_costs()[1]
 
     def _measured_costs(self) -> tuple[list[float] | None, float | None]:
-        """(round_costs, plain_cost) from one fit of the target-call timings."""
+        """(round_costs, plain_cost) from one fit of the target-call timings, or the curve."""
+        if self.costs is not None:
+            return self._curve_costs(self.costs)
         model = self._target_call_model()
         if model is None:
             return None, None
         recent, slope = model
-        overhead = self._other_time / self._other_rounds if self._other_rounds > 1e-9 else 0.0
+        overhead = self._overhead()
         # a plain round as plain rounds measured it: priced flat from the lowest drafting depth
         # instead, plain rounds look as dear as a drafting round's target call, and a policy
         # that starts drafting never stops
         plain = overhead + (self._plain_time / self._plain_rounds if self._plain_rounds > 1e-9
-                            else _piecewise(recent, 0, slope))
+                            else piecewise(recent, 0, slope))
         if self._draft_steps <= 1e-9:
             return None, plain
         draft_step = self._draft_step_time / self._draft_steps
-        return [overhead + k * draft_step + _piecewise(recent, k, slope)
+        return [overhead + k * draft_step + piecewise(recent, k, slope)
                 for k in range(1, self.config.max_num_draft_tokens + 1)], plain
+
+    def _curve_costs(self, curve: CostCurve) -> tuple[list[float], float]:
+        """(round_costs, plain_cost) by the curve at the level of the rounds' timings, which
+        replace it where they weigh half a round or more (costs.priced_rounds)."""
+        means = [_mean(seconds, calls) for seconds, calls in
+                 zip(self._target_time, self._target_calls)]
+        return priced_rounds(curve, [(k, t) for k, t in enumerate(means) if t is not None],
+                             _mean(self._plain_time, self._plain_rounds),
+                             _mean(self._draft_step_time, self._draft_steps), self._overhead(),
+                             self.config.max_num_draft_tokens)
+
+    def _overhead(self) -> float:
+        """Seconds a round pays outside drafting and scoring (decayed mean; 0 until timed)."""
+        return self._other_time / self._other_rounds if self._other_rounds > 1e-9 else 0.0
 
     def _target_call_model(self) -> tuple[list[tuple[int, float]], float] | None:
         """(recent (depth, mean T) points, least-squares slope of T over depth), from the
@@ -240,7 +273,13 @@ class GoodputPolicy(AdaptivePolicy):
 
     def next_num_draft_tokens(self, stats: RoundStats) -> int:
         self._observe(stats)
-        rates = self.acceptance_estimates()
+        self.num_draft_tokens = self._choose(self.acceptance_estimates())[0]
+        return self._maybe_probe(self.num_draft_tokens)
+
+    def _choose(self, rates: list[float]) -> tuple[int, int]:
+        """(the depth to run, the best drafting depth) at per-position acceptance ``rates``:
+        the k >= 1 maximising expected tokens per cost, or 0 where plain rounds may be chosen
+        and no depth beats them by plain_margin."""
         costs, plain_cost = self._measured_costs()
         # the draft's prefill of the rows that join, by the tokens a drafting round emits
         join_cost = self._num_rows * self.join_cost()
@@ -259,8 +298,7 @@ class GoodputPolicy(AdaptivePolicy):
         # leaving plain rounds costs unpriced)
         plain = self.config.min_num_draft_tokens == 0 and (
             self.config.plain_margin / plain_cost >= drafting_goodput)
-        self.num_draft_tokens = 0 if plain else drafting_k
-        return self._maybe_probe(self.num_draft_tokens)
+        return 0 if plain else drafting_k, drafting_k
 
     def measuring(self, k: int) -> bool:
         return k > 0 and self.num_draft_tokens == 0
@@ -280,7 +318,7 @@ class GoodputPolicy(AdaptivePolicy):
         weight = 1.0 if stats.timed else self.config.first_use_weight
         k = stats.num_draft_tokens
         if k == 0:  # a plain round measures no drafting: their timings fade, never out
-            self._draft_step_time, self._draft_steps = _faded(
+            self._draft_step_time, self._draft_steps = faded(
                 self._draft_step_time, self._draft_steps, decay)
         elif stats.draft_timed:  # else the old estimate stands (both sums decay alike)
             draft_time = self._capped(stats.draft_time, self._draft_step_time * k,
@@ -288,11 +326,11 @@ class GoodputPolicy(AdaptivePolicy):
             self._draft_step_time = self._draft_step_time * decay + weight * draft_time
             self._draft_steps = self._draft_steps * decay + weight * k
         # T(0) ages with every round, the drafting depths with drafting rounds (plain ones only
-        # fade them, _faded)
+        # fade them, costs.faded)
         for depth, (seconds, calls) in enumerate(zip(self._target_time, self._target_calls)):
             self._target_time[depth], self._target_calls[depth] = (
                 (seconds * decay, calls * decay) if depth == 0 or k > 0
-                else _faded(seconds, calls, decay))
+                else faded(seconds, calls, decay))
         self._other_time = self._other_time * decay + weight * stats.other_time
         self._other_rounds = self._other_rounds * decay + weight
         self._num_rows = stats.num_rows
@@ -363,32 +401,6 @@ class GoodputPolicy(AdaptivePolicy):
         return best_k
 
 
-def _faded(total: float, count: float, decay: float) -> tuple[float, float]:
-    """Decayed sums (seconds, weight) of timings a plain round does not measure (drafting
-    depths, whose weight counts rounds, and draft steps, whose weight counts steps). They fade
-    as any round's do, but once they rest on a weight of one they stay there, so the mean
-    stands: faded out, a bucket's drafting timings fall below any weight a few hundred plain
-    rounds after its last probe (0.9^200), its model goes back to a flat T(k) = T(0), and it
-    drafts deep rounds for a promised gain that costly rounds, a catch-up and rows out of step
-    take back. Held at one round's weight, the next probe still counts as much as everything
-    before it. Weights below one (first uses alone, first_use_weight) fade out as before: a
-    bucket's cold first round would otherwise set its T(k) slope alone for good and hold it in
-    plain rounds where drafting pays (dev/LOG.md: goodput._faded)."""
-    if count < 1.0:
-        return total * decay, count * decay
-    factor = max(decay, 1.0 / count)
-    return total * factor, count * factor
-
-
-def _piecewise(points: list[tuple[int, float]], k: int, slope: float) -> float:
-    """T at depth k from measured (depth, T) points sorted by depth: exact at a point, linear
-    between neighbours, flat below the first, rising by ``slope`` after the last.
-    Example: points [(2, 1.0), (4, 2.0)], slope 0.4 -> k=1: 1.0, k=3: 1.5, k=6: 2.8."""
-    below = [(d, t) for d, t in points if d <= k]
-    above = [(d, t) for d, t in points if d >= k]
-    if not below:
-        return above[0][1]
-    if not above:
-        return below[-1][1] + slope * (k - below[-1][0])
-    (d0, t0), (d1, t1) = below[-1], above[0]
-    return t0 if d1 == d0 else t0 + (t1 - t0) * (k - d0) / (d1 - d0)
+def _mean(total: float, weight: float) -> float | None:
+    """A decayed mean where it rests on half a round's weight or more, else None."""
+    return total / weight if weight >= 0.5 and total > 0 else None

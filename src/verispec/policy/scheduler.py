@@ -8,6 +8,8 @@ itself stays the five steps of the algorithm:
   * one policy per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
     depends on how many rows it carries; built on first use, or from the previous batch's
     policy of the same config and bucket (carry-over, SpeculativeDecoder.carried_policies);
+    the bucket of one row is priced from the pair's cost curve where one was measured (the
+    curve times one row's passes; larger buckets measure their own);
   * each row's depth: the policy's k for rows that follow it, the row's own otherwise, capped by
     the room left in the shortest window;
   * first uses: the first round at a (bucket, depth), a round whose target pass also prefilled
@@ -27,8 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
 from ..config import GenerationConfig
+from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .costs import CostCurve
 
 
 class ScheduledRow(Protocol):
@@ -77,13 +80,14 @@ class Scheduler:
     own k); ``carried``: where policies with carry_over are kept between batches;
     ``speculative``: a proposer drafts (else every round is plain); ``max_positions``: the
     longest sequence every model takes (None: no limit), so k is capped by the room of the row
-    nearest its end.
+    nearest its end; ``costs``: the pair's measured cost curve (None: not measured).
     """
 
     def __init__(self, policy: AdaptivePolicyConfig | None, initial_num_draft_tokens: int,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None, speculative: bool,
-                 max_positions: int | None) -> None:
+                 max_positions: int | None, costs: CostCurve | None = None) -> None:
         self.speculative = speculative
+        self.costs = costs
         self.config = policy if speculative else None
         self.initial_num_draft_tokens = initial_num_draft_tokens
         self.carried = carried
@@ -197,7 +201,8 @@ class Scheduler:
         if bucket not in self.policies:
             previous = None if not self.config.carry_over or self.carried is None else (
                 self.carried.get(self._carry_key(bucket)))
-            self.policies[bucket] = self.config.build(self.initial_num_draft_tokens, previous)
+            self.policies[bucket] = self.config.build(
+                self.initial_num_draft_tokens, previous, self.costs if bucket == 1 else None)
         return self.policies[bucket]
 
     def _carry_key(self, bucket: int) -> tuple[object, ...]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
+from .costs import CostCurve
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,10 @@ class ThresholdPolicyConfig(AdaptivePolicyConfig):
         if not (isinstance(self.window, int) and self.window >= 1):
             raise ConfigError(f"window={self.window!r} is invalid: expected an integer >= 1.")
 
-    def build(self, initial_num_draft_tokens: int,
-              previous: AdaptivePolicy | None = None) -> AdaptivePolicy:
+    def build(self, initial_num_draft_tokens: int, previous: AdaptivePolicy | None = None,
+              costs: CostCurve | None = None) -> AdaptivePolicy:
+        """As AdaptivePolicyConfig.build; ``costs`` is not used: this policy follows
+        acceptance alone."""
         if previous is not None:
             return self._resume(previous)
         return ThresholdPolicy(self, self.clamp(initial_num_draft_tokens))

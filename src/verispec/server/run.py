@@ -50,7 +50,8 @@ def load_decoder(settings: ServerSettings):
                 chat_template=settings.chat_template, cuda_graphs=not settings.no_cuda_graphs,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
                                                 context_size=settings.context_size,
-                                                repack=settings.repack))
+                                                repack=settings.repack,
+                                                cost_curve=settings.cost_curve))
 
 
 def serve(settings: ServerSettings) -> int:
@@ -97,9 +98,10 @@ def serve(settings: ServerSettings) -> int:
 
 def describe_decoding(decoder, settings: ServerSettings) -> str:
     """How requests are decoded, for the startup line: the drafting and its depth k (which,
-    without --k, is the device's default)."""
+    without --k, is the device's default, or the measured cost curve's), then the curve."""
+    curve = "" if decoder.cost_curve is None else f"; cost curve {decoder.cost_curve.describe()}"
     if settings.no_draft:
-        return "plain decoding"
+        return "plain decoding" + curve
     drafting = ("n-gram drafting" if settings.ngram else
                 "hybrid drafting" if settings.hybrid else "draft model")
     from ..models.packaged import is_paired_draft
@@ -114,10 +116,11 @@ def describe_decoding(decoder, settings: ServerSettings) -> str:
         drafting += f", draft-p-min {settings.draft_p_min}"
     depth = f"k = {decoder.num_draft_tokens}"
     if settings.num_draft_tokens is None:
-        depth += f" by default on {decoder.target.device.type}"
+        depth += (f" by default on {decoder.target.device.type}" if decoder.cost_curve is None
+                  else " by the cost curve")
     if settings.depth_policy:
         depth = f"{settings.depth_policy} depth from {depth}"
-    return f"{drafting}, {depth}"
+    return f"{drafting}, {depth}{curve}"
 
 
 def bind_address(host: str, port: int) -> socket.socket:

@@ -15,8 +15,8 @@ import argparse
 from dataclasses import Field, dataclass, field, fields
 from os import PathLike
 
-from ..config import (HYBRID_LOOKUPS, MAX_NUM_DRAFT_TOKENS, REPACK_MODES, VERIFICATION_RULES,
-                      check_draft_p_min)
+from ..config import (COST_CURVE_MODES, HYBRID_LOOKUPS, MAX_NUM_DRAFT_TOKENS, REPACK_MODES,
+                      VERIFICATION_RULES, check_draft_p_min)
 from ..policy import POLICY_NAMES
 from ..errors import ConfigError
 
@@ -133,9 +133,16 @@ class ServerSettings:
                            "and AMX only where a probe shows llama.cpp's AMX kernel runs here; "
                            "on: all llama.cpp offers, AMX unprobed; off: plain kernels",
                            choices=REPACK_MODES, value_type=str)
+    cost_curve: str | None = _setting(
+        None, "llama.cpp backend: the target's pass costs over 1 to 9 tokens and the draft's "
+        "step, which price the depth policy from the first round (named in the startup line). "
+        "cached: measured at the first load of each model file, thread count and kernel set, "
+        "read back after; measure: measured afresh; off: not measured (default: "
+        "$VERISPEC_COST_CURVE, else cached)", choices=COST_CURVE_MODES, value_type=str)
     num_draft_tokens: int | None = _setting(
         None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
-        "with num_draft_tokens (default: 4 on a GPU and on CPUs where the target runs on packed "
+        "with num_draft_tokens (default: on llama.cpp the depth its measured cost curve prices "
+        "best, see --cost-curve; else 4 on a GPU and on CPUs where the target runs on packed "
         "oneDNN weights, e.g. AMD; 2 on other CPUs, where verifying more costs more than it "
         "saves)", flag="--k", metavar="N", value_type=int)
     adaptive: str | None = _setting(None, "how k moves between rounds, starting at --k: "

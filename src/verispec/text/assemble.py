@@ -1,5 +1,6 @@
 """From loaded models to what a :class:`~verispec.text.decoder.Decoder` holds: the adapters
-(:func:`wrap_model`), the proposer, the engine, the stop tokens and the default depth k.
+(:func:`wrap_model`), the proposer, the pair's measured cost curve, the engine, the stop tokens
+and the default depth k.
 
 What this is: the assembly both ``verispec.load()`` (load.py, through the Decoder) and a
 Decoder built from models already in memory run, with the decoder's options
@@ -21,10 +22,12 @@ from ..errors import ConfigError
 from ..models.base import LanguageModel
 from ..models.fast_llama import model as fast_llama
 from ..models.hf.adapter import TransformersLM, output_width
+from ..models.llama_cpp.costs import pass_costs
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
 from ..models.loading import common_vocab_size
 from ..policy.base import AdaptivePolicyConfig
+from ..policy.costs import CURVE_DEPTH, CostCurve
 from ..proposers import ModelFreeDraft, model_free_proposer
 from ..proposers.base import Proposer
 from ..proposers.draft_model import DraftModelProposer
@@ -41,10 +44,12 @@ BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 class DecoderOptions:
     """A decoder's options: ``verispec.load()``'s and ``Decoder``'s keywords of these names.
 
-    num_draft_tokens: the default depth k of every generation; None picks one for the device: 4
-    on a GPU, and on a CPU whose fast path multiplies by packed oneDNN weights (AMD and other
-    non-Intel x86), where verifying a few tokens costs about one step; 2 on other CPUs (with MKL
-    on Intel verifying 4 or more tokens costs well over one step); a SuffixDraft's max_depth.
+    num_draft_tokens: the default depth k of every generation; None picks one: a SuffixDraft's
+    max_depth; on llama.cpp with a measured cost curve (LlamaCppConfig.cost_curve), the depth
+    it prices best; else for the device: 4 on a GPU, and on a CPU whose fast path multiplies by
+    packed oneDNN weights (AMD and other non-Intel x86), where verifying a few tokens costs
+    about one step; 2 on other CPUs (with MKL on Intel verifying 4 or more tokens costs well
+    over one step).
     backend: "transformers" runs the models' own forward; "fast" a flat Llama forward
     (models/fast_llama/, Llama-architecture only); "llama.cpp" runs ``.gguf`` files on
     llama.cpp's own forward (models/llama_cpp/, the ``llamacpp`` extra; quantized files run
@@ -53,7 +58,8 @@ class DecoderOptions:
     supported.
     adaptive: the default depth policy of every generation (GoodputPolicyConfig() measures which
     k is fastest on this hardware; ThresholdPolicyConfig() follows acceptance); k is then where
-    it starts. None: a fixed k.
+    it starts, except that a goodput policy given the pair's cost curve starts where the curve
+    prices best (policy/costs.py). None: a fixed k.
     hybrid: True with a draft model drafts by lookup (of the last 2-3 tokens;
     ``NgramDraft(...)`` sets other lengths, ``SuffixDraft(...)`` looks up by the suffix
     drafter instead) in rounds where every row's history has a match, and by the draft model
@@ -65,8 +71,8 @@ class DecoderOptions:
     row's draft ends before the first position where the draft's most likely token (after
     the row's sampling settings; a greedy row's at temperature 1) is less likely than it.
     Exact: only how many tokens are drafted changes (proposers/draft_model.py).
-    llama_cpp_config: llama.cpp's threads, context and batch size (LlamaCppConfig; defaults: all
-    cores, the model's context up to 4096, 512).
+    llama_cpp_config: llama.cpp's threads, context, batch size, kernels and cost curve
+    (LlamaCppConfig; defaults: all cores, the model's context up to 4096, 512).
     verification: the default rule of unseeded sampled rows with a draft model, "block" or
     "token" (GenerationConfig.verification); a call may override it.
     chat_template: what ``Decoder.chat`` renders messages with: "chatml", "gemma", "plain" or a
@@ -103,8 +109,9 @@ class DecoderOptions:
 class DecoderParts:
     """What a Decoder holds: the adapters, the model-free draft's settings (``ngram``, None
     with a draft model or none), the hybrid's lookup settings (None: not hybrid), the engine
-    over the proposer, the chat template, the tokens generation ends at, and the defaults of
-    calls that name none (k, depth policy, verification rule)."""
+    over the proposer, the chat template, the tokens generation ends at, the defaults of
+    calls that name none (k, depth policy, verification rule), and the pair's measured cost
+    curve (None: not measured; the engine prices the depth policy with it)."""
 
     target: LanguageModel
     draft: LanguageModel | None
@@ -116,6 +123,7 @@ class DecoderParts:
     num_draft_tokens: int
     adaptive: AdaptivePolicyConfig | None
     verification: str
+    cost_curve: CostCurve | None = None
 
 
 def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | ModelFreeDraft
@@ -137,10 +145,26 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
     draft = None if draft_model is None else wrap_model(
         draft_model, vocab_size, options.backend, options.llama_cpp_config, draft=True,
         cuda_graphs=options.cuda_graphs)
-    engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid, options))
+    cost_curve = measure_cost_curve(target, draft)
+    engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid, options),
+                                cost_curve)
     return DecoderParts(target, draft, ngram, hybrid, engine, chat_template, stop_token_ids,
-                        _num_draft_tokens(options.num_draft_tokens, target, ngram),
-                        options.adaptive, options.verification)
+                        _num_draft_tokens(options.num_draft_tokens, target, ngram, cost_curve),
+                        options.adaptive, options.verification, cost_curve)
+
+
+def measure_cost_curve(target: LanguageModel, draft: LanguageModel | None) -> CostCurve | None:
+    """The pair's cost curve: a target pass over 1 .. CURVE_DEPTH + 1 tokens and a draft step
+    (a model-free draft: none), measured or read from the cache as the target's
+    LlamaCppConfig.cost_curve says (models/llama_cpp/costs.py). None on the other backends
+    and with cost_curve "off"."""
+    if not isinstance(target, LlamaCppLM):
+        return None
+    target_pass = pass_costs(target, CURVE_DEPTH + 1)
+    if target_pass is None:
+        return None
+    draft_pass = pass_costs(draft, 1) if isinstance(draft, LlamaCppLM) else None
+    return CostCurve(target_pass, None if draft_pass is None else draft_pass[0])
 
 
 def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
@@ -208,17 +232,18 @@ def _proposer(vocab_size: int, draft: LanguageModel | None, ngram: ModelFreeDraf
                                                           options.hybrid_chain)
 
 
-def _num_draft_tokens(asked: int | None, target: LanguageModel,
-                      ngram: ModelFreeDraft | None) -> int:
+def _num_draft_tokens(asked: int | None, target: LanguageModel, ngram: ModelFreeDraft | None,
+                      cost_curve: CostCurve | None) -> int:
     """The depth of calls that name none: ``asked``, else a suffix drafter's max_depth (its own
-    rule sets each row's depth, as deep as its match: k only caps it), else the device's."""
+    rule sets each row's depth, as deep as its match: k only caps it), else the one the cost
+    curve prices best, else the device's."""
     if asked is not None:
         return asked
     if isinstance(ngram, SuffixDraft):
         return ngram.max_depth
-    # the target adapter's flat_verify: a pass over a few tokens costs far less than as many
-    # one-token passes (policy.default_num_draft_tokens)
-    return default_num_draft_tokens(target.device.type, target.flat_verify)
+    # the measured curve, else the target adapter's flat_verify: a pass over a few tokens costs
+    # far less than as many one-token passes (policy.default_num_draft_tokens)
+    return default_num_draft_tokens(target.device.type, target.flat_verify, cost_curve)
 
 
 def _num_logits(model: LoadedModel) -> int:

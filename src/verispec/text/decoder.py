@@ -52,6 +52,7 @@ class Decoder:
         self.ngram, self.hybrid = parts.ngram, parts.hybrid
         self.stop_token_ids, self.num_draft_tokens = parts.stop_token_ids, parts.num_draft_tokens
         self.adaptive, self.verification = parts.adaptive, parts.verification  # calls' defaults
+        self.cost_curve = parts.cost_curve  # the pair's measured pass costs (None: not measured)
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]],

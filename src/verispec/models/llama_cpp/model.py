@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import REPACK_MODES
+from ...config import COST_CURVE_MODES, REPACK_MODES
 from ...errors import (
     BackendError,
     ConfigError,
@@ -124,12 +124,17 @@ class LlamaCppConfig:
     repack: which weight kernels llama.cpp may use (kernels.py): "auto" (repacked kernels, and
         AMX only where a probe shows llama.cpp's AMX kernel runs here), "on" (everything
         llama.cpp offers, AMX unprobed) or "off" (plain kernels, as llama-server --no-repack).
+    cost_curve: whether the pass costs that price the depth policy are measured at load
+        (costs.py): "cached" measures them once per model file, thread count and kernel set and
+        reads them back after, "measure" measures afresh (and caches), "off" measures nothing
+        (the policy learns from its rounds). None: $VERISPEC_COST_CURVE, else "cached".
     """
 
     num_threads: int | None = None
     context_size: int | None = None
     batch_size: int = 512
     repack: str = "auto"
+    cost_curve: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_threads", "context_size"):
@@ -145,9 +150,20 @@ class LlamaCppConfig:
         if self.repack not in REPACK_MODES:
             raise ConfigError(f"repack={self.repack!r} is invalid: expected one of "
                               f"{', '.join(map(repr, REPACK_MODES))}.")
+        if self.cost_curve is not None and self.cost_curve not in COST_CURVE_MODES:
+            raise ConfigError(f"cost_curve={self.cost_curve!r} is invalid: expected one of "
+                              f"{', '.join(map(repr, COST_CURVE_MODES))}, or None.")
 
     def threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
+
+    def cost_curve_mode(self) -> str:
+        """cost_curve, or where None the environment's VERISPEC_COST_CURVE, else "cached"."""
+        mode = self.cost_curve or os.environ.get("VERISPEC_COST_CURVE") or "cached"
+        if mode not in COST_CURVE_MODES:
+            raise ConfigError(f"VERISPEC_COST_CURVE={mode!r} is invalid: expected one of "
+                              f"{', '.join(COST_CURVE_MODES)}; unset it for the default.")
+        return mode
 
 
 class LlamaCppModel:
@@ -244,9 +260,10 @@ class LlamaCppLM:
     resets the context, and the old session raises if it is used again."""
 
     matmul = "llama.cpp"  # names the kernel, as FastLlamaLM.matmul does
-    # the deeper default depth (policy.default_num_draft_tokens): a model whose weights outgrow
-    # the CPU's cache reads them once for all of a pass's tokens; a cache-resident one pays
-    # per token (docs/performance.md's pass-cost table), where the goodput policy measures
+    # the deeper default depth (policy.default_num_draft_tokens) where no cost curve was
+    # measured (cost_curve "off"): a model whose weights outgrow the CPU's cache reads them once
+    # for all of a pass's tokens where its kernels run as a GEMM, row-by-row kernels pay per
+    # token (docs/performance.md's pass-cost table); a measured curve decides instead
     flat_verify = True
 
     def __init__(self, model: LlamaCppModel, vocab_size: int | None = None,
@@ -292,6 +309,10 @@ class LlamaCppLM:
             self._context = _Context(self, num_rows)
         self._context.clear()
         return self._context
+
+    def close(self) -> None:
+        """Free this adapter's context now (its session cannot be used again)."""
+        self._context, self._live = None, None
 
     def check_live(self, session: LlamaCppSession) -> None:
         if session is not self._live:

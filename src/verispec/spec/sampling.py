@@ -26,6 +26,7 @@ import torch
 from ..config import SamplingConfig, check_seed
 from ..errors import NonFiniteError, ShapeError
 from .checks import check_generator
+from .host_probs import FP32_TINY, NON_FINITE_LOGITS, host_greedy_tokens, host_probs
 
 
 def _check_floating(name: str, tensor: torch.Tensor) -> None:
@@ -46,16 +47,11 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig,
     Raises NonFiniteError for NaN or +inf logits or a row with no finite (allowed) logit.
     """
     _check_floating("logits", logits)
-    logits = _masked(logits.float(), allowed)
     if sampling.is_greedy:
-        tokens = greedy_tokens(logits)[..., None]
-        return torch.zeros_like(logits).scatter_(-1, tokens, 1.0)
-    probs = _sampled_probs(logits, sampling)
-    # softmax turns NaN, +inf and all -inf rows into NaN, and any NaN makes the sum NaN: one
-    # reduction covers all three (cheaper than an elementwise isfinite pass).
-    if not math.isfinite(float(probs.sum())):
-        raise NonFiniteError(_NON_FINITE_LOGITS)
-    return probs
+        tokens = greedy_tokens(logits, allowed)[..., None]
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+            -1, tokens, 1.0)
+    return _checked_probs(logits, sampling, allowed)
 
 
 def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms: list[float],
@@ -64,27 +60,47 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingConfig, uniforms:
 
     Shapes: logits [B, V], uniforms B host floats in [0, 1) -> (probs [B, V] fp32, tokens [B]).
     probs is exactly to_probs(logits, sampling) and tokens is sample_with_uniform(probs,
-    uniforms): the distribution reported is the one drawn from. The finiteness check rides on
-    the draw's cumulative sum (NaN anywhere reaches a row's total), one reduction fewer than
-    to_probs then sample. Temperature > 0 only (a greedy draft calls greedy_tokens).
-    Raises NonFiniteError like to_probs.
+    uniforms): the distribution reported is the one drawn from. Off the CPU the finiteness
+    check rides on the draw's cumulative sum (NaN anywhere reaches a row's total), one
+    reduction fewer than to_probs then sample. Temperature > 0 only (a greedy draft calls
+    greedy_tokens). Raises NonFiniteError like to_probs.
     """
     _check_floating("logits", logits)
     assert not sampling.is_greedy and logits.dim() == 2 and len(uniforms) == logits.shape[0]
-    probs = _sampled_probs(_masked(logits, allowed), sampling)  # [B, V] fp32
-    return probs, _inverse_cdf(probs, uniforms, _NON_FINITE_LOGITS)
+    probs = _sampled_probs(logits, sampling, allowed)  # [B, V] fp32
+    return probs, _inverse_cdf(probs, uniforms, NON_FINITE_LOGITS)
 
 
-def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Temperature, top-k, softmax, top-p: [..., V] -> [..., V] fp32, not checked for NaN."""
-    logits = logits.float()  # a no-op for fp32 logits (to_probs has converted them already)
+def _checked_probs(logits: torch.Tensor, sampling: SamplingConfig,
+                   allowed: torch.Tensor | None) -> torch.Tensor:
+    """_sampled_probs, with rows that are not finite refused (NonFiniteError) on every device."""
+    probs = _sampled_probs(logits, sampling, allowed)
+    # off the CPU: softmax turns NaN, +inf and all -inf rows into NaN, and any NaN makes the sum
+    # NaN, so one reduction covers all three (cheaper than an elementwise isfinite pass)
+    if probs.device.type != "cpu" and not math.isfinite(float(probs.sum())):
+        raise NonFiniteError(NON_FINITE_LOGITS)
+    return probs
+
+
+def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig,
+                   allowed: torch.Tensor | None) -> torch.Tensor:
+    """Mask, temperature, top-k, softmax, top-p, min-p: [..., V] -> [..., V] fp32. On the CPU
+    row by row on the calling thread (host_probs.py, which refuses rows that are not
+    finite); elsewhere as batched tensor ops, not checked for NaN."""
+    if logits.device.type == "cpu":
+        return host_probs(logits, sampling, allowed)
+    return _device_probs(_masked(logits.float(), allowed), sampling)
+
+
+def _device_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """_sampled_probs as batched tensor ops, on fp32 logits [..., V] already masked."""
     if sampling.temperature != 1.0:  # dividing by 1.0 is the identity: skip the pass over V
         # shifted by the row's max first: softmax does not change, and a tiny temperature
         # (1e-40) sends every other logit to -inf instead of overflowing to +inf - +inf = NaN,
         # which is the limit the math gives (a point mass on the argmax, shared by ties).
         # NaN, +inf and all -inf rows still come out NaN (max - max), for to_probs' check.
         logits = logits - logits.amax(dim=-1, keepdim=True)  # [..., V], <= 0 (or NaN)
-        if sampling.temperature >= _FP32_TINY:
+        if sampling.temperature >= FP32_TINY:
             logits = logits / sampling.temperature
         else:  # the temperature is 0 in fp32: the limit directly (0 stays 0, NaN stays NaN)
             logits = logits.masked_fill(logits < 0, float("-inf"))
@@ -97,8 +113,7 @@ def _sampled_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
     if sampling.min_p:
         # min-p last (Hugging Face's warper order): the most likely token always stays
         kept = probs >= sampling.min_p * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(~kept, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _renormalised(probs.masked_fill(~kept, 0.0))
     return probs
 
 
@@ -112,14 +127,15 @@ def to_logprobs(logits: torch.Tensor, sampling: SamplingConfig,
     probability). At temperature 0 the point mass would give 0 and -inf only: the
     log-probabilities are those of the masked logits at temperature 1, the distribution whose
     argmax greedy decoding takes (OpenAI's logprobs at temperature 0 are the model's too).
+    At temperature > 0 raises NonFiniteError like to_probs.
     """
     _check_floating("logits", logits)
     logits = _masked(logits.float(), allowed)
     if sampling.is_greedy:
         return torch.log_softmax(logits, dim=-1)
-    kept = _sampled_probs(logits, sampling) > 0  # [..., V]
+    kept = _checked_probs(logits, sampling, None) > 0  # [..., V]
     tempered = logits - logits.amax(dim=-1, keepdim=True)
-    if sampling.temperature >= _FP32_TINY:
+    if sampling.temperature >= FP32_TINY:
         tempered = tempered / sampling.temperature
     return torch.log_softmax(tempered.masked_fill(~kept, float("-inf")), dim=-1)
 
@@ -140,6 +156,8 @@ def greedy_tokens(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> 
     Raises NonFiniteError for NaN or +inf logits or a row with no finite logit.
     """
     _check_floating("logits", logits)
+    if logits.device.type == "cpu":  # one pass on the calling thread (host_probs.py)
+        return host_greedy_tokens(logits, allowed)
     logits = _masked(logits, allowed)
     # one reduction gives both: max propagates NaN and +inf, is -inf only for a row with no
     # finite logit, and its index is the first maximal one (the lowest id), as argmax's is
@@ -147,29 +165,26 @@ def greedy_tokens(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> 
     # checked on the host: one read of B floats costs less than isfinite + all + a sync, right
     # after a model's pass (measured in place, dev/LOG.md: host checks)
     if not all(map(math.isfinite, best_logits.reshape(-1).tolist())):
-        raise NonFiniteError(_NON_FINITE_LOGITS)
+        raise NonFiniteError(NON_FINITE_LOGITS)
     return tokens
 
 
-_FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32 temperature we divide by
-
-_NON_FINITE_LOGITS = (
-    "logits contain NaN or +inf, or a row where every logit is -inf; expected finite logits "
-    "(-inf only to mask tokens). Check the model's dtype (fp16 overflow) and its inputs."
-)
-
-
 def _truncate_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest most-likely set whose mass reaches top_p; renormalise. [..., V] -> same."""
-    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    """Keep the smallest most-likely set whose mass reaches top_p; renormalise. [..., V] -> same.
+    Ties go to the lowest id (a stable sort), as host_probs.top_p_kept keeps them."""
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop_sorted = mass_before >= top_p
     # the top token is always kept (its mass_before is 0, but a top_p below fp32's smallest
     # number, e.g. 1e-300, compares as 0 and would drop it too, leaving nothing)
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(-1, sorted_ids, drop_sorted)
-    kept = probs.masked_fill(drop, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    return _renormalised(probs.masked_fill(drop, 0.0))
+
+
+def _renormalised(kept: torch.Tensor) -> torch.Tensor:
+    """kept [..., V] divided by its row sums, summed in float64 (as host_probs does)."""
+    return kept / kept.sum(dim=-1, keepdim=True, dtype=torch.float64).float()
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -82,7 +82,8 @@ class RaceClocks:
     """The exponential clocks E_v ~ Exp(1) (v < V) of one position, drawn by blocks on demand.
 
     block_min [N] fp64: each block's smallest clock M_b; block_argmin [N] int64: where in the
-    block it is (clocks past V, in the last block, exist but never win: their probability is 0).
+    block it is, flat_argmin [N] where in the vocabulary (clocks past V, in the last block,
+    exist but never win: their probability is 0).
     The minima come from a torch.Generator seeded by the position's key, a block's excesses
     from a counter-based generator keyed the same way (:func:`_splitmix64_uniforms`); the
     arithmetic is numpy's, whose per-call cost on vectors of a few hundred entries is a
@@ -100,6 +101,8 @@ class RaceClocks:
         self.block_min = np.maximum(-np.log1p(-uniforms) / block_size, _TINY)
         self.block_argmin = torch.randint(block_size, (self.num_blocks,),
                                           generator=generator).numpy()
+        # [N] where each block's minimum is in the vocabulary, flat (the race reads probs there)
+        self.flat_argmin = np.arange(self.num_blocks) * block_size + self.block_argmin
         self._opened: dict[int, np.ndarray] = {}  # block -> its S clocks, fp64
 
     def blocks(self, indices: list[int]) -> np.ndarray:
@@ -140,17 +143,19 @@ def race(probs: torch.Tensor, clocks: RaceClocks) -> int:
     Raises NonFiniteError for a row with no positive probability.
     """
     block_size, num_blocks = clocks.block_size, clocks.num_blocks
-    padded = np.zeros(num_blocks * block_size, dtype=np.float32)
-    padded[: probs.shape[-1]] = probs.detach().to("cpu", torch.float32).numpy()
-    blocks = padded.reshape(num_blocks, block_size)  # [N, S] fp32
-    at_min = blocks[np.arange(num_blocks), clocks.block_argmin].astype(np.float64)
+    flat = probs.detach().to("cpu", torch.float32).numpy()  # [V], the probs' memory on a CPU
+    if flat.shape[0] != num_blocks * block_size:  # a last block short of S: pad it with zeros
+        flat = np.concatenate([flat, np.zeros(num_blocks * block_size - flat.shape[0],
+                                              dtype=np.float32)])
+    at_min = flat[clocks.flat_argmin].astype(np.float64)  # [N] where each block's minimum is
     with np.errstate(divide="ignore"):  # p = 0: an arrival never (inf)
         arrivals = clocks.block_min / at_min  # [N] each block's smallest clock's arrival
-        bounds = clocks.block_min / _row_max(blocks)  # [N] no clock of a block is sooner
+        bounds = clocks.block_min / _block_max(flat, num_blocks)  # [N] none in a block sooner
     best_block = int(arrivals.argmin())
     best = (float(arrivals[best_block]),
             best_block * block_size + int(clocks.block_argmin[best_block]))
     nearest = int(bounds.argmin())
+    blocks = flat.reshape(num_blocks, block_size)  # [N, S] fp32
     if bounds[nearest] < best[0]:
         best = min(best, _open(blocks, clocks, [nearest]))
     rest = [index for index in np.flatnonzero(bounds < best[0]).tolist() if index != nearest]
@@ -162,14 +167,13 @@ def race(probs: torch.Tensor, clocks: RaceClocks) -> int:
     return best[1]
 
 
-def _row_max(blocks: np.ndarray) -> np.ndarray:
-    """Each row's largest entry, blocks [N, S] fp32 (S a power of two) -> [N] fp64, by halving
-    the rows: numpy reduces a short last axis an element at a time, a pairwise maximum runs
-    vectorised."""
-    while blocks.shape[1] > 1:
-        half = blocks.shape[1] // 2
-        blocks = np.maximum(blocks[:, :half], blocks[:, half:])
-    return blocks[:, 0].astype(np.float64)
+def _block_max(flat: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Each block's largest entry, flat [N * S] fp32 (S a power of two) -> [N] fp64, as maxima
+    of neighbouring pairs, log2(S) passes over ever shorter vectors: numpy reduces a short
+    axis an element at a time, and a row-wise halving of [N, S] does too."""
+    while flat.shape[0] > num_blocks:
+        flat = np.maximum(flat[0::2], flat[1::2])
+    return flat.astype(np.float64)
 
 
 def _open(blocks: np.ndarray, clocks: RaceClocks, indices: list[int]) -> tuple[float, int]:

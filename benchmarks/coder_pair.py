@@ -15,6 +15,8 @@ Servers, all up together, 2 threads each (an idle one waits and takes no CPU):
     verispec-plain     verispec serve --no-draft
     verispec-draft     verispec serve --target ... --draft ... (the defaults)
     verispec-hybrid    the same with --hybrid (the suffix drafter where it matches, else the draft)
+    verispec-chain     --hybrid --hybrid-lookup suffix --hybrid-chain: the suffix drafter's span,
+                       continued by the draft model in the same round
     verispec-ngram     verispec serve --ngram (the suffix drafter, no draft model)
     verispec-uniform   verispec-draft with --uniform-passes (docs/exactness.md): every target
                        pass in one kernel family, greedy speculative == plain by construction
@@ -62,6 +64,8 @@ LLAMA = {"llama-plain": [], "llama-draft": ["-md", "{draft}"], "llama-draft-best
          "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
 VERISPEC = {"verispec-plain": ["--no-draft"], "verispec-draft": ["--draft", "{draft}"],
             "verispec-hybrid": ["--draft", "{draft}", "--hybrid"],
+            "verispec-chain": ["--draft", "{draft}", "--hybrid", "--hybrid-lookup", "suffix",
+                               "--hybrid-chain"],
             "verispec-ngram": ["--ngram"],
             "verispec-uniform": ["--draft", "{draft}", "--uniform-passes"]}
 SERVERS = (*LLAMA, *VERISPEC)
@@ -91,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         choices=list(CODER_TASKS))
     parser.add_argument("--temps", nargs="+", default=list(TEMPS), choices=list(TEMPS))
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--cells", nargs="+", metavar="TASK:TEMP:CLIENTS",
+                        help="exactly these cells (e.g. edits:greedy:4) instead of every "
+                        "combination of --tasks, --temps and --clients")
     parser.add_argument("--max-tokens", type=int, default=96, help="per request (default 96)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
@@ -228,8 +235,10 @@ def run(args) -> list[dict]:
         with httpx.Client(timeout=900) as client:  # warm-up, out of the times
             for server, (_, url) in servers.items():
                 complete(client, url, body(server, prompts["questions"][0], 0.0, 0, 16))
-        cells = [(task, temp, clients) for clients in args.clients for task in args.tasks
-                 for temp in args.temps]
+        cells = ([(task, temp, int(clients)) for task, temp, clients
+                  in (cell.split(":") for cell in args.cells)] if args.cells else
+                 [(task, temp, clients) for clients in args.clients for task in args.tasks
+                  for temp in args.temps])
         for index, (task, temp, clients) in enumerate(cells):
             order = list(servers)
             order = order[index % len(order):] + order[: index % len(order)]

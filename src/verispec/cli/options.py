@@ -47,17 +47,22 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp backend: weight kernels. auto: repacked kernels, and "
                         "AMX only where a probe shows llama.cpp's AMX kernel runs here; on: "
                         "all llama.cpp offers, AMX unprobed; off: plain kernels (default: auto)")
+    models.add_argument("--uniform-passes", action="store_true",
+                        help="llama.cpp backend: decode every target token after a prompt in a "
+                        "4-token pass (padded), so that greedy speculative decoding equals "
+                        "plain decoding token for token on quantized files; a 1-token pass "
+                        "then costs a 4-token one")
     models.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                         help="what chat renders messages with: chatml, gemma, plain or a Jinja "
                         "file (default: the model's own template)")
 
 
 def llama_cpp_config(args: argparse.Namespace):
-    """The LlamaCppConfig of --threads, --context-size and --repack."""
+    """The LlamaCppConfig of --threads, --context-size, --repack and --uniform-passes."""
     from ..models.llama_cpp.model import LlamaCppConfig
 
     return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size,
-                          repack=args.repack)
+                          repack=args.repack, uniform_passes=args.uniform_passes)
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

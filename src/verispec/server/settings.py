@@ -16,8 +16,8 @@ from dataclasses import Field, dataclass, field, fields
 from os import PathLike
 
 from ..config import MAX_NUM_DRAFT_TOKENS, REPACK_MODES, VERIFICATION_RULES
-from ..policy import POLICY_NAMES
 from ..errors import ConfigError
+from ..policy import POLICY_NAMES
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
 # batch is so large that a verification pass costs more than it saves
@@ -90,6 +90,10 @@ class ServerSettings:
                            "and AMX only where a probe shows llama.cpp's AMX kernel runs here; "
                            "on: all llama.cpp offers, AMX unprobed; off: plain kernels",
                            choices=REPACK_MODES, value_type=str)
+    uniform_passes: bool = _setting(False, "llama.cpp backend: decode every target token after a "
+                                    "prompt in a 4-token pass (padded), so that greedy "
+                                    "speculative decoding equals plain decoding token for token "
+                                    "on quantized files; a 1-token pass then costs a 4-token one")
     num_draft_tokens: int | None = _setting(
         None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
         "with num_draft_tokens (default: 4 on a GPU and on CPUs where the target runs on packed "
@@ -251,7 +255,7 @@ def add_field_argument(group, f: Field) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "num_draft_tokens", "adaptive",
+                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "uniform_passes", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 

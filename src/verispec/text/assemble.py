@@ -15,7 +15,6 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from ..config import VERIFICATION_RULES, GenerationConfig, check_verification
-from ..policy import default_num_draft_tokens
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError
 from ..models.base import LanguageModel
@@ -24,6 +23,7 @@ from ..models.hf.adapter import TransformersLM, output_width
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
 from ..models.loading import common_vocab_size
+from ..policy import default_num_draft_tokens
 from ..policy.base import AdaptivePolicyConfig
 from ..proposers import ModelFreeDraft, model_free_proposer
 from ..proposers.base import Proposer
@@ -135,7 +135,7 @@ def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
     the model only drafts (the fast path may then pick kernels by batch size); ``cuda_graphs``:
     the fast path captures its steps on a CUDA device (models/fast_llama/step_graphs.py)."""
     if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
-        return LlamaCppLM(model, vocab_size, llama_cpp_config)
+        return LlamaCppLM(model, vocab_size, llama_cpp_config, draft=draft)
     if backend == "llama.cpp":
         raise ConfigError("backend='llama.cpp' runs GGUF files loaded by llama.cpp; this model "
                           "is a transformers model: use backend='auto', 'fast' or "

@@ -28,7 +28,7 @@ from tiny_models import build_tokenizer, untied_llama
 import verispec
 from verispec import cli
 from verispec.cli.options import llama_cpp_config
-from verispec.errors import ConfigError
+from verispec.errors import ConfigError, ContextLengthExceeded
 from verispec.models.gguf_export import save_gguf
 from verispec.models.llama_cpp import kernels
 from verispec.models.llama_cpp.model import (
@@ -131,8 +131,9 @@ def test_uniform_passes_give_every_shape_the_bits_of_one_token_passes(repacked, 
 
 
 def test_uniform_rows_decode_as_they_would_alone(repacked):
-    """Rows riding in beside a decoding row, ragged extends and the context growing (its rows
-    prefilled again): each row's logits are those of the row decoded alone."""
+    """Rows riding in beside a decoding row, ragged extends and the context growing twice (its
+    rows prefilled again, one of them still riding): each row's logits are those of the row
+    decoded alone."""
     prompts = [PROMPT, [7, 9, 11, 13, 15], list(range(50, 90))]
 
     def alone(prompt: list[int]) -> torch.Tensor:
@@ -146,7 +147,8 @@ def test_uniform_rows_decode_as_they_would_alone(repacked):
     session = lm.new_session()
     session.start_through([prompts[0]])
     first = session.extend(torch.tensor([[prompts[0][-1]]]))[0]
-    session.add_rows_through(prompts[1:])  # the context grows from 1 row to 3
+    session.add_rows_through(prompts[1:2])  # the context grows from 1 row to 2
+    session.add_rows_through(prompts[2:])  # and to 4, with row 1 still riding
     ragged = session.extend_ragged(torch.tensor([FED[:3], [prompts[1][-1], *FED[:2]],
                                                  [prompts[2][-1], *FED[:2]]]), [3, 3, 1])
     batched = [torch.cat([first, ragged[0]]), ragged[1], ragged[2, :1]]
@@ -160,6 +162,19 @@ def test_uniform_rows_decode_as_they_would_alone(repacked):
     assert all(bits_equal(batched[0], expected[0]))
     assert all(bits_equal(batched[1], expected[1][:6]))
     assert all(bits_equal(batched[2], expected[2][:6]))
+
+
+def test_uniform_passes_fill_the_context_to_its_last_position(repacked):
+    """A row may reach its last position although the padding of its last pass goes past it
+    (llama.cpp rounds a context up to 256 cells: the row fills one of 256)."""
+    config = LlamaCppConfig(context_size=256, uniform_passes=True)
+    session = LlamaCppLM(repacked, config=config).new_session()
+    prompt = list(range(3, 253))  # 250 tokens
+    session.start_through([prompt])
+    assert session.extend(torch.tensor([[prompt[-1], *FED[:6]]])).shape[1] == 7  # 256 positions
+    session.rewind([1])
+    with pytest.raises(ContextLengthExceeded):
+        session.extend(torch.tensor([FED[:2]]))
 
 
 def test_a_draft_keeps_its_natural_passes_and_bad_values_are_refused(repacked):

@@ -97,10 +97,7 @@ class LlamaCppSession:
             size = min(MAX_ROWS, max(needed, 2 * len(self.seq_ids)))
             self._context = self.lm.context(self, size)  # emptied: the rows here re-prefill
             self.seq_ids = list(range(len(self.seq_ids)))
-            self._prefill(self.seq_ids, self._histories, self._prompt_lengths)
-            self._prompt_lengths = [min(length, len(history)) for length, history in
-                                    zip(self._prompt_lengths, self._histories)]
-            self._riding = [False] * len(self.seq_ids)  # their prompts went in with the rest
+            self._refill()
         free = sorted(set(range(self._context.num_rows if self._context else 0))
                       - set(self.seq_ids))
         joining = free[: len(prompts)]
@@ -113,6 +110,20 @@ class LlamaCppSession:
         # a riding prompt's pass takes the row's first token too
         self._prompt_lengths += [len(p) + (ride and bool(p)) for p in prompts]
         return ride and any(prompts)
+
+    def _refill(self) -> None:
+        """The rows already here, in a new context: their tokens prefilled again, riding
+        prompts with them; with uniform passes each row as it was decoded (``_prefill``) and
+        riding prompts left to ride, so that a prompt's pass still takes its first token."""
+        rows = [row for row, riding in enumerate(self._riding)
+                if not (riding and self.lm.uniform_passes)]
+        self._prefill([self.seq_ids[row] for row in rows],
+                      [self._histories[row] for row in rows],
+                      [self._prompt_lengths[row] for row in rows])
+        for row in rows:
+            if self._riding[row]:  # its first token now comes after its prompt's pass
+                self._riding[row] = False
+                self._prompt_lengths[row] = len(self._histories[row])
 
     def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
         """Rows joining with whole prompts (>= 1 token each): all but each last token ride

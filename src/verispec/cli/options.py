@@ -55,17 +55,24 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         "all llama.cpp offers, AMX unprobed; off: plain kernels (default: auto)")
     models.add_argument("--cost-curve", default=None, choices=COST_CURVE_MODES,
                         help=COST_CURVE_HELP)
+    models.add_argument("--uniform-passes", action="store_true",
+                        help="llama.cpp backend: decode every target token after a prompt in a "
+                        "4-token pass (padded), so that greedy speculative decoding equals "
+                        "plain decoding token for token on quantized files; a 1-token pass "
+                        "then costs a 4-token one")
     models.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                         help="what chat renders messages with: chatml, gemma, plain or a Jinja "
                         "file (default: the model's own template)")
 
 
 def llama_cpp_config(args: argparse.Namespace):
-    """The LlamaCppConfig of --threads, --context-size, --repack and --cost-curve."""
+    """The LlamaCppConfig of --threads, --context-size, --repack, --cost-curve and
+    --uniform-passes."""
     from ..models.llama_cpp.model import LlamaCppConfig
 
     return LlamaCppConfig(num_threads=args.threads, context_size=args.context_size,
-                          repack=args.repack, cost_curve=args.cost_curve)
+                          repack=args.repack, cost_curve=args.cost_curve,
+                          uniform_passes=args.uniform_passes)
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

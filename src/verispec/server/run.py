@@ -10,9 +10,9 @@ from __future__ import annotations
 import socket
 from dataclasses import replace
 
-from ..policy.base import AdaptivePolicyConfig
-from ..policy import named_policy
 from ..errors import ConfigError, UnsupportedFeatureError
+from ..policy import named_policy
+from ..policy.base import AdaptivePolicyConfig
 from .settings import ServerSettings
 
 
@@ -30,11 +30,11 @@ def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
 
 def load_decoder(settings: ServerSettings):
     """The decoder the settings describe: the demo pair when no --target is given."""
-    from ..text.load import load
-    from ..text.demo import demo_pair
     from ..models.llama_cpp.model import LlamaCppConfig
     from ..proposers.hybrid import lookup_named
     from ..proposers.suffix import SuffixDraft
+    from ..text.demo import demo_pair
+    from ..text.load import load
 
     target, draft = settings.target, settings.draft
     if target is None:
@@ -51,7 +51,8 @@ def load_decoder(settings: ServerSettings):
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
                                                 context_size=settings.context_size,
                                                 repack=settings.repack,
-                                                cost_curve=settings.cost_curve))
+                                                cost_curve=settings.cost_curve,
+                                                uniform_passes=settings.uniform_passes))
 
 
 def serve(settings: ServerSettings) -> int:

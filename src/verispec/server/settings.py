@@ -17,8 +17,8 @@ from os import PathLike
 
 from ..config import (COST_CURVE_MODES, HYBRID_LOOKUPS, MAX_NUM_DRAFT_TOKENS, REPACK_MODES,
                       VERIFICATION_RULES, check_draft_p_min)
-from ..policy import POLICY_NAMES
 from ..errors import ConfigError
+from ..policy import POLICY_NAMES
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
 # batch is so large that a verification pass costs more than it saves
@@ -139,6 +139,10 @@ class ServerSettings:
         "cached: measured at the first load of each model file, thread count and kernel set, "
         "read back after; measure: measured afresh; off: not measured (default: "
         "$VERISPEC_COST_CURVE, else cached)", choices=COST_CURVE_MODES, value_type=str)
+    uniform_passes: bool = _setting(False, "llama.cpp backend: decode every target token after a "
+                                    "prompt in a 4-token pass (padded), so that greedy "
+                                    "speculative decoding equals plain decoding token for token "
+                                    "on quantized files; a 1-token pass then costs a 4-token one")
     num_draft_tokens: int | None = _setting(
         None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
         "with num_draft_tokens (default: on llama.cpp the depth its measured cost curve prices "
@@ -309,7 +313,7 @@ def add_field_argument(group, f: Field) -> None:
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "hybrid_lookup",
                            "hybrid_chain", "draft_p_min", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "num_draft_tokens", "adaptive",
+                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "uniform_passes", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 

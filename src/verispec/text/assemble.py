@@ -26,6 +26,7 @@ from ..models.llama_cpp.costs import pass_costs
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
 from ..models.loading import common_vocab_size
+from ..policy import default_num_draft_tokens
 from ..policy.base import AdaptivePolicyConfig
 from ..policy.costs import CURVE_DEPTH, CostCurve
 from ..proposers import ModelFreeDraft, model_free_proposer
@@ -174,7 +175,7 @@ def wrap_model(model: LoadedModel, vocab_size: int, backend: str,
     the model only drafts (the fast path may then pick kernels by batch size); ``cuda_graphs``:
     the fast path captures its steps on a CUDA device (models/fast_llama/step_graphs.py)."""
     if isinstance(model, LlamaCppModel):  # a GGUF file loaded by llama.cpp has one forward
-        return LlamaCppLM(model, vocab_size, llama_cpp_config)
+        return LlamaCppLM(model, vocab_size, llama_cpp_config, draft=draft)
     if backend == "llama.cpp":
         raise ConfigError("backend='llama.cpp' runs GGUF files loaded by llama.cpp; this model "
                           "is a transformers model: use backend='auto', 'fast' or "

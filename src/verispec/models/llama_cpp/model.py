@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +48,7 @@ from ...errors import (
     UnsupportedModelError,
 )
 from .kernels import KernelPlan, load_with_kernels
-from .session import MAX_ROWS, LlamaCppSession
+from .session import MAX_ROWS, UNIFORM_PASS_WIDTH, LlamaCppSession
 
 logger = logging.getLogger("verispec.llama_cpp")
 
@@ -128,6 +128,11 @@ class LlamaCppConfig:
         (costs.py): "cached" measures them once per model file, thread count and kernel set and
         reads them back after, "measure" measures afresh (and caches), "off" measures nothing
         (the policy learns from its rounds). None: $VERISPEC_COST_CURVE, else "cached".
+    uniform_passes: the target decodes every token after a prompt in a pass of exactly
+        UNIFORM_PASS_WIDTH tokens of one row (padded), so that a position's logits do not depend
+        on how many tokens were verified with it: greedy speculative == greedy plain token for
+        token on quantized files (session.py, docs/exactness.md). A one-token pass then costs a
+        4-token one; a draft model's passes are left as they are.
     """
 
     num_threads: int | None = None
@@ -135,6 +140,7 @@ class LlamaCppConfig:
     batch_size: int = 512
     repack: str = "auto"
     cost_curve: str | None = None
+    uniform_passes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_threads", "context_size"):
@@ -153,6 +159,9 @@ class LlamaCppConfig:
         if self.cost_curve is not None and self.cost_curve not in COST_CURVE_MODES:
             raise ConfigError(f"cost_curve={self.cost_curve!r} is invalid: expected one of "
                               f"{', '.join(map(repr, COST_CURVE_MODES))}, or None.")
+        if not isinstance(self.uniform_passes, bool):
+            raise ConfigError(f"uniform_passes={self.uniform_passes!r} is invalid: expected "
+                              "True or False.")
 
     def threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
@@ -267,7 +276,9 @@ class LlamaCppLM:
     flat_verify = True
 
     def __init__(self, model: LlamaCppModel, vocab_size: int | None = None,
-                 config: LlamaCppConfig | None = None) -> None:
+                 config: LlamaCppConfig | None = None, draft: bool = False) -> None:
+        """``draft``: the model only drafts, so its passes keep their natural widths
+        (LlamaCppConfig.uniform_passes is about the target's logits)."""
         config = LlamaCppConfig() if config is None else config
         if not isinstance(config, LlamaCppConfig):
             raise ConfigError(f"llama_cpp={config!r:.60} is invalid: expected a "
@@ -278,6 +289,8 @@ class LlamaCppLM:
                               f"{model.num_logits} logits: expected 1 <= vocab_size <= that.")
         self.model = model
         self.config = config
+        self.draft = draft
+        self.uniform_passes = config.uniform_passes and not draft
         self.vocab_size = vocab_size
         self.device = torch.device("cpu")
         self.max_positions = config.context_size or min(model.trained_context,
@@ -293,9 +306,11 @@ class LlamaCppLM:
 
     def scoring_session(self) -> LlamaCppSession:
         """A session on a context of its own over the same weights (models.base.ScoresApart):
-        a new session here would end the live one, the running batch's."""
+        a new session here would end the live one, the running batch's. Its prompt passes
+        keep their natural widths: no other pass's logits are compared with theirs."""
         if self._scorer is None:
-            self._scorer = LlamaCppLM(self.model, self.vocab_size, self.config)
+            self._scorer = LlamaCppLM(self.model, self.vocab_size,
+                                      replace(self.config, uniform_passes=False))
         return self._scorer.new_session()
 
     def context(self, session: LlamaCppSession, num_rows: int) -> _Context:
@@ -326,7 +341,9 @@ class _Context:
     def __init__(self, lm: LlamaCppLM, num_rows: int) -> None:
         llama_cpp = bindings()
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = lm.max_positions * num_rows
+        # a uniform pass may reach UNIFORM_PASS_WIDTH - 1 positions past a row's last token
+        padding = UNIFORM_PASS_WIDTH - 1 if lm.uniform_passes else 0
+        params.n_ctx = (lm.max_positions + padding) * num_rows
         params.n_seq_max = num_rows
         params.n_batch = params.n_ubatch = lm.config.batch_size
         params.n_threads = params.n_threads_batch = lm.config.threads()

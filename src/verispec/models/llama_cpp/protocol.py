@@ -15,6 +15,7 @@ class Context(Protocol):
 
     num_rows: int
     capacity: int  # tokens per llama_decode call
+    num_logits: int  # logits per position (the model's, >= the session's vocab_size)
 
     def decode(self, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                logits: np.ndarray) -> torch.Tensor | None: ...
@@ -27,6 +28,7 @@ class LlamaCpp(Protocol):
 
     vocab_size: int
     max_positions: int
+    uniform_passes: bool  # LlamaCppConfig.uniform_passes, for a target
 
     def context(self, session: Any, num_rows: int) -> Context: ...
 

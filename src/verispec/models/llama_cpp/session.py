@@ -14,6 +14,19 @@ what several decoding rounds do; dev/LOG.md). ``start_through`` and
 each last token ride, so that the next ``extend``, which begins with the last, decodes the
 prompt in one batch as llama-server does (llama.cpp's quantized kernels round by batch shape);
 a round's draft tokens then go in a pass of their own (``_extend_rows``).
+
+Uniform passes (LlamaCppConfig.uniform_passes, a target's option): llama.cpp's CPU kernels pick
+their arithmetic by a pass's shape, so a position's logits differ in their last bits between a
+one-token pass and a (k + 1)-token pass, and greedy speculative decoding drifts from plain
+decoding at near ties. In this mode every token after a prompt is decoded in a pass of exactly
+UNIFORM_PASS_WIDTH tokens of one row: the row's next tokens, padded with copies of the last one
+at the following positions (causal attention keeps them out of the real rows), logits taken at
+all of them (llama.cpp's last layer runs only on the rows whose logits are taken, so those
+count too), the padding's KV entries removed after the pass. A row's prompt goes in a pass of
+its own, with its first token, as plain decoding's first step does. Every layer then sees the
+same shape for every token, plain or verified, wherever it sits in the pass; which shapes share
+bits, per weight type and kernel: docs/exactness.md and benchmarks/pass_width_bits.py.
+
 What it is not: loading, the context's lifetime or the llama.cpp bindings
 (model.py).
 """
@@ -30,6 +43,11 @@ from ..base import as_ints, feed_rows, logits_columns
 from .protocol import Context, LlamaCpp
 
 MAX_ROWS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context holds
+# Tokens per pass in uniform mode. Four is the row group of llama.cpp's repacked GEMM, so a
+# padded pass runs every row through it; under eight, the tiled K-quant kernel (unrepacked
+# Q4_K/Q6_K) stays off; at two or more, flash attention never splits a long cache across
+# threads (which it does for one query): every kernel sees one shape (dev/LOG.md, 2026-11-28).
+UNIFORM_PASS_WIDTH = 4
 
 
 class LlamaCppSession:
@@ -49,6 +67,8 @@ class LlamaCppSession:
         self._histories: list[list[int]] = []  # each row's fed tokens, to re-prefill on growth
         # per row, whether its tokens (a joining prompt) ride the next extend, not yet decoded
         self._riding: list[bool] = []
+        # per row, the tokens of its prompt's pass (uniform passes replay it on re-prefill)
+        self._prompt_lengths: list[int] = []
         self._context: Context | None = None
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -64,7 +84,7 @@ class LlamaCppSession:
     def _reset(self) -> None:
         self.lm.check_live(self)
         self._context, self.lengths, self.seq_ids, self._histories = None, [], [], []
-        self._riding = []
+        self._riding, self._prompt_lengths = [], []
 
     def add_rows(self, prompts: Sequence[Sequence[int]], ride: bool = False) -> bool:
         """Rows joining at the end, each with its prompt under a free sequence id, prefilled
@@ -77,18 +97,33 @@ class LlamaCppSession:
             size = min(MAX_ROWS, max(needed, 2 * len(self.seq_ids)))
             self._context = self.lm.context(self, size)  # emptied: the rows here re-prefill
             self.seq_ids = list(range(len(self.seq_ids)))
-            self._prefill(self.seq_ids, self._histories)
-            self._riding = [False] * len(self.seq_ids)  # their prompts went in with the rest
+            self._refill()
         free = sorted(set(range(self._context.num_rows if self._context else 0))
                       - set(self.seq_ids))
         joining = free[: len(prompts)]
         if not ride:
-            self._prefill(joining, [list(p) for p in prompts])
+            self._prefill(joining, [list(p) for p in prompts], [len(p) for p in prompts])
         self.seq_ids += joining
         self._histories += [list(p) for p in prompts]
         self.lengths += [len(p) for p in prompts]
         self._riding += [ride and bool(p) for p in prompts]
+        # a riding prompt's pass takes the row's first token too
+        self._prompt_lengths += [len(p) + (ride and bool(p)) for p in prompts]
         return ride and any(prompts)
+
+    def _refill(self) -> None:
+        """The rows already here, in a new context: their tokens prefilled again, riding
+        prompts with them; with uniform passes each row as it was decoded (``_prefill``) and
+        riding prompts left to ride, so that a prompt's pass still takes its first token."""
+        rows = [row for row, riding in enumerate(self._riding)
+                if not (riding and self.lm.uniform_passes)]
+        self._prefill([self.seq_ids[row] for row in rows],
+                      [self._histories[row] for row in rows],
+                      [self._prompt_lengths[row] for row in rows])
+        for row in rows:
+            if self._riding[row]:  # its first token now comes after its prompt's pass
+                self._riding[row] = False
+                self._prompt_lengths[row] = len(self._histories[row])
 
     def add_rows_through(self, prompts: Sequence[Sequence[int]]) -> bool:
         """Rows joining with whole prompts (>= 1 token each): all but each last token ride
@@ -112,10 +147,19 @@ class LlamaCppSession:
         self.lengths = [self.lengths[r] for r in rows]
         self._histories = [self._histories[r] for r in rows]
         self._riding = [self._riding[r] for r in rows]
+        self._prompt_lengths = [self._prompt_lengths[r] for r in rows]
 
-    def _prefill(self, seq_ids: list[int], token_lists: list[list[int]]) -> None:
-        """Feed each sequence its tokens from position 0, without logits, in chunks."""
-        self._decode_packed(seq_ids, token_lists, [0] * len(seq_ids))
+    def _prefill(self, seq_ids: list[int], token_lists: list[list[int]],
+                 prompt_lengths: list[int]) -> None:
+        """Feed each sequence its tokens from position 0, without logits: packed, in chunks;
+        with uniform passes, each sequence as it was decoded (its first prompt_lengths[i]
+        tokens in one pass, the rest in uniform passes), so its cache is the same bits."""
+        if not self.lm.uniform_passes:
+            self._decode_packed(seq_ids, token_lists, [0] * len(seq_ids))
+            return
+        for seq_id, tokens, prompt_length in zip(seq_ids, token_lists, prompt_lengths):
+            self._decode_packed([seq_id], [tokens[:prompt_length]], [0])
+            self._decode_uniform(seq_id, tokens[prompt_length:], prompt_length)
 
     def _decode_packed(self, seq_ids: list[int], token_lists: list[list[int]],
                        starts: list[int]) -> None:
@@ -139,7 +183,10 @@ class LlamaCppSession:
     def _prefill_riding(self) -> None:
         """The riding prompts go in now, in one packed pass (before a feed or a rewind)."""
         rows = [row for row, riding in enumerate(self._riding) if riding]
-        self._prefill([self.seq_ids[row] for row in rows], [self._histories[row] for row in rows])
+        self._prefill([self.seq_ids[row] for row in rows], [self._histories[row] for row in rows],
+                      [len(self._histories[row]) for row in rows])
+        for row in rows:  # the first token now comes after the prompt's pass
+            self._prompt_lengths[row] = len(self._histories[row])
         self._riding = [False] * len(self._riding)
 
     def extend(self, tokens: torch.Tensor, logits_at: Sequence[int] | None = None
@@ -185,6 +232,8 @@ class LlamaCppSession:
         = a1 a2 b1; the result is [a0, a1, a2, b0, b1]."""
         self._check_room(max(length + len(row) for length, row in
                              zip(self.lengths, rows_tokens)))
+        if self.lm.uniform_passes:
+            return self._extend_uniform(rows_tokens)
         riding = [row for row, flag in enumerate(self._riding) if flag]
         if not riding or all(len(row) == 1 for row in rows_tokens):
             return self._decode_rows(riding, rows_tokens)
@@ -217,6 +266,49 @@ class LlamaCppSession:
             return torch.empty((0, self.lm.vocab_size))
         return logits[:, : self.lm.vocab_size]
 
+    def _extend_uniform(self, rows_tokens: list[list[int]]) -> torch.Tensor:
+        """_extend_rows with uniform passes, row by row: a riding row's prompt and first token
+        in one pass, then every other token in uniform passes (the module docstring)."""
+        pieces = []
+        for row, tokens in enumerate(rows_tokens):
+            if self._riding[row]:
+                self._riding[row] = False
+                head = self._histories[row] + tokens[:1]  # the prompt's pass
+                wants = np.zeros(len(head), dtype=bool)
+                wants[-1] = True
+                pieces.append(self._decode(np.full(len(head), self.seq_ids[row]),
+                                           np.array(head, dtype=np.int32),
+                                           np.arange(len(head), dtype=np.int32), wants))
+                self._append(row, tokens[:1])
+                tokens = tokens[1:]
+            pieces.append(self._decode_uniform(self.seq_ids[row], tokens, self.lengths[row]))
+            self._append(row, tokens)
+        return torch.cat(pieces)[:, : self.lm.vocab_size]
+
+    def _decode_uniform(self, seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Sequence seq_id's tokens from position ``start`` in passes of exactly
+        UNIFORM_PASS_WIDTH tokens, the last padded with copies of its last token whose cache
+        entries are then removed -> the logits [len(tokens), num_logits] of the real ones."""
+        width = UNIFORM_PASS_WIDTH
+        pieces = [torch.empty((0, self._context.num_logits))]
+        for offset in range(0, len(tokens), width):
+            real = tokens[offset:offset + width]
+            position = start + offset
+            logits = self._context.decode(
+                np.full(width, seq_id, dtype=np.int64),
+                np.array(real + real[-1:] * (width - len(real)), dtype=np.int32),
+                np.arange(position, position + width, dtype=np.int32),
+                np.ones(width, dtype=bool))  # [width, num_logits]
+            if len(real) < width:
+                self._context.remove(seq_id, position + len(real))
+            pieces.append(logits[: len(real)])
+        return torch.cat(pieces)
+
+    def _append(self, row: int, tokens: list[int]) -> None:
+        """Row ``row`` now holds ``tokens`` after its earlier ones."""
+        self.lengths[row] += len(tokens)
+        self._histories[row].extend(tokens)
+
     def feed(self, rows: Sequence[Sequence[int]]) -> None:
         """Append rows[b] to row b with no logits (LMSession.feed): llama.cpp batches take
         ragged sequences, so the tokens go packed, no padding."""
@@ -227,6 +319,11 @@ class LlamaCppSession:
         if any(self._riding):
             self._prefill_riding()
         self._check_room(max(length + len(row) for length, row in zip(self.lengths, rows)))
+        if self.lm.uniform_passes:
+            for row, tokens in enumerate(rows):
+                self._decode_uniform(self.seq_ids[row], list(tokens), self.lengths[row])
+                self._append(row, list(tokens))
+            return
         self._decode_packed(self.seq_ids, rows, self.lengths)
         for history, row in zip(self._histories, rows):
             history.extend(row)

@@ -3,8 +3,8 @@ setting benchmarks/coder_pair.py runs as llama-draft-best.
 
     python benchmarks/llama_draft_sweep.py --llama-server /path/to/llama-server
 
-Each setting (--spec-draft-n-max N, --spec-draft-p-min P) serves the pair alone and runs the
-complete and edits tasks, greedy and T = 0.7, one client; the best is the highest mean tok/s
+Each setting (--spec-draft-n-max N, --spec-draft-p-min P) serves the pair alone and runs two
+cells, one client: complete greedy and edits at T = 0.7; the best is the highest mean tok/s
 over those cells. Prints a table and writes <out>.json (default
 benchmarks/results/llama_draft_sweep).
 """
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coder_pair import TEMPS, coder_prompts, run_cell
 from common import command_line, machine
 
+CELLS = [("complete", "greedy"), ("edits", "t0.7")]
 SETTINGS = [(3, 0.0), (5, 0.0), (3, 0.75), (6, 0.75)]
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             run_cell("llama-draft", url, prompts["questions"][:1], 0.0, 1, args)  # warm-up
             rates = {f"{task} {temp}": run_cell("llama-draft", url, prompts[task], TEMPS[temp],
                                                 1, args)["tok_s"]
-                     for task in ("complete", "edits") for temp in TEMPS}
+                     for task, temp in CELLS}
         finally:
             server.stop()
         rows.append({"n_max": n_max, "p_min": p_min, "tok_s": rates,

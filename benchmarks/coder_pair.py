@@ -14,6 +14,8 @@ Servers, all up together, 2 threads each (an idle one waits and takes no CPU):
     llama-ngram-mod    llama-server --spec-type ngram-mod (no draft model)
     verispec-plain     verispec serve --no-draft
     verispec-draft     verispec serve --target ... --draft ... (the defaults)
+    verispec-draft-carry  verispec-draft with --carry-over (the depth policy's estimates
+                       carried from one request to the next)
     verispec-hybrid    the same with --hybrid (the suffix drafter where it matches, else the draft)
     verispec-chain     --hybrid --hybrid-lookup suffix --hybrid-chain: the suffix drafter's span,
                        continued by the draft model in the same round
@@ -63,6 +65,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 LLAMA = {"llama-plain": [], "llama-draft": ["-md", "{draft}"], "llama-draft-best": ["-md", "{draft}"],
          "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
 VERISPEC = {"verispec-plain": ["--no-draft"], "verispec-draft": ["--draft", "{draft}"],
+            "verispec-draft-carry": ["--draft", "{draft}", "--carry-over"],
             "verispec-hybrid": ["--draft", "{draft}", "--hybrid"],
             "verispec-chain": ["--draft", "{draft}", "--hybrid", "--hybrid-lookup", "suffix",
                                "--hybrid-chain"],

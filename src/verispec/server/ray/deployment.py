@@ -27,6 +27,11 @@ from .settings import RaySettings
 _DRIVER_FIELDS = frozenset({"address", "app_name", "route_prefix"})
 
 
+# Every answer of a replica names it, so an operator (and the failover test) can tell which
+# replica served a request behind Ray's proxy.
+REPLICA_HEADER = "x-verispec-replica"
+
+
 class ReplicaUnhealthy(VerispecError, RuntimeError):
     """A replica's generation worker has stopped: Ray's health check replaces the replica."""
 
@@ -54,6 +59,8 @@ class VerispecServer:
         from ..app import create_app
 
         self._app = create_app(self._decoder, self._settings)
+        self._app.add_middleware(NameReplica,
+                                 name=serve.get_replica_context().replica_id.unique_id)
         return self._app
 
     def check_health(self) -> None:
@@ -62,6 +69,25 @@ class VerispecServer:
         if self._app is not None and not self._app.state.worker.alive:
             raise ReplicaUnhealthy("the generation worker thread has stopped; Ray replaces "
                                    "this replica.")
+
+
+class NameReplica:
+    """ASGI middleware adding ``x-verispec-replica: <Ray's replica id>`` to every response,
+    streamed or not (pure ASGI: it only touches the response's start message)."""
+
+    def __init__(self, app, name: str) -> None:
+        self.app, self.header = app, (REPLICA_HEADER.encode(), name.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 def application(server: ServerSettings, ray_settings: RaySettings) -> Application:

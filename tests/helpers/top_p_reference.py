@@ -3,8 +3,8 @@ only candidates (test-only math).
 
 The rule: sort by probability, descending, ties in id order (a stable sort); a position is
 kept while the mass before it (the fp32 cumulative sum minus its own probability) is below
-top_p in fp32; the first position always. The kept entries are divided by their float64 sum
-in id order, rounded to fp32.
+top_p in fp32; the first position always. The kept entries are divided by their float64 sum,
+added one term after another in id order, rounded to fp32.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ def reference_top_p_kept(probs: torch.Tensor, top_p: float) -> list[int]:
 def reference_renormalised(probs: torch.Tensor, kept: list[int]) -> torch.Tensor:
     """probs [V] fp32 kept at ``kept`` (ascending ids) and renormalised; zero elsewhere."""
     values = probs[kept]
-    total = np.float32(values.numpy().sum(dtype=np.float64))  # the kept mass, in id order
+    total = np.float64(0.0)
+    for value in values.numpy():  # the kept mass, one term after another in id order
+        total += np.float64(value)
+    total = np.float32(total)
     out = torch.zeros_like(probs)
     out[kept] = torch.from_numpy(values.numpy() / total)
     return out

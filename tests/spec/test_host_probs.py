@@ -98,6 +98,46 @@ def test_top_p_at_the_vocabulary_of_the_coder_pair():
             assert top_p_kept(row.numpy(), top_p).tolist() == reference_top_p_kept(row, top_p)
 
 
+def test_top_p_renormalises_as_the_reference_at_the_vocabulary_of_the_coder_pair():
+    logits = _rows("random", 9, num_rows=2, vocab=151_936) * 2.0
+    softmax = to_probs(logits, SamplingConfig(temperature=0.7))
+    probs = to_probs(logits, SamplingConfig(temperature=0.7, top_p=0.95, min_p=0.02))
+    for row in range(2):
+        after_top_p = reference_renormalised(
+            softmax[row], reference_top_p_kept(softmax[row], 0.95))
+        floor = np.float32(0.02) * after_top_p.max().numpy()
+        kept = (after_top_p >= torch.from_numpy(np.asarray(floor))).nonzero().reshape(-1)
+        assert torch.equal(probs[row], reference_renormalised(after_top_p, kept.tolist()))
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 151_936], ids=["all-rows", "row-by-row"])
+def test_a_rows_probabilities_do_not_depend_on_the_rows_beside_it(monkeypatch, vocab):
+    # a small vocabulary goes through the all-rows path, a large one row by row; either way a
+    # row's bits are those it gets alone, and those of the other path
+    import verispec.spec.host_probs as host
+
+    logits = _rows("ties", 10, num_rows=4, vocab=vocab) + _rows("random", 11, 4, vocab) * 0.01
+    sampling = SamplingConfig(temperature=0.7, top_k=vocab // 2, top_p=0.9, min_p=0.01)
+    together = to_probs(logits, sampling)
+    for row in range(4):
+        assert torch.equal(to_probs(logits[row:row + 1], sampling)[0], together[row])
+    monkeypatch.setattr(host, "_SMALL_VOCAB", 0 if vocab <= host._SMALL_VOCAB else 10**6)
+    assert torch.equal(to_probs(logits, sampling), together)
+
+
+def test_negative_control_a_sum_in_fp32_is_not_the_same_bits():
+    # the bit comparisons above resolve the renormalising sum's precision: the same kept values
+    # summed in fp32, in the same order, give other probabilities on some rows
+    softmax = to_probs(_rows("random", 12, num_rows=64), SamplingConfig(temperature=3.0))
+    differ = 0
+    for row in softmax:
+        kept = reference_top_p_kept(row, 0.99)
+        values = row[kept].numpy()
+        in_fp32 = values / np.cumsum(values, dtype=np.float32)[-1]
+        differ += not np.array_equal(in_fp32, reference_renormalised(row, kept)[kept].numpy())
+    assert differ > 0
+
+
 def test_ties_at_the_top_p_cut_go_to_the_lowest_ids():
     # ten tokens of 0.1: mass before each in id order 0, 0.1, 0.2, 0.3 (< 0.35), 0.4
     probs = to_probs(torch.zeros(10), SamplingConfig(top_p=0.35))

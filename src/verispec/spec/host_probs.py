@@ -16,9 +16,17 @@ the comparisons are IEEE operations that round the same in numpy and torch, so t
 probabilities are bit for bit the tensor path's (sampling._device_probs) wherever no
 renormalising sum is involved (temperature, top-k, a grammar's mask). Top-p keeps the set a
 stable sort of the whole row keeps (ties go to the lowest id), found from a candidate set
-(:func:`top_p_kept`); top-p and min-p renormalise by the kept mass summed in float64 in id
-order, a function of the row alone (torch's sum over one row is split across its threads, and
-its last bit depends on how many there are).
+(:func:`top_p_kept`); top-p and min-p renormalise by the kept mass summed in float64 one term
+after another in id order, a function of the row alone (torch's sum over one row is split
+across its threads, and its last bit depends on how many there are; numpy's pairwise sum groups
+terms by position, so zeros in between would change it).
+
+Rows of a small vocabulary (at most _SMALL_VOCAB) are processed together, a large one row by
+row: many rows of a few tokens (the statistical tests' fixture models, a batch on a small model)
+would otherwise pay Python's overhead per row, and one row of 151,936 tokens only gains from
+sorting candidates. Both give every row the same bits: a softmax row's arithmetic does not
+depend on the rows beside it, the whole-row sort keeps what the candidates keep, and a
+sequential sum is unchanged by the zeros of dropped tokens.
 
 Not here: the draws (sampling.py), the race (seeded.py).
 """
@@ -43,6 +51,8 @@ NON_FINITE_LOGITS = (
 # above top_p (each is off by at most a few units in the last place of 1, about 2e-7).
 _MASS_SLACK = 1e-4
 _ROUNDING_MARGIN = 1e-6
+# vocabularies up to this size are processed all rows at once (see the module docstring)
+_SMALL_VOCAB = 8192
 
 
 def host_probs(logits: torch.Tensor, sampling: SamplingConfig,
@@ -63,16 +73,13 @@ def host_probs(logits: torch.Tensor, sampling: SamplingConfig,
     tempered = _tempered(rows, maxima, sampling.temperature)  # [R, V]
     if sampling.top_k is not None and sampling.top_k < rows.shape[-1]:
         tempered = _top_k(tempered if tempered is not rows else rows.copy(), sampling.top_k)
-    probs = np.empty(rows.shape, dtype=np.float32)  # [R, V]
-    for row, out in zip(tempered, probs):  # one row a call: torch splits rows among threads
-        torch.softmax(torch.from_numpy(row), dim=-1, out=torch.from_numpy(out))
+    probs = _softmax(tempered)  # [R, V]
     if sampling.top_p is not None and sampling.top_p < 1.0:
-        for row in probs:
-            _keep_only(row, top_p_kept(row, sampling.top_p))
+        _renormalise(probs, _top_p_mask(probs, sampling.top_p))
     if sampling.min_p:
         # min-p last (Hugging Face's warper order): the most likely token always stays
-        for row in probs:
-            _keep_only(row, np.flatnonzero(row >= np.float32(sampling.min_p) * row.max()))
+        floors = np.float32(sampling.min_p) * probs.max(axis=-1)  # [R]
+        _renormalise(probs, probs >= floors[:, None])
     return torch.from_numpy(probs).reshape(logits.shape)
 
 
@@ -119,9 +126,37 @@ def _top_k(tempered: np.ndarray, top_k: int) -> np.ndarray:
     """Each row of tempered [R, V] with its logits below its k-th largest set to -inf (in
     place): the k-th largest value, not a choice among ties, so ties at it all stay."""
     cut = tempered.shape[-1] - top_k
-    for row in tempered:
-        row[row < np.partition(row, cut)[cut]] = -np.inf
+    kth = np.partition(tempered, cut, axis=-1)[:, cut]  # [R]
+    tempered[tempered < kth[:, None]] = -np.inf
     return tempered
+
+
+def _softmax(tempered: np.ndarray) -> np.ndarray:
+    """torch's softmax of each row of tempered [R, V] -> a new [R, V] fp32: all rows in one
+    call for a small vocabulary, else one row a call (torch splits rows among its threads)."""
+    if tempered.shape[-1] <= _SMALL_VOCAB:
+        return torch.softmax(torch.from_numpy(tempered), dim=-1).numpy()
+    probs = np.empty(tempered.shape, dtype=np.float32)
+    for row, out in zip(tempered, probs):
+        torch.softmax(torch.from_numpy(row), dim=-1, out=torch.from_numpy(out))
+    return probs
+
+
+def _top_p_mask(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """What top-p keeps in each row of probs [R, V] -> bool [R, V]: a stable sort of all rows
+    at once for a small vocabulary, else each row from its candidates (:func:`top_p_kept`)."""
+    mask = np.zeros(probs.shape, dtype=np.bool_)
+    if probs.shape[-1] > _SMALL_VOCAB:
+        for row, row_mask in zip(probs, mask):
+            row_mask[top_p_kept(row, top_p)] = True
+        return mask
+    order = np.argsort(-probs, axis=-1, kind="stable")  # [R, V] by prob, then id
+    sorted_probs = np.take_along_axis(probs, order, axis=-1)
+    cumulative = np.cumsum(sorted_probs, axis=-1, dtype=np.float64).astype(np.float32)
+    kept = cumulative - sorted_probs < np.float32(top_p)  # [R, V] in sorted order
+    kept[:, 0] = True
+    np.put_along_axis(mask, order, kept, axis=-1)
+    return mask
 
 
 def top_p_kept(probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -163,9 +198,9 @@ def _kept_from(probs: np.ndarray, candidates: np.ndarray, limit: np.float32,
     return np.sort(order[kept])
 
 
-def _keep_only(row: np.ndarray, kept: np.ndarray) -> None:
-    """row [V] fp32, in place: zero outside ``kept`` (ascending ids), and the kept entries
-    divided by their float64 sum in id order, rounded to fp32."""
-    values = row[kept]
-    row[:] = 0.0
-    row[kept] = values / np.float32(values.sum(dtype=np.float64))
+def _renormalise(probs: np.ndarray, kept: np.ndarray) -> None:
+    """probs [R, V] fp32, in place: zero where ``kept`` [R, V] bool is False, and the kept
+    entries divided by their float64 sum, one term after another in id order, in fp32."""
+    np.putmask(probs, ~kept, np.float32(0.0))
+    totals = np.cumsum(probs, axis=-1, dtype=np.float64)[:, -1].astype(np.float32)  # [R]
+    np.divide(probs, totals[:, None], out=probs)

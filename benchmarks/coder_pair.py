@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="exactly these cells (e.g. edits:greedy:4) instead of every "
                         "combination of --tasks, --temps and --clients")
     parser.add_argument("--max-tokens", type=int, default=96, help="per request (default 96)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every request runs to --max-tokens (llama-server and verispec "
+                             "both take ignore_eos): equal lengths, so a sampled cell compares "
+                             "the same amount of work although the servers' texts differ")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--llama-best", default="--spec-draft-n-max 3 --spec-draft-p-min 0",
@@ -147,9 +151,11 @@ def start(server: str, paths: dict[str, str], args) -> tuple[object, str]:
 
 
 def body(server: str, prompt_ids: list[int], temperature: float, seed: int,
-         max_tokens: int) -> dict:
+         max_tokens: int, ignore_eos: bool = False) -> dict:
     request = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature,
                "seed": seed}
+    if ignore_eos:  # every server emits max_tokens: sampled texts differ in length otherwise
+        request["ignore_eos"] = True
     if server in LLAMA:  # the full distribution, as verispec samples it
         request.update(top_k=0, top_p=1.0, min_p=0.0, cache_prompt=False)
     return request
@@ -199,7 +205,8 @@ def run_cell(server: str, url: str, prompts: list[list[int]], temperature: float
     def client_loop(index: int) -> None:
         with httpx.Client(timeout=900) as client:
             for p in jobs[index]:
-                request = body(server, prompts[p], temperature, args.seed + p, args.max_tokens)
+                request = body(server, prompts[p], temperature, args.seed + p, args.max_tokens,
+                               args.ignore_eos)
                 replies[index].append(complete(client, url, request))
 
     started = time.perf_counter()
@@ -292,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": command_line("coder_pair.py", argv), "max_tokens": args.max_tokens,
+            "ignore_eos": args.ignore_eos,
             "llama_best": args.llama_best}
     out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(

@@ -785,3 +785,31 @@ def test_goodput_policy_leaves_plain_rounds_only_for_a_clear_gain():
     assert chosen(0.55) == 0  # 1.03x: within the margin
     assert chosen(0.75) == 1  # 1.17x: clear
     assert DEFAULTS.plain_margin == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("catch_up_time", [0.0, 0.9], ids=["no-catch-up", "catch-up"])
+def test_probes_from_plain_rounds_are_priced_by_the_drafts_catch_up(catch_up_time):
+    # plain rounds of 88 ms win against a draft that costs 0.6 of the target per token at
+    # acceptance 0.5. Each probe from them makes the draft catch up on the rows' tokens since
+    # it last ran; a new request's whole prompt with them, 0.9 s here. Those probes may take
+    # probe_share (2%) of the plain rounds' time: one every 0.9 / (0.02 * 0.088) = 512 rounds
+    # at least. Control: probes whose catch-up costs nothing keep the doubling interval, at
+    # most plain_probe_backoff * probe_every = 256 rounds apart
+    config = GoodputPolicyConfig(min_num_draft_tokens=0, max_num_draft_tokens=4,
+                                 thin_probes=1)
+    policy, k, probes = config.build(0), 0, []
+    for round_index in range(2000):
+        if k == 0:
+            stats = RoundStats(0, (), (), 0.0, 0.088)
+        else:
+            probes.append(round_index)
+            stats = replace(_stats(k, 1, 0.5), draft_time=0.05 * k, target_time=0.13,
+                            catch_up_time=catch_up_time)
+        k = policy.next_num_draft_tokens(stats)
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
+    priced = math.ceil(0.9 / (config.probe_share * 0.088))
+    if catch_up_time:
+        assert len(probes) >= 3 and min(gaps[1:]) >= priced > 256
+    else:
+        assert max(gaps) <= config.plain_probe_backoff * config.probe_every < priced
+    assert policy.num_draft_tokens == 0

@@ -182,12 +182,20 @@ class Batch:
             row.cancel()
         self._keep([i for i, row in enumerate(self.rows) if row.id not in leaving])
 
+    def _catch_up(self) -> None:
+        """The draft feeds what plain rounds left it, timed apart for the scheduler."""
+        started = time.perf_counter()
+        self.proposer.catch_up()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.scheduler.draft_caught_up(time.perf_counter() - started)
+
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round over every row: [(row, its new tokens)]; rows that finish leave."""
         assert self.rows, "a round needs at least one row"
         plan = self.scheduler.plan(self.rows)
         if plan.catch_up:  # the tokens of plain rounds, before the round's clock starts
-            self.proposer.catch_up()
+            self._catch_up()
         captures = self._num_captured()
         started = time.perf_counter()
         faults: RowFaults = {}  # rows failing on faults of their own this round -> errors

@@ -46,6 +46,9 @@ class RoundStats:
         since the previous round, and those rows' max_new_tokens summed: a cost drafting pays
         per request, which a batch running plain rounds defers
         (scheduler.Scheduler.defers_draft).
+    catch_up_time: seconds the draft spent before this round feeding the tokens of the plain
+        rounds before it and the prompts deferred meanwhile (0 after a drafting round): what
+        leaving plain rounds costs, outside the round's own timings.
     timed: False when the round's timings measure a first use rather than a round: the batch
         had not yet run a round at this depth in this batch-size bucket, whose first call pays
         one-off costs (kernel and primitive set-up, first-touch memory), or its target pass
@@ -64,6 +67,7 @@ class RoundStats:
     join_time: float = 0.0
     join_tokens: int = 0
     timed: bool = True  # False: a first use (one-off costs), timings weigh first_use_weight
+    catch_up_time: float = 0.0
 
 
 class AdaptivePolicy:

@@ -91,6 +91,11 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     # good (dev/LOG.md, THIN_EVIDENCE)
     thin_evidence: float = 16.0
     thin_probes: int = 4
+    # probes from plain rounds take at most this share of the plain rounds' time: each makes
+    # the draft catch up on every row's tokens since it last ran, the prompts of rows that
+    # joined meanwhile included (RoundStats.catch_up_time), which for a draft that costs half
+    # the target per token is several plain rounds (dev/LOG.md, PROBE_SHARE)
+    probe_share: float = 0.02
     # the weight of a first use's timings (RoundStats.timed False): one-off costs must not
     # price the depth, yet a fresh policy needs some price (dev/LOG.md, FIRST_USE_WEIGHT)
     first_use_weight: float = 0.01
@@ -118,6 +123,10 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"{name}={value!r} is invalid: expected an integer >= 1.")
+        if isinstance(self.probe_share, bool) or not (isinstance(self.probe_share, (int, float))
+                                                       and 0.0 < self.probe_share <= 1.0):
+            raise ConfigError(f"probe_share={self.probe_share!r} is invalid: expected a number "
+                              "in (0, 1].")
         for name, low in (("plain_margin", 1.0), ("thin_evidence", 0.0),
                           ("first_use_weight", 0.0), ("outlier_cap", 1.0)):
             value = getattr(self, name)
@@ -163,6 +172,8 @@ class GoodputPolicy(AdaptivePolicy):
         self._join_tokens = 0.0  # the joined rows may emit (their max_new_tokens)
         self._num_rows = 1  # rows in the latest round
         self._num_drafting_probes = 0  # probes while drafting; every plain_reprobe-th is plain
+        self._catch_up_time = 0.0  # decayed per catch-up: the draft's seconds catching up
+        self._catch_ups = 0.0  # after plain rounds, and how many catch-ups they weigh
         if self.costs is not None:
             self._start_from_curve()
 
@@ -334,6 +345,9 @@ class GoodputPolicy(AdaptivePolicy):
         self._other_time = self._other_time * decay + weight * stats.other_time
         self._other_rounds = self._other_rounds * decay + weight
         self._num_rows = stats.num_rows
+        if stats.catch_up_time > 0:
+            self._catch_up_time = self._catch_up_time * decay + stats.catch_up_time
+            self._catch_ups = self._catch_ups * decay + 1.0
         if stats.join_tokens > 0:
             self._join_time = self._join_time * decay + stats.join_time
             self._join_tokens = self._join_tokens * decay + stats.join_tokens
@@ -354,11 +368,22 @@ class GoodputPolicy(AdaptivePolicy):
             return min(seconds, self.config.outlier_cap * total / count)
         return seconds
 
+    def _priced_plain_interval(self) -> int:
+        """The fewest plain rounds between probes for which the draft's catch-ups (their
+        decayed mean) stay within probe_share of those rounds' time; 0 before any catch-up."""
+        plain_cost = self._measured_costs()[1]
+        if self._catch_ups <= 0 or not plain_cost:
+            return 0
+        catch_up = self._catch_up_time / self._catch_ups
+        return math.ceil(catch_up / (self.config.probe_share * plain_cost))
+
     def _maybe_probe(self, best_k: int) -> int:
         """Every probe_every rounds (measured costs only), one round at best_k +- 1 (a policy
         that may choose plain rounds times one at its second round, and its first probe is
         one too until it has: k = 0); while best_k is 0, at intervals doubling up to
-        plain_probe_backoff * probe_every, except while the draft's acceptance rests on fewer
+        plain_probe_backoff * probe_every and never below what keeps the draft's catch-ups
+        within probe_share of the plain rounds' time, except while the draft's acceptance rests
+        on fewer
         than thin_evidence tested positions: then every probe_every rounds (thin_probes times
         at most), at the policy's first depth, so that each probe tests several positions (the
         model's own best depth is shallow then, as its acceptance estimate is)."""
@@ -378,11 +403,14 @@ class GoodputPolicy(AdaptivePolicy):
         self._num_drafting = self._num_drafting + 1 if best_k > 0 else 0
         if self._num_drafting >= every:  # drafting held: plain rounds are probed afresh
             self._probe_interval = every
-        if self._since_probe < self._probe_interval:
+        thin = (best_k == 0 and sum(self._reached) < self.config.thin_evidence
+                and self._thin_probes_left > 0)
+        interval = self._probe_interval if best_k > 0 or thin else max(
+            self._probe_interval, self._priced_plain_interval())
+        if self._since_probe < interval:
             return best_k
         self._since_probe = 0
-        thin = sum(self._reached) < self.config.thin_evidence
-        if best_k == 0 and thin and self._thin_probes_left:
+        if thin:
             self._thin_probes_left -= 1
             return self._first_k
         if best_k == 0:

@@ -102,6 +102,7 @@ class Scheduler:
         self._joins_ride = False
         self._join_time = 0.0  # the draft's prefill of rows joining since the last round
         self._join_tokens = 0  # and those rows' max_new_tokens (RoundStats.join_time)
+        self._catch_up_time = 0.0  # the draft's catch-up before this round (RoundStats)
         # (batch-size bucket, depth) of the rounds run: the first round of each reaches the
         # policy with timed=False, and its timings weigh first_use_weight: a first round pays
         # one-off costs that, priced in full, hold a policy in plain rounds where drafting pays.
@@ -131,6 +132,12 @@ class Scheduler:
         (their max_new_tokens): the policy prices it as a cost of drafting."""
         self._join_time += seconds
         self._join_tokens += num_tokens
+
+    def draft_caught_up(self, seconds: float) -> None:
+        """The draft fed plain rounds' tokens and deferred prompts in ``seconds`` before the
+        round now planned (RoundPlan.catch_up): the policy prices its probes from plain rounds
+        by it."""
+        self._catch_up_time += seconds
 
     # --- rounds -----------------------------------------------------------------------------
 
@@ -173,11 +180,11 @@ class Scheduler:
             other_time = times["wall_time"] - times["draft_time"] - times["target_time"]
             stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times["draft_time"],
                                times["target_time"], other_time, draft_timed, num_rows,
-                               self._join_time, self._join_tokens, timed)
+                               self._join_time, self._join_tokens, timed, self._catch_up_time)
             self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
             if self.config is not None and self.config.carry_over and self.carried is not None:
                 self.carried[self._carry_key(bucket)] = policy
-        self._join_time, self._join_tokens = 0.0, 0
+        self._join_time, self._join_tokens, self._catch_up_time = 0.0, 0, 0.0
 
     def _measuring(self, policy: AdaptivePolicy | None, policy_k: int | None,
                    num_rows: int) -> bool:

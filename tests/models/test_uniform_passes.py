@@ -238,9 +238,9 @@ def test_coder_target_without_uniform_passes_gives_other_bits_and_with_them_the_
     assert all(bits_equal(logits[True, 8], logits[True, 2]))
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_coder_greedy_speculative_equals_plain_with_uniform_passes(coder, k):
-    assert_equals_plain(coder, coder["draft"], k)
+def test_coder_greedy_speculative_equals_plain_with_uniform_passes(coder):
+    # k = 3 fills the 4-token pass; the padding of shorter passes is tested on the tiny model
+    assert_equals_plain(coder, coder["draft"], 3)
 
 
 def test_coder_greedy_hybrid_equals_plain_with_uniform_passes(coder):

@@ -11,10 +11,11 @@ implement; policy.named_policy builds either by name:
 
 Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
 one generation, so by default no state passes between requests. With ``carry_over=True`` the
-engine hands ``build`` the policy of the previous generation on the same decoder (same policy
-config, sampling settings and batch size) and the new one starts from a copy of what that one had
-learned: a short request then runs at the learned depth from its first round instead of spending
-its rounds on the priors. Policies never change the output law: any k gives exact samples; they
+engine hands ``build`` the latest policy of the same config and batch-size bucket on the same
+decoder (keyed by (config, bucket): scheduler.Scheduler._carry_key; the rows' sampling settings
+are not part of the key), and the new one starts from a copy of what that one had learned: a
+short request then runs at the learned depth from its first round instead of spending its
+rounds on the priors. Policies never change the output law: any k gives exact samples; they
 only change speed, and never what a seed gives: a seeded row's tokens are its target's samples
 on clocks keyed by position (spec/seeded.py), whatever k each round has.
 """

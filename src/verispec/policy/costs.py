@@ -153,7 +153,7 @@ def faded(total: float, count: float, decay: float) -> tuple[float, float]:
     rounds after its last probe (0.9^200), its model goes back to a flat T(k) = T(0), and it
     drafts deep rounds for a promised gain that costly rounds, a catch-up and rows out of step
     take back. Held at one round's weight, the next probe still counts as much as everything
-    before it. Weights below one (first uses alone, first_use_weight) fade out as before: a
+    before it. Weights below one (first uses alone, first_use_weight) fade out as any do: a
     bucket's cold first round would otherwise set its T(k) slope alone for good and hold it in
     plain rounds where drafting pays (dev/LOG.md: goodput._faded)."""
     if count < 1.0:

@@ -76,13 +76,14 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     # how far the probe interval stretches while plain rounds stay the best, in probe_every's
     plain_probe_backoff: int = 16
     # while drafting, every this many probes one is a plain round, so that T(0) is measured
-    # afresh: measured once, one slow plain round priced plain rounds for good, and a server
-    # drafted through rounds that cost what plain ones do (dev/LOG.md, PLAIN_REPROBE)
+    # afresh: measured once, one slow plain round would price plain rounds for good, and a
+    # server would draft through rounds that cost what plain ones do (dev/LOG.md, PLAIN_REPROBE)
     plain_reprobe: int = 3
     # how much more goodput than plain rounds drafting must promise to be chosen over them: a
     # round that drafts after plain ones first makes the draft catch up on their tokens, and
-    # on the rows that joined meanwhile, outside the priced round; a near tie taken whenever
-    # drafting came out ahead lost to plain rounds (dev/LOG.md, PLAIN_MARGIN)
+    # on the rows that joined meanwhile, outside the priced round, so a near tie is no reason
+    # to draft: drafting whenever it comes out ahead loses to plain rounds (dev/LOG.md,
+    # PLAIN_MARGIN)
     plain_margin: float = 1.1
     # a policy in plain rounds whose acceptance rests on fewer tested positions than this
     # (decayed sums) probes at its first depth every probe_every rounds, without backing off,
@@ -317,7 +318,7 @@ class GoodputPolicy(AdaptivePolicy):
     def _observe(self, stats: RoundStats) -> None:
         decay = self.config.decay
         if stats.num_draft_tokens > 0:  # a plain round tests nothing: the rates stand as they
-            # were (forgetting them there drew them to the prior, which could hold k at 0)
+            # are (forgetting them there would draw them to the prior, which can hold k at 0)
             self._reached = [r * decay for r in self._reached]
             self._accepted = [a * decay for a in self._accepted]
         for i, (reached, accepted) in enumerate(zip(stats.num_reached, stats.num_accepted_at)):

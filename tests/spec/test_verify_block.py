@@ -14,7 +14,9 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -567,3 +569,15 @@ def test_bad_inputs_raise_typed_errors():
                       lambda: block_weights(draft_tokens, zero_at_draft, target_probs)):
         with pytest.raises(DraftContractError):
             verify_fn()
+
+
+def test_point_mass_error_names_a_function_that_exists():
+    # the error sends the caller to the token-wise rule: the dotted name it gives must import
+    draft_tokens, _, target_probs = _random_batch(2, 2)
+    with pytest.raises(UnsupportedFeatureError) as raised:
+        verify_block_rows(draft_tokens, None, target_probs, make_generator(0))
+    names = re.findall(r"verispec(?:\.\w+)+", str(raised.value))
+    assert names, str(raised.value)
+    for name in names:
+        module, attribute = name.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), attribute), name

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config import is_number
 from ..errors import ConfigError
 
 # the deepest k a measured curve covers (a target pass over CURVE_DEPTH + 1 tokens); deeper, T
@@ -43,9 +44,7 @@ class CostCurve:
 
     def __post_init__(self) -> None:
         values = self.target_pass + (() if self.draft_step is None else (self.draft_step,))
-        if not self.target_pass or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-                for v in values):
+        if not self.target_pass or not all(is_number(v) and 0 < v < math.inf for v in values):
             raise ConfigError(f"CostCurve(target_pass={self.target_pass!r}, draft_step="
                               f"{self.draft_step!r}) is invalid: expected at least one target "
                               "pass and every cost a finite number of seconds > 0.")

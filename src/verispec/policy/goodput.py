@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import ConfigError
+from ..config import check_int, check_number
 from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
 from .costs import CostCurve, faded, piecewise, priced_rounds
 
@@ -108,31 +108,19 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cost_ratio is not None and not (0 < self.cost_ratio < math.inf):
-            raise ConfigError(f"cost_ratio={self.cost_ratio!r} is invalid: expected a finite "
-                              "number > 0, or None to measure it.")
-        if not 0.0 < self.decay <= 1.0:
-            raise ConfigError(f"decay={self.decay!r} is invalid: expected 0 < decay <= 1.")
-        if not (0.0 <= self.prior_acceptance <= 1.0 and 0.0 <= self.prior_weight < math.inf):
-            raise ConfigError(f"prior_acceptance={self.prior_acceptance!r} must be in [0, 1] and "
-                              f"prior_weight={self.prior_weight!r} >= 0.")
-        if isinstance(self.probe_every, bool) or not (isinstance(self.probe_every, int)
-                                                      and self.probe_every >= 0):
-            raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
-                              ">= 0 (0 never probes).")
+        if self.cost_ratio is not None:
+            check_number("cost_ratio", self.cost_ratio, 0, math.inf, low_open=True,
+                         note=", or None to measure it")
+        check_number("decay", self.decay, 0, 1, low_open=True)
+        check_number("prior_acceptance", self.prior_acceptance, 0, 1)
+        check_number("prior_weight", self.prior_weight, 0, math.inf)
+        check_int("probe_every", self.probe_every, 0, note=" (0 never probes)")
         for name in ("plain_probe_backoff", "plain_reprobe", "thin_probes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name}={value!r} is invalid: expected an integer >= 1.")
-        if isinstance(self.probe_share, bool) or not (isinstance(self.probe_share, (int, float))
-                                                       and 0.0 < self.probe_share <= 1.0):
-            raise ConfigError(f"probe_share={self.probe_share!r} is invalid: expected a number "
-                              "in (0, 1].")
+            check_int(name, getattr(self, name), 1)
+        check_number("probe_share", self.probe_share, 0, 1, low_open=True)
         for name, low in (("plain_margin", 1.0), ("thin_evidence", 0.0),
                           ("first_use_weight", 0.0), ("outlier_cap", 1.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= low):
-                raise ConfigError(f"{name}={value!r} is invalid: expected a number >= {low}.")
+            check_number(name, getattr(self, name), low)
 
     def build(self, initial_num_draft_tokens: int, previous: AdaptivePolicy | None = None,
               costs: CostCurve | None = None) -> AdaptivePolicy:

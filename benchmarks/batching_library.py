@@ -32,7 +32,7 @@ import verispec
 from verispec.text.demo import heldout_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import command_line, machine  # noqa: E402
+from common import command_line, machine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

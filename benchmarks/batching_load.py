@@ -39,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
+from common import (
     MODES,
     command_line,
     first_difference,

@@ -139,7 +139,7 @@ def start(server: str, paths: dict[str, str], args) -> tuple[object, str]:
                "--max-tokens-limit", "1024", "--max-batch-size", "4",
                *[a.format(**paths) for a in VERISPEC[server]], *args.verispec_arg]
     # open for the server's life: the log stays on disk for a failed run's reading
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"{server}-", suffix=".log",  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{server}-", suffix=".log",
                                       delete=False)
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
                                stderr=subprocess.STDOUT, text=True)

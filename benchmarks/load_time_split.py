@@ -38,7 +38,7 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
+from common import (
     MODES,
     machine,
     pass_rate,

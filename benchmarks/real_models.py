@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, TASKS, command_line, free_port, machine, wait_until_healthy  # noqa: E402
+from common import MODELS, TASKS, command_line, free_port, machine, wait_until_healthy
 
 SERVERS = ("llama-plain", "llama-ngram-simple", "llama-ngram-mod", "verispec-plain",
            "verispec-ngram")

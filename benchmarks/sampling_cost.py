@@ -19,9 +19,9 @@ import json
 import time
 from pathlib import Path
 
-from common import command_line, machine
-
 import verispec
+
+from common import command_line, machine
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):",
            "import os\nimport sys\n", "# read the config file\nwith open(",
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     decoder = verispec.load(args.target, args.draft, backend=args.backend)
     decoder.generate(PROMPTS[:2], max_new_tokens=8, logprobs=5, frequency_penalty=0.5)  # warm
-    header = (f"| T | decoding | setting | tok/s | vs nothing | acceptance |\n"
+    header = ("| T | decoding | setting | tok/s | vs nothing | acceptance |\n"
               "|---|---|---|---|---|---|")
     lines, cells = [header], []
     for temperature in (0.0, 0.8):

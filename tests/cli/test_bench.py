@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_untied_pair
 
 from verispec import cli
 from verispec.spec.theory import theoretical_speedup
+
+from tiny_models import save_untied_pair
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -16,14 +16,14 @@ import torch
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.policy.base import AdaptivePolicy
 from verispec.engine.batch import fill_from_the_end
-from verispec.policy.scheduler import policy_evidence
-from verispec.text.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
 from verispec.models.hf.adapter import TransformersLM
+from verispec.policy.base import AdaptivePolicy
+from verispec.policy.scheduler import policy_evidence
 from verispec.spec.sampling import make_generator
+from verispec.text.demo import heldout_prompts
 
 from injected_rules import _accept_all, _residual, _rule_verify, inject_verify
 from law_checks import (

@@ -29,7 +29,6 @@ from verispec import (
     make_generator,
     verify,
 )
-
 from verispec.config import check_bool, check_int, check_number
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -53,9 +53,9 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
+    cli,
     make_generator,
 )
-from verispec import cli
 from verispec.policy import named_policy
 from verispec.text.demo import heldout_prompts
 

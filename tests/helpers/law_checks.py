@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
 from verispec import (
     FixedDistributionLM,
@@ -29,6 +28,8 @@ from verispec import (
     SpeculativeDecoder,
     make_generator,
 )
+
+from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
 VOCAB_SIZE = 8
 PROMPT = [3, 5]
@@ -111,7 +112,7 @@ PAIR_NAMES = ("equal", "disjoint", "one_hot_draft", "draft_zero_where_target_pos
               "reversed", "argmax_draft", "top_k", "top_p", "markov1_zeros", "markov2_zeros")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair(name: str) -> Pair:
     return _build_pair(name)
 

@@ -21,12 +21,13 @@ import random
 
 import pytest
 import torch
-from arch_specs import REFUSED, SUPPORTED, VOCAB_SIZE, WINDOW, Arch, Refused
-from tiny_models import build_tokenizer, save_model
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, UnsupportedModelError
 from verispec.models.hf.adapter import TransformersLM
+
+from arch_specs import REFUSED, SUPPORTED, VOCAB_SIZE, WINDOW, Arch, Refused
+from tiny_models import build_tokenizer, save_model
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -17,9 +17,9 @@ import torch
 import verispec
 from verispec import cli
 from verispec.errors import ModelLoadError
+from verispec.models.gguf_export import save_gguf
 from verispec.server import ServerSettings, create_app
 
-from verispec.models.gguf_export import save_gguf
 from live_server import ServerThread
 from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 

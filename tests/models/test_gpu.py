@@ -24,14 +24,11 @@ import json
 
 import pytest
 import torch
-from fast_llama_pair import check_logits_after_random_extend_and_rewind
-from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.bench.run import BenchSettings, run_bench
 from verispec.cli import main
-from verispec.text.demo import heldout_prompts
 from verispec.errors import IncompatibleModelsError, ShapeError
 from verispec.models.fast_llama.model import FastLlamaLM
 from verispec.models.hf.adapter import TransformersLM
@@ -39,6 +36,10 @@ from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.spec.rejection import verify, verify_with_randomness
+from verispec.text.demo import heldout_prompts
+
+from fast_llama_pair import check_logits_after_random_extend_and_rewind
+from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -22,10 +22,6 @@ import llama_cpp
 import numpy as np
 import pytest
 import torch
-from helpers_stats import first_two_in_runs, g_test, pair_counts
-from injected_rules import accept_every_draft_token, inject_verify
-from real_law import truncation_margin
-from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 import verispec
 from verispec import (
@@ -35,7 +31,6 @@ from verispec import (
     cli,
     to_probs,
 )
-from verispec.text.demo import demo_pair, heldout_prompts
 from verispec.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -45,8 +40,13 @@ from verispec.errors import (
 )
 from verispec.models.gguf_export import export_gguf, save_gguf
 from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
-from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import lookup_named
+from verispec.text.demo import demo_pair, heldout_prompts
+
+from helpers_stats import first_two_in_runs, g_test, pair_counts
+from injected_rules import accept_every_draft_token, inject_verify
+from real_law import truncation_margin
+from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 PROMPT = [3, 17, 5]
 NUM_SAMPLES = 20_000
@@ -580,9 +580,10 @@ def test_cli_export_and_generate_on_llama_cpp(tmp_path, capsys):
 def test_server_serves_the_llama_cpp_backend(tiny):
     import httpx
 
-    from live_server import ServerThread
     from verispec.server import ServerSettings, create_app
     from verispec.server.run import load_decoder
+
+    from live_server import ServerThread
 
     settings = ServerSettings(target=tiny["target"], draft=tiny["draft"], backend="llama.cpp",
                               port=0)
@@ -609,9 +610,10 @@ def test_chat_on_a_gguf_model_with_a_template_answers_with_the_templates_prompt(
     # the chat route encodes the rendered template with add_special_tokens=False; the GGUF
     # tokenizer did not take that argument, and every chat request on such a model was a 500
     from openai import OpenAI
-    from live_server import ServerThread
 
     from verispec.server import ServerSettings, create_app
+
+    from live_server import ServerThread
 
     tokenizer = build_tokenizer(vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE

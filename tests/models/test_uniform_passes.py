@@ -23,7 +23,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import build_tokenizer, untied_llama
 
 import verispec
 from verispec import cli
@@ -39,6 +38,8 @@ from verispec.models.llama_cpp.model import (
 )
 from verispec.server import ServerSettings
 from verispec.server.run import load_decoder
+
+from tiny_models import build_tokenizer, untied_llama
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 CODE_PROMPTS = [

@@ -11,9 +11,6 @@ from __future__ import annotations
 import pytest
 
 import verispec
-from law_checks import VOCAB_SIZE
-from tiny_models import save_untied_pair
-from verispec.proposers.base import DraftPlan
 from verispec import (
     GenerationConfig,
     MarkovLM,
@@ -25,6 +22,10 @@ from verispec import (
     make_generator,
 )
 from verispec.errors import ConfigError
+from verispec.proposers.base import DraftPlan
+
+from law_checks import VOCAB_SIZE
+from tiny_models import save_untied_pair
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -24,16 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
-from live_server import ServerThread, wait_for
-from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 import verispec
 from verispec import cli
 from verispec.errors import ConfigError
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import bind_address
+
+from live_server import ServerThread, wait_for
+from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

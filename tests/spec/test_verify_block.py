@@ -21,7 +21,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test
 
 from verispec import (
     ConfigError,
@@ -41,6 +40,8 @@ from verispec.spec.block import (
     verify_block_with_randomness,
 )
 from verispec.spec.result import PAD_TOKEN
+
+from helpers_stats import g_test
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -21,8 +21,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verispec import ModelLoadError, VerispecError
-from verispec.text.demo import (DemoAssetsMissingError, DemoPair, demo_dir, demo_pair,
-                                heldout_prompts)
+from verispec.text.demo import (
+    DemoAssetsMissingError,
+    DemoPair,
+    demo_dir,
+    demo_pair,
+    heldout_prompts,
+)
 
 SEQ_LEN = 256
 # never in the training data (see assets/demo/README.md)

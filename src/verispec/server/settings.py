@@ -15,8 +15,16 @@ import argparse
 from dataclasses import Field, dataclass, field, fields
 from os import PathLike
 
-from ..config import (COST_CURVE_MODES, HYBRID_LOOKUPS, MAX_NUM_DRAFT_TOKENS, REPACK_MODES,
-                      VERIFICATION_RULES, check_draft_p_min, check_int, require)
+from ..config import (
+    COST_CURVE_MODES,
+    HYBRID_LOOKUPS,
+    MAX_NUM_DRAFT_TOKENS,
+    REPACK_MODES,
+    VERIFICATION_RULES,
+    check_draft_p_min,
+    check_int,
+    require,
+)
 from ..errors import ConfigError
 from ..policy import POLICY_NAMES
 

@@ -37,8 +37,6 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import DraftContractError, ShapeError
-from .sampling import generator_groups, sample_with_host_uniforms, sample_with_uniform
-from .result import VerifyResult, assemble_output, assemble_rows, result_from_rows
 from .checks import (
     check_draft_tokens,
     check_generator,
@@ -47,6 +45,8 @@ from .checks import (
     proposed_mask,
     raise_out_of_range,
 )
+from .result import VerifyResult, assemble_output, assemble_rows, result_from_rows
+from .sampling import generator_groups, sample_with_host_uniforms, sample_with_uniform
 
 _DRAFT_GAVE_ZERO = (
     "the draft proposed a token to which its own reported distribution gives probability 0; "

@@ -14,8 +14,8 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
-from ...errors import ConfigError
 from ...config import require
+from ...errors import ConfigError
 from ..settings import ServerSettings, _setting, add_field_argument, check_kinds
 
 # Ray's own defaults (AutoscalingConfig): kept when the flags are not given

@@ -62,8 +62,8 @@ from common import (
 )
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-LLAMA = {"llama-plain": [], "llama-draft": ["-md", "{draft}"], "llama-draft-best": ["-md", "{draft}"],
-         "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
+LLAMA = {"llama-plain": [], "llama-draft": ["-md", "{draft}"],
+         "llama-draft-best": ["-md", "{draft}"], "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
 VERISPEC = {"verispec-plain": ["--no-draft"], "verispec-draft": ["--draft", "{draft}"],
             "verispec-draft-carry": ["--draft", "{draft}", "--carry-over"],
             "verispec-hybrid": ["--draft", "{draft}", "--hybrid"],

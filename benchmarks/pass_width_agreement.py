@@ -88,7 +88,7 @@ def run_mode(uniform: bool, args: argparse.Namespace) -> dict[str, list[dict]]:
         del decoder
         gc.collect()
     plain = results["plain"]
-    for name, per_prompt in results.items():
+    for per_prompt in results.values():
         for reference, result in zip(plain, per_prompt):
             result["first_difference"] = first_difference(result["token_ids"],
                                                           reference["token_ids"])

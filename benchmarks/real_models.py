@@ -224,7 +224,7 @@ def markdown(rows: list[dict]) -> str:
                        r["server"].startswith("llama") and temp == "t0.7-seeded"
                        and r["temp"] == "t0.7"))}
 
-            def rate(server: str) -> float | None:
+            def rate(server: str, got: dict = got) -> float | None:
                 return got[server]["tok_s"] if server in got else None
 
             def ratio(a: float | None, b: float | None) -> str:

@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/sampling_cost.py   # writes results/sampling_cost.{json,md}
     .venv/bin/python benchmarks/sampling_cost.py --target build/demo-gguf/target.gguf \\
-        --draft build/demo-gguf/draft.gguf --backend llama.cpp --json results/sampling_cost_llama_cpp.json
+        --draft build/demo-gguf/draft.gguf --backend llama.cpp \\
+        --json results/sampling_cost_llama_cpp.json
 
-The same prompts, one request at a time, greedy and sampled (T = 0.8, seeded), plain and speculative (the decoder's
-default k, fixed), under four settings: nothing, logprobs=5 (each token's logprob and its 5
-most likely alternatives), frequency_penalty=0.5, and both. Reports tokens/s, the ratio of
+The same prompts, one request at a time, greedy and sampled (T = 0.8, seeded), plain and speculative
+(the decoder's default k, fixed), under four settings: nothing, logprobs=5 (each token's logprob and
+its 5 most likely alternatives), frequency_penalty=0.5, and both. Reports tokens/s, the ratio of
 each setting to "nothing" within the same decoding, and acceptance. Each cell is the median of
 --repeats interleaved repetitions; ratios are within this run. Runs generate max_new_tokens
 (ignore_eos), so every cell decodes the same number of tokens.

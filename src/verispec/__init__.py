@@ -76,6 +76,7 @@ __all__ = [
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal", "SuffixDraft", "SuffixProposer", "ChatTemplateMissing",
     "make_generator", "sample", "to_probs", "to_logprobs", "greedy_tokens", "verify", "verify_rows",
-    "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
+    "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens",
+    "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

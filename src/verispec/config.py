@@ -227,10 +227,10 @@ class GenerationConfig:
     logprobs: None, or how many alternatives (0 to 20) each emitted token's logprob comes with
         (engine/rows.py TokenLogprob: of the distribution the token was drawn from).
     verification: how an unseeded sampled row tests a draft model's tokens: "block" (block
-        verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average) or
-        "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
-        (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a
-        draft token while it is the target's own sample at its position (spec/seeded.py).
+        verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average)
+        or "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
+        (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a draft
+        token while it is the target's own sample at its position (spec/seeded.py).
     """
 
     max_new_tokens: int = 64

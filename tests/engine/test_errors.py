@@ -247,7 +247,8 @@ def test_vocabulary_mismatch_at_construction():
 
 def test_a_draft_on_another_device_is_refused_at_construction():
     target, draft = _markov(0), _markov(1)
-    draft.device = torch.device("meta")  # any device but the target's (tests/models/test_gpu.py: cuda)
+    # any device but the target's (tests/models/test_gpu.py: cuda)
+    draft.device = torch.device("meta")
     with pytest.raises(IncompatibleModelsError,
                        match="draft is on meta but the target on cpu.*same device="):
         SpeculativeDecoder.from_draft_model(target, draft)
@@ -301,7 +302,8 @@ def test_verify_shape_mismatches(target_shape, draft_shape, fragment):
      "temperature=nan is invalid: expected a number in [0, 10000]."),
     (lambda: check_number("cost_ratio", math.inf, 0, math.inf, low_open=True),
      "cost_ratio=inf is invalid: expected a finite number > 0."),
-    (lambda: check_number("margin", False, 1.0), "margin=False is invalid: expected a number >= 1."),
+    (lambda: check_number("margin", False, 1.0),
+     "margin=False is invalid: expected a number >= 1."),
     (lambda: check_bool("carry_over", 1), "carry_over=1 is invalid: expected True or False."),
 ])
 def test_shared_checks_name_the_field_the_value_and_the_range(check, expected):

@@ -217,7 +217,7 @@ def _proposer_law(target, proposer, k: int, temperature: float, seed: int,
 
 def _assert_control_rejected(tag: str, results: list) -> None:
     """A broken rule's (x1, x2) G-test must fail far beyond chance (p < CONTROL_ALPHA)."""
-    print(f"PVALUE control {tag}: " + "; ".join(f"{l} {r}" for l, r in results))
+    print(f"PVALUE control {tag}: " + "; ".join(f"{label} {r}" for label, r in results))
     assert results[0][1].p_value < CONTROL_ALPHA, (
         f"the G-test failed to reject {tag}: {results[0][1]}")
 

@@ -65,7 +65,7 @@ def test_segments_by_length_reads_the_fewest_key_rows():
                                 generator=generator).tolist()
         call_rows = float(torch.randint(0, 200, (1,), generator=generator))
 
-        def cost(segments):
+        def cost(segments, call_rows=call_rows):
             return sum((stop - first) * num_keys + call_rows for first, stop, num_keys in segments)
 
         found = segments_by_length(lengths, call_rows)

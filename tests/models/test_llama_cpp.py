@@ -396,9 +396,10 @@ def test_chained_hybrid_with_a_confidence_stop_on_llama_cpp(tiny, lookup):
     assert sum(o.metrics.num_drafted for o in outs) > 0
 
 
-# --- sampling losslessness -------------------------------------------------------------------------
+# --- sampling losslessness ------------------------------------------------------------------------
 
-def _exact_first_two_law(lm: LlamaCppLM, sampling: SamplingConfig) -> tuple[np.ndarray, torch.Tensor]:
+def _exact_first_two_law(lm: LlamaCppLM, sampling: SamplingConfig
+                         ) -> tuple[np.ndarray, torch.Tensor]:
     """P(x1, x2) enumerated from llama.cpp's logits: after PROMPT, and after PROMPT + [x1] for
     every x1. -> law [V, V] float64, and the logits [1 + V, V] it came from."""
     vocab = lm.vocab_size
@@ -477,7 +478,7 @@ def test_negative_control_is_rejected_on_llama_cpp(tiny, tiny_engine, monkeypatc
     assert result.p_value < CONTROL_P_THRESHOLD, result
 
 
-# --- ignore_eos and min_new_tokens -----------------------------------------------------------------
+# --- ignore_eos and min_new_tokens ----------------------------------------------------------------
 
 def test_min_new_tokens_and_ignore_eos_keep_greedy_exact(tiny):
     """min_new_tokens masks the stop tokens in the target's distribution only; speculative and
@@ -494,7 +495,7 @@ def test_min_new_tokens_and_ignore_eos_keep_greedy_exact(tiny):
                 assert eos not in spec.token_ids
 
 
-# --- errors ------------------------------------------------------------------------------------------
+# --- errors ---------------------------------------------------------------------------------------
 
 def test_missing_and_corrupt_files_are_typed_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
@@ -562,7 +563,7 @@ def test_missing_extra_names_it(monkeypatch, tiny):
         verispec.load(tiny["target"], backend="llama.cpp")
 
 
-# --- entry points ----------------------------------------------------------------------------------
+# --- entry points ---------------------------------------------------------------------------------
 
 def test_cli_export_and_generate_on_llama_cpp(tmp_path, capsys):
     out = tmp_path / "draft.gguf"

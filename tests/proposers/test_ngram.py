@@ -32,8 +32,8 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 GREEDY = SamplingConfig(temperature=0)
 
 
-def _session(prompts, config=NgramDraft()):
-    return NgramProposer(100, config).start(prompts)
+def _session(prompts, config=None):
+    return NgramProposer(100, config or NgramDraft()).start(prompts)
 
 
 def _proposed(session, k):

@@ -440,7 +440,7 @@ def _sampled_counts(kind: str, vocab_size: int, k: int, seed: int, num_rows: int
     draft, target = _tables(kind, vocab_size, k, seed)
     gen = make_generator(seed + 1000)
     blocks = [[] for _ in range(num_rows)]
-    for i in range(k):  # draw the draft blocks position by position
+    for _ in range(k):  # draw the draft blocks position by position
         probs = torch.stack([draft[tuple(b)] for b in blocks]).float()
         for b, token in zip(blocks, torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()):
             b.append(token)

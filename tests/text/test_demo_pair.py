@@ -1,4 +1,5 @@
-"""The shipped demo draft/target pair: loadable offline, compatible, and the target is the better LM.
+"""The shipped demo draft/target pair: loadable offline, compatible, and the target is the better
+LM.
 
 Runs in a few seconds on CPU; needs HF_HUB_OFFLINE-safe local loading only.
 """

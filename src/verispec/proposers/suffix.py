@@ -17,9 +17,9 @@ Language Model Inference". Per row and round:
      matched context's occurrences still on the path continue with (ties: the most recent),
      up to min(k_b, ``max_depth``, the row's budget, floor(m * ``factor``)) tokens (the
      paper's adaptive length alpha * p: a longer match earns a deeper draft; the budget starts
-     at ``first_depth`` and doubles while whole drafts are kept), and stop before a token that fewer than
-     ``min_confidence`` of the context's occurrences continue with (the paper's path score: the
-     product of the continuation frequencies along it).
+     at ``first_depth`` and doubles while whole drafts are kept), and stop before a token that
+     fewer than ``min_confidence`` of the context's occurrences continue with (the paper's path
+     score: the product of the continuation frequencies along it).
 
 What it is not: a literal suffix tree. Each source (a row, the pool) keeps, for a few suffix
 lengths L (min_match, 2 min_match, 4 min_match, ... and max_match), the latest end position of

@@ -163,9 +163,9 @@ class ServerSettings:
                                     "threshold follows acceptance, fixed keeps --k (default: "
                                     "goodput-plain with a draft: a fixed k that pays for one "
                                     "client costs throughput under load; with --ngram it sets k "
-                                    "in batches only, a lone request drafting by its match). No policy changes "
-                                    "what a seed gives: a seeded request's text is the same at "
-                                    "any depth",
+                                    "in batches only, a lone request drafting by its match). No "
+                                    "policy changes what a seed gives: a seeded request's text is "
+                                    "the same at any depth",
                                     choices=POLICY_NAMES + ("fixed",), value_type=str)
     verification: str = _setting(VERIFICATION_RULES[0], "how an unseeded sampled request tests "
                                  "a draft model's tokens: block (block verification) or token "
@@ -320,7 +320,8 @@ def add_field_argument(group, f: Field) -> None:
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "hybrid_lookup",
                            "hybrid_chain", "draft_p_min", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "uniform_passes", "num_draft_tokens", "adaptive",
+                           "device", "dtype", "backend", "no_cuda_graphs", "context_size",
+                           "repack", "uniform_passes", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 

@@ -346,7 +346,8 @@ def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # length of the accepted prefix [B]
     all_accepted = num_accepted == num_draft
 
-    # 2. The next token: residual at the first rejection, or the bonus distribution after position n.
+    # 2. The next token: residual at the first rejection, or the bonus distribution after
+    # position n.
     next_target = _row_at(target_probs, num_accepted)  # [B, V]
     first_rejected = num_accepted.clamp(max=max_k - 1)
     if draft_probs is None:

@@ -47,7 +47,7 @@ from verispec.models.llama_cpp.session import LlamaCppSession
 from verispec.spec.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     CHAT_PROMPTS,
     chat_template,
     command_line,

@@ -3,9 +3,10 @@
 The public surface is re-exported here; nothing runs at import time.
 """
 
-from .policy.threshold import ThresholdPolicyConfig
 from .config import GenerationConfig, PenaltyConfig, SamplingConfig
 from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
+from .engine.metrics import GenerationMetrics
+from .engine.rows import TokenLogprob
 from .errors import (
     BackendError,
     ConfigError,
@@ -23,20 +24,27 @@ from .errors import (
     UnsupportedModelError,
     VerispecError,
 )
-from .spec.theory import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
-from .policy.goodput import GoodputPolicyConfig
-from .engine.metrics import GenerationMetrics
-from .engine.rows import TokenLogprob
 from .models import FixedDistributionLM, MarkovLM
+
 # llama_cpp itself is imported when a model loads
 from .models.llama_cpp.model import LlamaCppConfig
-from .proposers import (DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal,
-                        SuffixDraft, SuffixProposer)
-from .spec.sampling import greedy_tokens, make_generator, sample, to_logprobs, to_probs
-from .spec.rejection import verify, verify_rows
-from .spec.result import VerifyResult
+from .policy.goodput import GoodputPolicyConfig
+from .policy.threshold import ThresholdPolicyConfig
+from .proposers import (
+    DraftModelProposer,
+    HybridProposer,
+    NgramDraft,
+    NgramProposer,
+    Proposal,
+    SuffixDraft,
+    SuffixProposer,
+)
 from .spec.block import verify_block_rows
 from .spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
+from .spec.rejection import verify, verify_rows
+from .spec.result import VerifyResult
+from .spec.sampling import greedy_tokens, make_generator, sample, to_logprobs, to_probs
+from .spec.theory import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
 
 __version__ = "0.1.0"
 
@@ -68,6 +76,7 @@ __all__ = [
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal", "SuffixDraft", "SuffixProposer", "ChatTemplateMissing",
     "make_generator", "sample", "to_probs", "to_logprobs", "greedy_tokens", "verify", "verify_rows",
-    "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
+    "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens",
+    "VerifyResult",
     "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
 ]

@@ -22,8 +22,6 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test, pair_counts
-from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 from verispec import (
     GenerationConfig,
@@ -39,6 +37,9 @@ from verispec.proposers import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.text.grammar import TokenizerIndex, compile_response_format
+
+from helpers_stats import g_test, pair_counts
+from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

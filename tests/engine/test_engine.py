@@ -10,15 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from markov_chains import (
-    GREEDY,
-    PROMPTS,
-    VOCAB_SIZE,
-    _decoder,
-    _noisy_draft,
-    _plain_greedy,
-    _target,
-)
+
 from verispec import (
     DraftModelProposer,
     FixedDistributionLM,
@@ -33,6 +25,16 @@ from verispec import (
 )
 from verispec.errors import TokenOutOfRangeError
 from verispec.proposers.base import DraftPlan
+
+from markov_chains import (
+    GREEDY,
+    PROMPTS,
+    VOCAB_SIZE,
+    _decoder,
+    _noisy_draft,
+    _plain_greedy,
+    _target,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

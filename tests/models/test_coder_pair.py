@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-from live_server import ServerThread
-from near_ties import assert_greedy_agree, steps_of_completion
 
 import verispec
 from verispec.models.packaged import (
@@ -28,6 +26,9 @@ from verispec.models.packaged import (
 )
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import describe_decoding, load_decoder
+
+from live_server import ServerThread
+from near_ties import assert_greedy_agree, steps_of_completion
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"

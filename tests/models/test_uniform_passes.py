@@ -23,7 +23,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import build_tokenizer, untied_llama
 
 import verispec
 from verispec import cli
@@ -39,6 +38,8 @@ from verispec.models.llama_cpp.model import (
 )
 from verispec.server import ServerSettings
 from verispec.server.run import load_decoder
+
+from tiny_models import build_tokenizer, untied_llama
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 CODE_PROMPTS = [
@@ -192,7 +193,8 @@ def test_the_flag_reaches_the_config_from_the_cli_and_the_server(monkeypatch):
         args = parser.parse_args(["generate", "x", "--target", "t.gguf", *flags])
         assert llama_cpp_config(args).uniform_passes is expected
     loaded = {}
-    monkeypatch.setattr(importlib.import_module("verispec.text.load"), "load", lambda *args, **kwargs: loaded.update(kwargs))
+    monkeypatch.setattr(importlib.import_module("verispec.text.load"), "load",
+                        lambda *args, **kwargs: loaded.update(kwargs))
     load_decoder(ServerSettings.from_args(parser.parse_args(
         ["serve", "--target", "t.gguf", "--no-draft", "--uniform-passes"])))
     assert loaded["llama_cpp_config"].uniform_passes

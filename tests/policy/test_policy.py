@@ -12,14 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from markov_chains import (
-    GREEDY,
-    PROMPTS,
-    _decoder,
-    _noisy_draft,
-    _plain_greedy,
-    _target,
-)
+
 from verispec import (
     GenerationConfig,
     GoodputPolicyConfig,
@@ -32,6 +25,15 @@ from verispec import (
 )
 from verispec.errors import ConfigError
 from verispec.policy.base import RoundStats
+
+from markov_chains import (
+    GREEDY,
+    PROMPTS,
+    _decoder,
+    _noisy_draft,
+    _plain_greedy,
+    _target,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

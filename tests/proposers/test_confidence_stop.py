@@ -20,13 +20,6 @@ import math
 
 import pytest
 import torch
-from law_checks import (
-    VOCAB_SIZE,
-    _assert_control_rejected,
-    _assert_target_law,
-    _proposer_law,
-)
-from tiny_models import tiny_llama
 
 import verispec
 from verispec import (
@@ -44,6 +37,14 @@ from verispec.server.settings import ServerSettings
 from verispec.spec.sampling import to_probs
 from verispec.text.assemble import wrap_model
 from verispec.text.demo import heldout_prompts
+
+from law_checks import (
+    VOCAB_SIZE,
+    _assert_control_rejected,
+    _assert_target_law,
+    _proposer_law,
+)
+from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

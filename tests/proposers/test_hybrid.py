@@ -16,17 +16,6 @@ import pytest
 import torch
 
 import verispec
-from injected_rules import (
-    _accept_all,
-    _exact_accept,
-    _residual,
-    _rule_verify,
-    _target,
-    inject_verify,
-)
-from law_checks import VOCAB_SIZE, _assert_control_rejected, _assert_target_law, _proposer_law
-from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
-from verispec.proposers.base import DraftPlan
 from verispec import (
     DraftModelProposer,
     GenerationConfig,
@@ -41,9 +30,21 @@ from verispec import (
     cli,
     make_generator,
 )
-from verispec.text.assemble import wrap_model
-from verispec.proposers.hybrid import HYBRID_LOOKUP
 from verispec.errors import ConfigError
+from verispec.proposers.base import DraftPlan
+from verispec.proposers.hybrid import HYBRID_LOOKUP
+from verispec.text.assemble import wrap_model
+
+from injected_rules import (
+    _accept_all,
+    _exact_accept,
+    _residual,
+    _rule_verify,
+    _target,
+    inject_verify,
+)
+from law_checks import VOCAB_SIZE, _assert_control_rejected, _assert_target_law, _proposer_law
+from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

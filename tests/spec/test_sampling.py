@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_stats import g_test
 from verispec import (
     NonFiniteError,
     SamplingConfig,
@@ -25,6 +24,8 @@ from verispec.spec.sampling import (
     sample_with_host_uniforms,
     sample_with_uniform,
 )
+
+from helpers_stats import g_test
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -25,10 +25,10 @@ from verispec import (
     ShapeError,
     TokenOutOfRangeError,
     expected_tokens_per_step,
+    greedy_tokens,
     make_generator,
     optimal_num_draft_tokens,
     theoretical_speedup,
-    greedy_tokens,
     to_probs,
     verify,
     verify_greedy,
@@ -36,7 +36,7 @@ from verispec import (
     verify_greedy_tokens,
 )
 from verispec.config import SamplingConfig
-from verispec.spec.theory import expected_acceptance
+from verispec.spec.checks import check_stop_token_ids
 from verispec.spec.rejection import (
     acceptance_probs,
     point_mass,
@@ -45,7 +45,7 @@ from verispec.spec.rejection import (
     verify_with_randomness,
 )
 from verispec.spec.result import PAD_TOKEN
-from verispec.spec.checks import check_stop_token_ids
+from verispec.spec.theory import expected_acceptance
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -14,12 +14,13 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import re
 
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test
 
 from verispec import (
     ConfigError,
@@ -39,6 +40,8 @@ from verispec.spec.block import (
     verify_block_with_randomness,
 )
 from verispec.spec.result import PAD_TOKEN
+
+from helpers_stats import g_test
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -437,7 +440,7 @@ def _sampled_counts(kind: str, vocab_size: int, k: int, seed: int, num_rows: int
     draft, target = _tables(kind, vocab_size, k, seed)
     gen = make_generator(seed + 1000)
     blocks = [[] for _ in range(num_rows)]
-    for i in range(k):  # draw the draft blocks position by position
+    for _ in range(k):  # draw the draft blocks position by position
         probs = torch.stack([draft[tuple(b)] for b in blocks]).float()
         for b, token in zip(blocks, torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()):
             b.append(token)
@@ -567,3 +570,15 @@ def test_bad_inputs_raise_typed_errors():
                       lambda: block_weights(draft_tokens, zero_at_draft, target_probs)):
         with pytest.raises(DraftContractError):
             verify_fn()
+
+
+def test_point_mass_error_names_a_function_that_exists():
+    # the error sends the caller to the token-wise rule: the dotted name it gives must import
+    draft_tokens, _, target_probs = _random_batch(2, 2)
+    with pytest.raises(UnsupportedFeatureError) as raised:
+        verify_block_rows(draft_tokens, None, target_probs, make_generator(0))
+    names = re.findall(r"verispec(?:\.\w+)+", str(raised.value))
+    assert names, str(raised.value)
+    for name in names:
+        module, attribute = name.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), attribute), name

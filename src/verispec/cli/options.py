@@ -109,8 +109,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           default=VERIFICATION_RULES[0],
                           help="how an unseeded sampled request tests a draft model's tokens: "
                           "'block' (block verification: exact, keeps at least as many tokens a "
-                          "round on average) or 'token' (token-wise rejection sampling); a seeded request "
-                          "keeps draft tokens while they are the target's own samples (default: "
+                          "round on average) or 'token' (token-wise rejection sampling); a seeded "
+                          "request keeps draft tokens while they are the target's own samples "
+                          "(default: "
                           f"{VERIFICATION_RULES[0]})")
 
 

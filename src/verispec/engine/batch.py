@@ -53,21 +53,27 @@ from dataclasses import replace
 
 import torch
 
-from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
-from .verification import (RowFaults, ban_early_stops, emitted_logprobs,
-                           shape_target_logits, target_outputs, verify_batch)
-from .prefill import ChunkedPrefill
 from ..config import GenerationConfig
-from .constraints import ConstraintSet
 from ..errors import EmptyPromptError, InputError, TokenOutOfRangeError
-from .metrics import MetricsRecorder
 from ..models.base import CapturesSteps, LanguageModel
-from .target import TargetScorer
-from ..proposers.base import DraftPlan, Proposer
-from .rows import Row
+from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
 from ..policy.costs import CostCurve
 from ..policy.scheduler import RoundReport, Scheduler
+from ..proposers.base import DraftPlan, Proposer
 from ..spec.checks import check_stop_token_ids
+from .constraints import ConstraintSet
+from .metrics import MetricsRecorder
+from .prefill import ChunkedPrefill
+from .rows import Row
+from .target import TargetScorer
+from .verification import (
+    RowFaults,
+    ban_early_stops,
+    emitted_logprobs,
+    shape_target_logits,
+    target_outputs,
+    verify_batch,
+)
 
 
 class Batch:

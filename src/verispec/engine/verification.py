@@ -31,15 +31,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..proposers.base import run_isolated
-from .rows import Row, TokenLogprob, token_logprobs
-from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
-from ..spec.seeded import race
-from ..spec.rejection import verify_rows
-from ..spec.result import PAD_TOKEN
 from ..spec.block import verify_block_rows
 from ..spec.checks import raise_out_of_range
 from ..spec.greedy import verify_greedy_rows
-
+from ..spec.rejection import verify_rows
+from ..spec.result import PAD_TOKEN
+from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
+from ..spec.seeded import race
+from .rows import Row, TokenLogprob, token_logprobs
 
 RowFaults = dict[int, Exception]  # a round's failed rows (batch index) -> each one's error
 

@@ -152,9 +152,9 @@ class Scheduler:
             room = min(self.max_positions - len(row.prompt) - row.num_generated for row in rows)
             wanted = [min(k, max(room, 0)) for k in wanted]
         # the work plain rounds left the proposer is done before the clock starts, so that this
-        # round's draft time prices its steps. Timed with them, such rounds went unpriced
-        # (RoundStats.draft_timed), and a draft step priced high by a cold start stayed so and
-        # held k at 0 for good
+        # round's draft time prices its steps: a round timed with it goes unpriced
+        # (RoundStats.draft_timed), and a draft step priced high by a cold start would then stay
+        # so and hold k at 0 for good
         catch_up = self._draft_lags and max(wanted) > 0
         if catch_up:
             self._draft_lags = False
@@ -171,7 +171,7 @@ class Scheduler:
         bucket = _bucket(num_rows)
         shape = (bucket, depth)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a join
-        # charged to its depth drove a many-row policy to deep drafts
+        # charged to its depth drives a many-row policy to deep drafts
         timed = shape in self._shapes_run and not self._joins_ride and not report.captured
         self._shapes_run.add(shape)
         self._joins_ride = False
@@ -193,8 +193,8 @@ class Scheduler:
         Such a round commits one token a row: its accepted draft tokens are dropped (exact: a
         round's first token alone has the target's law, and at temperature 0 it is the
         target's argmax), so that rows which advanced together still do. Kept, a probe's
-        accepted tokens moved most rows one token ahead of the others; the rows then finished
-        in different rounds and rejoined in small groups, each a prefill pass of its own."""
+        accepted tokens would move most rows one token ahead of the others; the rows would then
+        finish in different rounds and rejoin in small groups, each a prefill pass of its own."""
         return (policy is not None and policy_k is not None and num_rows > 1
                 and policy.measuring(policy_k))
 
@@ -226,9 +226,10 @@ def policy_evidence(asked: list[int], num_draft: list[int], num_accepted: list[i
     priced at the depth it asked for. A row asked for k_b tokens whose proposer found fewer
     (a lookup without a long enough match) counts its first missing position as tested and
     rejected: it yields no token there. So the rates are tokens gained per position asked, and
-    T(k) the mean cost of rounds run at depth k, whatever the proposer found; counting only
-    the positions drafted, a batch where one row of eight drafted, nearly always kept, looked
-    as if every row would, and the policy drafted deep for a fraction of the gain it priced.
+    T(k) the mean cost of rounds run at depth k, whatever the proposer found. Counted over the
+    positions drafted only, a batch where one row of eight drafts, nearly always kept, would
+    look as if every row did, and the policy would draft deep for a fraction of the gain it
+    prices.
 
     Example: asked [4, 4], found [2, 0], accepted [2, 0] -> depth 4, reached [2, 1, 1, 0],
     accepted_at [1, 1, 0, 0]."""

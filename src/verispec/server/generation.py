@@ -20,12 +20,12 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.metrics import GenerationMetrics
-from ..text.decoder import Completion, Decoder
 from ..text.batch import PendingRow, TextBatch
+from ..text.decoder import Completion, Decoder
 from ..text.prompts import check_prompt_ids
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
-from .metrics import ServerMetrics
 from .logprobs import Echo, TextOffsets, TokenTexts
+from .metrics import ServerMetrics
 from .prompts import Prompt
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
 from .schemas import GenerationParams

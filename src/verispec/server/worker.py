@@ -35,11 +35,11 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..text.decoder import Decoder
+from ..engine.prefill import ChunkedPrefill
 from ..engine.rows import TokenLogprob
 from ..text.batch import PendingRow, TextBatch, TextRow
+from ..text.decoder import Decoder
 from ..text.stream import Completion
-from ..engine.prefill import ChunkedPrefill
 from .errors import BatchFailed, ServerOverloaded, ServerShuttingDown
 
 logger = logging.getLogger("verispec.server")

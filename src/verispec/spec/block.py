@@ -69,8 +69,8 @@ from .sampling import sample_with_host_uniforms
 
 _NEEDS_DRAFT_PROBS = (
     "block verification needs draft_probs [B, K, V], the distributions the draft tokens were "
-    "drawn from; got None (a deterministic proposal). Verify point-mass drafts with "
-    "verispec.verify.verify_rows.")
+    "drawn from; got None (a deterministic proposal). Verify point-mass drafts with the "
+    "token-wise rule, verispec.spec.rejection.verify_rows.")
 _DRAFT_GAVE_ZERO = (
     "the draft proposed a token to which its own reported distribution gives probability 0; "
     "draft_probs must be exactly the distributions the draft tokens were sampled from.")

@@ -16,7 +16,6 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from ..config import VERIFICATION_RULES, GenerationConfig, check_draft_p_min, check_verification
-from ..policy import default_num_draft_tokens
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError
 from ..models.base import LanguageModel

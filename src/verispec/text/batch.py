@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 from ..config import plain_number
 from ..engine.batch import Batch, check_prompts
-from ..engine.prefill import ChunkedPrefill
 from ..engine.constraints import ConstraintSet
-from ..errors import ConfigError
+from ..engine.prefill import ChunkedPrefill
 from ..engine.rows import Row, TokenLogprob
+from ..errors import ConfigError
 from ..spec.sampling import make_generator
 from .inputs import PreparedRow, RequestSettings, RowPreparer, check_keywords
 from .stream import Completion, RowText, row_end_token_ids

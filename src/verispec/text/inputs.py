@@ -12,9 +12,9 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from ..config import GenerationConfig, PenaltyConfig, plain_number
 from ..engine.constraints import ConstraintSet
-from .grammar import Grammar
 from ..errors import ConfigError
 from ..policy.base import AdaptivePolicyConfig
+from .grammar import Grammar
 
 S = TypeVar("S")
 

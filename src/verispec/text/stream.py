@@ -13,11 +13,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..engine.constraints import ConstraintSet
-from .detokenize import IncrementalDetokenizer
 from ..engine.decoder import DecodingRun
-from ..errors import ConfigError
 from ..engine.metrics import GenerationMetrics
 from ..engine.rows import TokenLogprob
+from ..errors import ConfigError
+from .detokenize import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers_stats import g_test
+from rule_references import sample_from_logprobs
 from verispec import (
     NonFiniteError,
     SamplingConfig,
@@ -21,7 +22,6 @@ from verispec import (
 )
 from verispec.spec.sampling import (
     sample_from_logits,
-    sample_from_logprobs,
     sample_with_host_uniforms,
     sample_with_uniform,
 )

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rule_references import acceptance_probs
 
 from verispec import (
     ConfigError,
@@ -38,7 +39,6 @@ from verispec import (
 from verispec.config import SamplingConfig
 from verispec.spec.theory import expected_acceptance
 from verispec.spec.rejection import (
-    acceptance_probs,
     point_mass,
     residual_probs,
     verify_rows,

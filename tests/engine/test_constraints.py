@@ -25,14 +25,8 @@ import torch
 from helpers_stats import g_test, pair_counts
 from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
-from verispec import (
-    GenerationConfig,
-    NgramDraft,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-    to_probs,
-)
+from verispec import GenerationConfig, NgramDraft, SamplingConfig, SpeculativeDecoder
+from verispec.spec.sampling import make_generator, to_probs
 from verispec.engine.constraints import ConstraintSet
 from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers import DraftModelProposer

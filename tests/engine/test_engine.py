@@ -19,18 +19,11 @@ from markov_chains import (
     _plain_greedy,
     _target,
 )
-from verispec import (
-    DraftModelProposer,
-    FixedDistributionLM,
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-    sample,
-    to_probs,
-)
+from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder
+from verispec.engine.metrics import GenerationMetrics
+from verispec.models.fixtures import FixedDistributionLM
+from verispec.proposers import DraftModelProposer
+from verispec.spec.sampling import make_generator, sample, to_probs
 from verispec.errors import TokenOutOfRangeError
 from verispec.proposers.base import DraftPlan
 

@@ -26,9 +26,9 @@ from verispec import (
     ThresholdPolicyConfig,
     TokenOutOfRangeError,
     VerispecError,
-    make_generator,
     verify,
 )
+from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

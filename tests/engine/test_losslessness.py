@@ -49,15 +49,9 @@ from law_checks import (
     extreme_case,
 )
 
-from verispec import (
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    PenaltyConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
+from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec.engine.metrics import GenerationMetrics
+from verispec.spec.sampling import make_generator
 from verispec.config import VERIFICATION_RULES
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -18,8 +18,9 @@ from markov_chains import PROMPTS, _noisy_draft, _target
 
 import verispec.engine.batch
 import verispec.engine.rows
-from verispec import (DraftModelProposer, GenerationConfig, MarkovLM, PenaltyConfig,
-                      SamplingConfig, SpeculativeDecoder, make_generator, to_probs)
+from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec.proposers import DraftModelProposer
+from verispec.spec.sampling import make_generator, to_probs
 from verispec.spec.penalties import seen_tokens, shape_logits
 
 VOCAB_SIZE = 8

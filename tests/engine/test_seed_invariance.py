@@ -53,8 +53,8 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
-    make_generator,
 )
+from verispec.spec.sampling import make_generator
 from verispec import cli
 from verispec.policy import named_policy
 from verispec.text.demo import heldout_prompts

@@ -19,16 +19,10 @@ import numpy as np
 import torch
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
-from verispec import (
-    FixedDistributionLM,
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    PenaltyConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
+from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec.engine.metrics import GenerationMetrics
+from verispec.models.fixtures import FixedDistributionLM
+from verispec.spec.sampling import make_generator
 
 VOCAB_SIZE = 8
 PROMPT = [3, 5]

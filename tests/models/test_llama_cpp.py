@@ -28,13 +28,8 @@ from real_law import truncation_margin
 from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 import verispec
-from verispec import (
-    GenerationConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    cli,
-    to_probs,
-)
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, cli
+from verispec.spec.sampling import to_probs
 from verispec.text.demo import demo_pair, heldout_prompts
 from verispec.errors import (
     ConfigError,

@@ -27,9 +27,9 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
-    make_generator,
     optimal_num_draft_tokens,
 )
+from verispec.spec.sampling import make_generator
 from verispec.errors import ConfigError
 from verispec.policy.base import RoundStats
 

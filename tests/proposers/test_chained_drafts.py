@@ -31,17 +31,16 @@ from tiny_models import tiny_llama
 
 import verispec
 from verispec import (
-    DraftModelProposer,
     GenerationConfig,
-    HybridProposer,
     MarkovLM,
     NgramDraft,
     SamplingConfig,
     SpeculativeDecoder,
     SuffixDraft,
     cli,
-    make_generator,
 )
+from verispec.proposers import DraftModelProposer, HybridProposer
+from verispec.spec.sampling import make_generator
 from verispec.errors import ConfigError
 from verispec.proposers.base import DraftPlan, Proposal
 from verispec.proposers.hybrid import lookup_named

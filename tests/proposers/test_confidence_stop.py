@@ -29,15 +29,9 @@ from law_checks import (
 from tiny_models import tiny_llama
 
 import verispec
-from verispec import (
-    DraftModelProposer,
-    GenerationConfig,
-    MarkovLM,
-    SamplingConfig,
-    SpeculativeDecoder,
-    cli,
-    make_generator,
-)
+from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder, cli
+from verispec.proposers import DraftModelProposer
+from verispec.spec.sampling import make_generator
 from verispec.errors import ConfigError
 from verispec.proposers.base import DraftPlan, Proposal
 from verispec.server.settings import ServerSettings

@@ -28,19 +28,17 @@ from law_checks import VOCAB_SIZE, _assert_control_rejected, _assert_target_law,
 from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
 from verispec.proposers.base import DraftPlan
 from verispec import (
-    DraftModelProposer,
     GenerationConfig,
     GoodputPolicyConfig,
-    HybridProposer,
     MarkovLM,
     NgramDraft,
-    NgramProposer,
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
     cli,
-    make_generator,
 )
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.spec.sampling import make_generator
 from verispec.text.assemble import wrap_model
 from verispec.proposers.hybrid import HYBRID_LOOKUP
 from verispec.errors import ConfigError

@@ -18,12 +18,12 @@ from verispec import (
     GenerationConfig,
     MarkovLM,
     NgramDraft,
-    NgramProposer,
     SamplingConfig,
     SpeculativeDecoder,
     cli,
-    make_generator,
 )
+from verispec.proposers import NgramProposer
+from verispec.spec.sampling import make_generator
 from verispec.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

@@ -26,7 +26,8 @@ import pytest
 import torch
 from rule_references import acceptance_probs, block_weights, verify_block_with_randomness
 
-from verispec import PenaltyConfig, SamplingConfig, make_generator, to_probs
+from verispec import PenaltyConfig, SamplingConfig
+from verispec.spec.sampling import make_generator, to_probs
 from verispec.spec import rejection
 from verispec.spec.block import verify_block_rows
 from verispec.spec.greedy import verify_greedy_rows

@@ -11,15 +11,8 @@ import torch
 
 from helpers_stats import g_test
 from rule_references import sample_from_logprobs
-from verispec import (
-    NonFiniteError,
-    SamplingConfig,
-    ShapeError,
-    VerispecError,
-    make_generator,
-    sample,
-    to_probs,
-)
+from verispec import NonFiniteError, SamplingConfig, ShapeError, VerispecError
+from verispec.spec.sampling import make_generator, sample, to_probs
 from verispec.spec.sampling import (
     sample_from_logits,
     sample_with_host_uniforms,

@@ -26,16 +26,12 @@ from verispec import (
     ShapeError,
     TokenOutOfRangeError,
     expected_tokens_per_step,
-    make_generator,
     optimal_num_draft_tokens,
     theoretical_speedup,
-    greedy_tokens,
-    to_probs,
     verify,
-    verify_greedy,
-    verify_greedy_rows,
-    verify_greedy_tokens,
 )
+from verispec.spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
+from verispec.spec.sampling import greedy_tokens, make_generator, to_probs
 from verispec.config import SamplingConfig
 from verispec.spec.theory import expected_acceptance
 from verispec.spec.rejection import (

@@ -29,9 +29,8 @@ from verispec import (
     SamplingConfig,
     ShapeError,
     TokenOutOfRangeError,
-    make_generator,
-    to_probs,
 )
+from verispec.spec.sampling import make_generator, to_probs
 from verispec.errors import UnsupportedFeatureError
 from verispec.spec import block as verify_block
 from verispec.spec.block import verify_block_rows

@@ -11,20 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from verispec import (
-    DraftModelProposer,
-    FixedDistributionLM,
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-    sample,
-    to_probs,
-)
+from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder
+from verispec.engine.metrics import GenerationMetrics
 from verispec.errors import TokenOutOfRangeError
+from verispec.models.fixtures import FixedDistributionLM
+from verispec.proposers import DraftModelProposer
 from verispec.proposers.base import DraftPlan
+from verispec.spec.sampling import make_generator, sample, to_probs
 
 from markov_chains import (
     GREEDY,

@@ -26,10 +26,10 @@ from verispec import (
     ThresholdPolicyConfig,
     TokenOutOfRangeError,
     VerispecError,
-    make_generator,
     verify,
 )
 from verispec.config import check_bool, check_int, check_number
+from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

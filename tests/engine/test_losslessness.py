@@ -29,14 +29,14 @@ import torch
 
 from verispec import (
     GenerationConfig,
-    GenerationMetrics,
     MarkovLM,
     PenaltyConfig,
     SamplingConfig,
     SpeculativeDecoder,
-    make_generator,
 )
 from verispec.config import VERIFICATION_RULES
+from verispec.engine.metrics import GenerationMetrics
+from verispec.spec.sampling import make_generator
 
 from helpers_stats import first_two_law, g_test, pair_law
 from injected_rules import (

@@ -54,9 +54,9 @@ from verispec import (
     SpeculativeDecoder,
     ThresholdPolicyConfig,
     cli,
-    make_generator,
 )
 from verispec.policy import named_policy
+from verispec.spec.sampling import make_generator
 from verispec.text.demo import heldout_prompts
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law

@@ -18,16 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec import (
-    FixedDistributionLM,
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    PenaltyConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
+from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec.engine.metrics import GenerationMetrics
+from verispec.models.fixtures import FixedDistributionLM
+from verispec.spec.sampling import make_generator
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from verispec import SamplingConfig, SpeculativeDecoder, to_probs
+from verispec import SamplingConfig, SpeculativeDecoder
 from verispec.models.hf.adapter import TransformersLM
 from verispec.models.hf.masks import MaskPlan
+from verispec.spec.sampling import to_probs
 
 from arch_specs import Arch
 from helpers_stats import g_test, pair_counts

@@ -24,13 +24,7 @@ import pytest
 import torch
 
 import verispec
-from verispec import (
-    GenerationConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    cli,
-    to_probs,
-)
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, cli
 from verispec.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -41,6 +35,7 @@ from verispec.errors import (
 from verispec.models.gguf_export import export_gguf, save_gguf
 from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from verispec.proposers.hybrid import lookup_named
+from verispec.spec.sampling import to_probs
 from verispec.text.demo import demo_pair, heldout_prompts
 
 from helpers_stats import first_two_in_runs, g_test, pair_counts

@@ -20,11 +20,11 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
-    make_generator,
     optimal_num_draft_tokens,
 )
 from verispec.errors import ConfigError
 from verispec.policy.base import RoundStats
+from verispec.spec.sampling import make_generator
 
 from markov_chains import (
     GREEDY,

@@ -22,19 +22,12 @@ import pytest
 import torch
 
 import verispec
-from verispec import (
-    DraftModelProposer,
-    GenerationConfig,
-    MarkovLM,
-    SamplingConfig,
-    SpeculativeDecoder,
-    cli,
-    make_generator,
-)
+from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder, cli
 from verispec.errors import ConfigError
+from verispec.proposers import DraftModelProposer
 from verispec.proposers.base import DraftPlan, Proposal
 from verispec.server.settings import ServerSettings
-from verispec.spec.sampling import to_probs
+from verispec.spec.sampling import make_generator, to_probs
 from verispec.text.assemble import wrap_model
 from verispec.text.demo import heldout_prompts
 

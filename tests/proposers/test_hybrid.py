@@ -17,22 +17,20 @@ import torch
 
 import verispec
 from verispec import (
-    DraftModelProposer,
     GenerationConfig,
     GoodputPolicyConfig,
-    HybridProposer,
     MarkovLM,
     NgramDraft,
-    NgramProposer,
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
     cli,
-    make_generator,
 )
 from verispec.errors import ConfigError
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.hybrid import HYBRID_LOOKUP
+from verispec.spec.sampling import make_generator
 from verispec.text.assemble import wrap_model
 
 from injected_rules import (

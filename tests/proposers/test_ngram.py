@@ -15,14 +15,14 @@ from verispec import (
     GenerationConfig,
     MarkovLM,
     NgramDraft,
-    NgramProposer,
     SamplingConfig,
     SpeculativeDecoder,
     cli,
-    make_generator,
 )
 from verispec.errors import ConfigError
+from verispec.proposers import NgramProposer
 from verispec.proposers.base import DraftPlan
+from verispec.spec.sampling import make_generator
 
 from law_checks import VOCAB_SIZE
 from tiny_models import save_untied_pair

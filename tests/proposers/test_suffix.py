@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from verispec import (
-    GenerationConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.errors import ConfigError
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.suffix import MAX_OCCURRENCES, SuffixDraft, SuffixProposer
+from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

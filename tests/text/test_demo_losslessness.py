@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import verispec.spec.block
-from verispec import GenerationConfig, SamplingConfig, to_probs
+from verispec import GenerationConfig, SamplingConfig
+from verispec.spec.sampling import to_probs
 
 from helpers_stats import first_two_in_runs, g_test
 

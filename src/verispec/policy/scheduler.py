@@ -59,17 +59,44 @@ class RoundPlan:
 
 
 @dataclass(frozen=True)
+class RoundTimes:
+    """The seconds of one round (engine.clock.RoundClock), or their sums over rounds.
+
+    draft_time   step 1, proposing, until the device finished the draft tokens;
+    target_time  step 2, the target's pass and its processed distributions;
+    verify_time  steps 3-5, verification, commit and emit;
+    wall_time    the whole round, from the start of step 1 (a draft's catch-up comes before).
+    """
+
+    draft_time: float = 0.0
+    target_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+
+    @property
+    def other_time(self) -> float:
+        """The round's seconds outside drafting and the target's pass: paid once a round."""
+        return self.wall_time - self.draft_time - self.target_time
+
+    def __add__(self, other: RoundTimes) -> RoundTimes:
+        return RoundTimes(self.draft_time + other.draft_time,
+                          self.target_time + other.target_time,
+                          self.verify_time + other.verify_time,
+                          self.wall_time + other.wall_time)
+
+
+@dataclass(frozen=True)
 class RoundReport:
     """What a round did. width: K, the widest draft fed; asked [B]: RoundPlan.num_draft_tokens;
     num_draft [B]: the tokens each row's proposer found; num_accepted [B]: what verification
-    accepted (before a measuring round drops it); times: seconds of "draft_time",
-    "target_time", "verify_time" and "wall_time"; captured: a model captured a step graph."""
+    accepted (before a measuring round drops it); times: its seconds by step; captured: a
+    model captured a step graph during it."""
 
     width: int
     asked: list[int]
     num_draft: list[int]
     num_accepted: list[int]
-    times: dict[str, float]
+    times: RoundTimes
     captured: bool
 
 
@@ -177,9 +204,8 @@ class Scheduler:
         self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             times = report.times
-            other_time = times["wall_time"] - times["draft_time"] - times["target_time"]
-            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times["draft_time"],
-                               times["target_time"], other_time, draft_timed, num_rows,
+            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times.draft_time,
+                               times.target_time, times.other_time, draft_timed, num_rows,
                                self._join_time, self._join_tokens, timed, self._catch_up_time)
             self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
             if self.config is not None and self.config.carry_over and self.carried is not None:

@@ -59,16 +59,6 @@ def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)
 
 
-def acceptance_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """min(1, p_target / p_draft) for every token: the chance it is accepted if proposed.
-
-    Shapes: draft_probs [B, K, V], target_probs [B, K, V] -> [B, K, V] fp32. Where p_draft = 0 the
-    token is never proposed; the entry is 1 by convention.
-    """
-    ratio = target_probs / draft_probs
-    return torch.where(draft_probs > 0, ratio.clamp(max=1.0), torch.ones_like(ratio))
-
-
 def residual_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p_target - p_draft)): where the recovered token is drawn from after a rejection.
 

@@ -256,13 +256,6 @@ _BAD_TOTAL_MASS = ("probs has a row with zero, NaN or infinite total mass; expec
                    "finite probabilities with a positive sum per row.")
 
 
-def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row of log-probabilities [..., V] (-inf allowed) -> tokens [...]
-    int64."""
-    _check_floating("logprobs", logprobs)
-    return sample(torch.exp(logprobs.float()), generator)
-
-
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A fresh torch.Generator; ``seed=None`` seeds it from the OS, never from the global RNG."""
     check_seed(seed)

@@ -24,7 +24,6 @@ import math
 
 import pytest
 import torch
-from rule_references import acceptance_probs, block_weights, verify_block_with_randomness
 
 from verispec import PenaltyConfig, SamplingConfig
 from verispec.spec import rejection
@@ -40,6 +39,8 @@ from verispec.spec.sampling import (
     to_probs,
 )
 from verispec.spec.seeded import RaceClocks, race, stream_key
+
+from rule_references import acceptance_probs, block_weights, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rule_references import sample_from_logprobs
 
 from verispec import NonFiniteError, SamplingConfig, ShapeError, VerispecError
 from verispec.spec.sampling import (
@@ -21,6 +20,7 @@ from verispec.spec.sampling import (
 )
 
 from helpers_stats import g_test
+from rule_references import sample_from_logprobs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

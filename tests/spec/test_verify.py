@@ -16,7 +16,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rule_references import acceptance_probs
 
 from verispec import (
     ConfigError,
@@ -42,6 +41,8 @@ from verispec.spec.rejection import (
 from verispec.spec.result import PAD_TOKEN
 from verispec.spec.sampling import greedy_tokens, make_generator, to_probs
 from verispec.spec.theory import expected_acceptance
+
+from rule_references import acceptance_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -21,7 +21,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from rule_references import block_weights, verify_block_with_randomness
 
 from verispec import (
     ConfigError,
@@ -38,6 +37,7 @@ from verispec.spec.result import PAD_TOKEN
 from verispec.spec.sampling import make_generator, to_probs
 
 from helpers_stats import g_test
+from rule_references import block_weights, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -4,7 +4,7 @@ The public surface is re-exported here; nothing runs at import time.
 """
 
 from .policy.threshold import ThresholdPolicyConfig
-from .config import GenerationConfig, PenaltyConfig, SamplingConfig
+from .config import BatchOptions, GenerationConfig, PenaltyConfig, SamplingConfig
 from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
 from .errors import (
     BackendError,
@@ -62,7 +62,7 @@ __all__ = [
     "EmptyPromptError",
     "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
     "TokenOutOfRangeError", "UnsupportedFeatureError", "UnsupportedModelError", "VerispecError",
-    "GenerationConfig", "SamplingConfig", "PenaltyConfig", "TokenLogprob",
+    "GenerationConfig", "SamplingConfig", "PenaltyConfig", "BatchOptions", "TokenLogprob",
     "ThresholdPolicyConfig", "GoodputPolicyConfig",
     "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",

@@ -79,7 +79,7 @@ def test_both_names_load_their_checked_files_on_llama_cpp(coder):
 def test_greedy_draft_model_equals_plain(coder, plain_replies, name, k):
     plain = plain_replies[name]
     speculative = coder.chat(messages(PROMPTS[name]), max_new_tokens=NUM_NEW_TOKENS,
-                             ignore_eos=True, num_draft_tokens=k, adaptive=False, logprobs=5)
+                             ignore_eos=True, num_draft_tokens=k, adaptive=None, logprobs=5)
     assert speculative.metrics.num_accepted > 0  # drafts were accepted: verification ran
     assert len(plain.token_ids) == NUM_NEW_TOKENS
     assert_greedy_agree(steps_of_completion(plain, coder.tokenizer),
@@ -90,7 +90,7 @@ def test_greedy_draft_model_equals_plain(coder, plain_replies, name, k):
 def test_greedy_hybrid_equals_plain(coder_hybrid, plain_replies, name):
     plain = plain_replies[name]
     hybrid = coder_hybrid.chat(messages(PROMPTS[name]), max_new_tokens=NUM_NEW_TOKENS,
-                               ignore_eos=True, num_draft_tokens=3, adaptive=False, logprobs=5)
+                               ignore_eos=True, num_draft_tokens=3, adaptive=None, logprobs=5)
     assert hybrid.metrics.num_accepted > 0
     assert_greedy_agree(steps_of_completion(plain, coder_hybrid.tokenizer),
                         steps_of_completion(hybrid, coder_hybrid.tokenizer))
@@ -100,7 +100,7 @@ def test_a_seeded_request_gives_the_same_text_with_and_without_the_draft(coder):
     settings = {"max_new_tokens": 48, "temperature": 0.7, "seed": 7, "ignore_eos": True}
     plain = coder.chat(messages(PROMPTS["fibonacci"]), speculative=False, **settings)
     speculative = coder.chat(messages(PROMPTS["fibonacci"]), num_draft_tokens=3,
-                             adaptive=False, **settings)
+                             adaptive=None, **settings)
     assert speculative.metrics.num_drafted > 0
     assert speculative.token_ids == plain.token_ids
 

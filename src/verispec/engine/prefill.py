@@ -1,7 +1,8 @@
 """A long prompt's prefill spread over several rounds (chunked prefill), so that a batch's
 running rows do not wait for all of it at once.
 
-Between two rounds the server prefills at most a budget of prompt tokens (``--prefill-budget``).
+Between two rounds a batch prefills at most a budget of prompt tokens (BatchOptions.prefill_budget,
+``--prefill-budget``; text/admission.py decides what joins).
 A prompt longer than that used to be prefilled whole in one gap, stalling every running row for
 the whole prompt's pass (on a large model, for seconds). A :class:`ChunkedPrefill` instead feeds
 the prompt into a cache of its own, a budget's worth of tokens per gap (:meth:`advance`), while

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install clean bench bench-llama
+.PHONY: demo test lint install clean bench bench-llama
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,7 +41,14 @@ demo: $(STAMP) $(DEMO_GGUF)/target.gguf $(DEMO_GGUF)/draft.gguf
 # on one worker (--dist loadfile), so its module fixtures load once. TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+# ruff (pinned in the dev extra, configured in pyproject.toml) runs first: a finding fails the
+# target before the suite starts
+LINTED := src tests benchmarks scripts examples
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+
+test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)

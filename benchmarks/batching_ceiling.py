@@ -40,13 +40,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import client_prompt, command_line, machine  # noqa: E402
+from verispec.server.run import load_decoder
+from verispec.server.settings import ServerSettings
+from verispec.text.batch import TextBatch
+from verispec.text.demo import heldout_prompts
+from verispec.text.inputs import RequestSettings
 
-from verispec.text.batch import TextBatch  # noqa: E402
-from verispec.text.demo import heldout_prompts  # noqa: E402
-from verispec.text.inputs import RequestSettings  # noqa: E402
-from verispec.server.run import load_decoder  # noqa: E402
-from verispec.server.settings import ServerSettings  # noqa: E402
+from common import client_prompt, command_line, machine
 
 MODES = ("speculative", "plain")  # the server's default and --no-draft; --fixed-k adds k=N
 

@@ -32,7 +32,7 @@ import verispec
 from verispec.text.demo import heldout_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import command_line, machine  # noqa: E402
+from common import command_line, machine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
               "table": table}
-    name = "batching_library_cuda.json" if args.device.startswith("cuda") else "batching_library.json"
+    cuda = args.device.startswith("cuda")
+    name = "batching_library_cuda.json" if cuda else "batching_library.json"
     (out / name).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

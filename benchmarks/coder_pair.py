@@ -62,8 +62,8 @@ from common import (
 )
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-LLAMA = {"llama-plain": [], "llama-draft": ["-md", "{draft}"], "llama-draft-best": ["-md", "{draft}"],
-         "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
+LLAMA = {"llama-plain": [], "llama-draft": ["-md", "{draft}"],
+         "llama-draft-best": ["-md", "{draft}"], "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
 VERISPEC = {"verispec-plain": ["--no-draft"], "verispec-draft": ["--draft", "{draft}"],
             "verispec-draft-carry": ["--draft", "{draft}", "--carry-over"],
             "verispec-hybrid": ["--draft", "{draft}", "--hybrid"],
@@ -139,7 +139,7 @@ def start(server: str, paths: dict[str, str], args) -> tuple[object, str]:
                "--max-tokens-limit", "1024", "--max-batch-size", "4",
                *[a.format(**paths) for a in VERISPEC[server]], *args.verispec_arg]
     # open for the server's life: the log stays on disk for a failed run's reading
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"{server}-", suffix=".log",  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{server}-", suffix=".log",
                                       delete=False)
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
                                stderr=subprocess.STDOUT, text=True)

@@ -23,11 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
-from arch_specs import Arch  # noqa: E402
-
 from verispec.bench.run import environment  # noqa: E402
 from verispec.models.fast_llama.model import FastLlamaLM  # noqa: E402
 from verispec.models.hf.adapter import TransformersLM  # noqa: E402
+
+from arch_specs import Arch  # noqa: E402
 
 SIZES = [(256, 2), (512, 6)]  # (hidden, layers)
 STEPS, BLOCKS, PROMPT = 64, 7, list(range(1, 65))

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_server_options, check_loopback, served  # noqa: E402
+from common import add_server_options, check_loopback, served
 
 # each field's values in range, where the arithmetic is hardest (its bounds, tiny and huge
 # values); None leaves the field out

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coder_pair import TEMPS, coder_prompts, run_cell
+
 from common import command_line, machine
 
 CELLS = [("complete", "greedy"), ("edits", "t0.7")]

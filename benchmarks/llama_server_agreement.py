@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, TASKS, command_line, first_difference, machine  # noqa: E402
+from common import MODELS, TASKS, command_line, first_difference, machine
 
 SETTINGS = {  # (slots, threads, extra flags)
     "llama -np 1": (1, 2, []),

@@ -10,9 +10,9 @@ warmed up, and run at each client
 count as a level of batching_load.py (the same greedy streaming clients and prompts). Per level
 it prints the wall time, the tok/s, and per model (target, draft) and kind of pass:
 
-    prefill       a packed feed, computing no logits (models/fast_llama/packed.py): the draft's joining
-                  prompts, or its catching up on plain rounds' tokens and deferred prompts
-                  (LMSession.feed)
+    prefill       a packed feed, computing no logits (models/fast_llama/packed.py): the draft's
+                  joining prompts, or its catching up on plain rounds' tokens and deferred
+                  prompts (LMSession.feed)
     1 token       a plain decoding step (target), a draft step (draft)
     2+ tokens     a verification pass over k + 1 tokens a row (target), the draft's feed of
                   the tokens a round committed (draft)
@@ -38,7 +38,7 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
+from common import (
     MODES,
     machine,
     pass_rate,

@@ -26,7 +26,7 @@ from verispec.models.llama_cpp.model import LlamaCppConfig
 from verispec.proposers.suffix import SuffixDraft
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import first_difference  # noqa: E402
+from common import first_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [

@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TASKS, command_line, first_difference, machine
-
 import verispec
 from verispec.models.llama_cpp.model import LlamaCppConfig
+
+from common import TASKS, command_line, first_difference, machine
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 COMPLETE = [
@@ -88,7 +88,7 @@ def run_mode(uniform: bool, args: argparse.Namespace) -> dict[str, list[dict]]:
         del decoder
         gc.collect()
     plain = results["plain"]
-    for name, per_prompt in results.items():
+    for per_prompt in results.values():
         for reference, result in zip(plain, per_prompt):
             result["first_difference"] = first_difference(result["token_ids"],
                                                           reference["token_ids"])

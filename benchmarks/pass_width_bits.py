@@ -133,7 +133,8 @@ def measure(model: LlamaCppModel, setting: Setting, prompt: list[int], fed: list
     context = RawContext(model, setting, n_ctx=len(prompt) + 64)
     try:
         for begin in range(0, len(prompt), 512):
-            context.decode(prompt[begin:begin + 512], begin, [False] * len(prompt[begin:begin + 512]))
+            chunk = prompt[begin:begin + 512]
+            context.decode(chunk, begin, [False] * len(chunk))
         logits = {shape: feed(context, fed, len(prompt), shape) for shape in SHAPES}
     finally:
         context.close()

@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, TASKS, command_line, free_port, machine, wait_until_healthy  # noqa: E402
+from common import MODELS, TASKS, command_line, free_port, machine, wait_until_healthy
 
 SERVERS = ("llama-plain", "llama-ngram-simple", "llama-ngram-mod", "verispec-plain",
            "verispec-ngram")
@@ -224,7 +224,7 @@ def markdown(rows: list[dict]) -> str:
                        r["server"].startswith("llama") and temp == "t0.7-seeded"
                        and r["temp"] == "t0.7"))}
 
-            def rate(server: str) -> float | None:
+            def rate(server: str, got: dict = got) -> float | None:
                 return got[server]["tok_s"] if server in got else None
 
             def ratio(a: float | None, b: float | None) -> str:

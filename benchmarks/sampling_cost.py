@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/sampling_cost.py   # writes results/sampling_cost.{json,md}
     .venv/bin/python benchmarks/sampling_cost.py --target build/demo-gguf/target.gguf \\
-        --draft build/demo-gguf/draft.gguf --backend llama.cpp --json results/sampling_cost_llama_cpp.json
+        --draft build/demo-gguf/draft.gguf --backend llama.cpp \\
+        --json results/sampling_cost_llama_cpp.json
 
-The same prompts, one request at a time, greedy and sampled (T = 0.8, seeded), plain and speculative (the decoder's
-default k, fixed), under four settings: nothing, logprobs=5 (each token's logprob and its 5
-most likely alternatives), frequency_penalty=0.5, and both. Reports tokens/s, the ratio of
+The same prompts, one request at a time, greedy and sampled (T = 0.8, seeded), plain and speculative
+(the decoder's default k, fixed), under four settings: nothing, logprobs=5 (each token's logprob and
+its 5 most likely alternatives), frequency_penalty=0.5, and both. Reports tokens/s, the ratio of
 each setting to "nothing" within the same decoding, and acceptance. Each cell is the median of
 --repeats interleaved repetitions; ratios are within this run. Runs generate max_new_tokens
 (ignore_eos), so every cell decodes the same number of tokens.
@@ -19,9 +20,9 @@ import json
 import time
 from pathlib import Path
 
-from common import command_line, machine
-
 import verispec
+
+from common import command_line, machine
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):",
            "import os\nimport sys\n", "# read the config file\nwith open(",
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     decoder = verispec.load(args.target, args.draft, backend=args.backend)
     decoder.generate(PROMPTS[:2], max_new_tokens=8, logprobs=5, frequency_penalty=0.5)  # warm
-    header = (f"| T | decoding | setting | tok/s | vs nothing | acceptance |\n"
+    header = ("| T | decoding | setting | tok/s | vs nothing | acceptance |\n"
               "|---|---|---|---|---|---|")
     lines, cells = [header], []
     for temperature in (0.0, 0.8):

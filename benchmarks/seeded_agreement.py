@@ -42,12 +42,13 @@ from pathlib import Path
 import torch
 
 import verispec
-from verispec import LlamaCppConfig, NgramDraft, SamplingConfig, to_probs
+from verispec import LlamaCppConfig, NgramDraft, SamplingConfig
 from verispec.models.llama_cpp.session import LlamaCppSession
+from verispec.spec.sampling import to_probs
 from verispec.spec.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     CHAT_PROMPTS,
     chat_template,
     command_line,

@@ -1,7 +1,7 @@
 """The whole seed-invariance product, once: seeds x proposers x k x modes x backends.
 
-tests/engine/test_seed_invariance.py covers every setting on a rotation of 100 seeds (the suite's time
-budget); this script runs the full product on the demo pair and reports, for each (backend,
+tests/engine/test_seed_invariance.py covers every setting on a rotation of 100 seeds (the suite's
+time budget); this script runs the full product on the demo pair and reports, for each (backend,
 proposer, k, mode), how many seeded texts equal seeded plain decoding token for token:
   alone     one request at a time, fixed k;
   batch     at most 4 rows decoded together, a row joining as soon as another leaves (rows

@@ -1,26 +1,22 @@
-"""Shared pytest fixtures, and the import path of the tests.
+"""Shared pytest fixtures, and the crash policy of the suite.
 
 The tests mirror src/verispec (tests/spec, tests/engine, tests/policy, ...); what they share lives
-in tests/helpers, the one folder put on sys.path: the models and statistics (tiny_models,
-arch_specs, helpers_stats, markov_chains), the law harnesses (law_checks, injected_rules,
-real_law), a live server (live_server) and the fast path's pair (fast_llama_pair). pytest imports
-each test module by its file name (the folders are not packages); no test module imports another.
+in tests/helpers, the one folder on the tests' import path (pytest's ``pythonpath`` in
+pyproject.toml): the models and statistics (tiny_models, arch_specs, helpers_stats,
+markov_chains), the law harnesses (law_checks, injected_rules, real_law), a live server
+(live_server) and the fast path's pair (fast_llama_pair). pytest imports each test module by its
+file name (the folders are not packages); no test module imports another.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_HELPERS = str(Path(__file__).resolve().parent / "helpers")
-if _HELPERS not in sys.path:
-    sys.path.append(_HELPERS)
-
-from crash_policy import pytest_configure  # noqa: E402, F401  (a hook: fail fast on a crash)
+# a plugin from tests/helpers: a crashed pytest-xdist worker fails the run at once
+pytest_plugins = ["crash_policy"]
 
 
 @pytest.fixture(scope="module")

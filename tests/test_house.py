@@ -6,6 +6,8 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "house.py"
 
 
@@ -87,3 +89,15 @@ def test_the_package_top_holds_only_the_allowed_modules_and_packages():
     assert files == TOP_LEVEL
     assert folders == PACKAGES
     assert set(RANKS) - {"__main__", "server.__main__", "config", "errors"} <= PACKAGES
+
+
+def test_ruff_sorts_every_shared_test_module_into_the_helpers_block():
+    # imports of tests/helpers (on the path by pytest's pythonpath) sort below verispec's only if
+    # pyproject.toml names each module in the isort section "helpers"
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    sections = config["tool"]["ruff"]["lint"]["isort"]["sections"]
+    helpers = {path.stem for path in (root / "tests" / "helpers").glob("*.py")}
+    assert helpers <= set(sections["helpers"])
+    assert config["tool"]["pytest"]["ini_options"]["pythonpath"] == ["tests/helpers"]

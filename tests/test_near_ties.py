@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from near_ties import NEAR_TIE_NATS, assert_greedy_agree
 
 REPLY = [(" Paris", -0.1, {" Paris": -0.1, " Lyon": -3.0}),

@@ -1,11 +1,13 @@
 """verispec: exact speculative decoding (Leviathan et al. 2023, Chen et al. 2023).
 
-The public surface is re-exported here; nothing runs at import time.
+The public surface is re-exported here; nothing runs at import time. ``__all__`` names what
+users call: ``load`` and the text-level ``Decoder``, the configs, the errors, the engine on token
+ids with its fixture model, and the pure math the docs show. The other names once exported here
+still import from ``verispec``, with a DeprecationWarning naming the module they live in.
 """
 
-from .policy.threshold import ThresholdPolicyConfig
 from .config import BatchOptions, GenerationConfig, PenaltyConfig, SamplingConfig
-from .engine.decoder import Chunk, DecodingRun, GenerationResult, SpeculativeDecoder
+from .engine.decoder import SpeculativeDecoder
 from .errors import (
     BackendError,
     ConfigError,
@@ -23,51 +25,99 @@ from .errors import (
     UnsupportedModelError,
     VerispecError,
 )
-from .spec.theory import expected_tokens_per_step, optimal_num_draft_tokens, theoretical_speedup
-from .policy.goodput import GoodputPolicyConfig
-from .engine.metrics import GenerationMetrics
-from .engine.rows import TokenLogprob
-from .models import FixedDistributionLM, MarkovLM
+from .models.fixtures import MarkovLM
+
 # llama_cpp itself is imported when a model loads
 from .models.llama_cpp.model import LlamaCppConfig
-from .proposers import (DraftModelProposer, HybridProposer, NgramDraft, NgramProposer, Proposal,
-                        SuffixDraft, SuffixProposer)
-from .spec.sampling import greedy_tokens, make_generator, sample, to_logprobs, to_probs
-from .spec.rejection import verify, verify_rows
-from .spec.result import VerifyResult
+from .policy.goodput import GoodputPolicyConfig
+from .policy.threshold import ThresholdPolicyConfig
+from .proposers.ngram import NgramDraft
+from .proposers.suffix import SuffixDraft
 from .spec.block import verify_block_rows
-from .spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
+from .spec.rejection import verify
+from .spec.theory import (
+    expected_tokens_per_step,
+    optimal_num_draft_tokens,
+    theoretical_speedup,
+)
 
 __version__ = "0.1.0"
 
 _LAZY = {  # these pull in transformers; imported on first use so `import verispec` stays light
-    "load": ("text.load", "load"), "Decoder": ("text.decoder", "Decoder"),
-    "Completion": ("text.decoder", "Completion"), "demo_pair": ("text.demo", "demo_pair"),
-    "ChatTemplateMissing": ("text.chat", "ChatTemplateMissing"),
+    "load": "verispec.text.load", "Decoder": "verispec.text.decoder",
+    "Completion": "verispec.text.decoder", "ChatTemplateMissing": "verispec.text.chat",
+}
+
+# Names exported here before the surface was trimmed -> the module each lives in. They still
+# import from verispec, with a DeprecationWarning that names that module.
+_MOVED = {
+    "demo_pair": "verispec.text.demo",
+    "Chunk": "verispec.engine.decoder", "DecodingRun": "verispec.engine.decoder",
+    "GenerationResult": "verispec.engine.decoder",
+    "GenerationMetrics": "verispec.engine.metrics", "TokenLogprob": "verispec.engine.rows",
+    "FixedDistributionLM": "verispec.models.fixtures",
+    "DraftModelProposer": "verispec.proposers", "HybridProposer": "verispec.proposers",
+    "NgramProposer": "verispec.proposers", "Proposal": "verispec.proposers",
+    "SuffixProposer": "verispec.proposers",
+    "make_generator": "verispec.spec.sampling", "sample": "verispec.spec.sampling",
+    "to_probs": "verispec.spec.sampling", "to_logprobs": "verispec.spec.sampling",
+    "greedy_tokens": "verispec.spec.sampling",
+    "verify_rows": "verispec.spec.rejection", "VerifyResult": "verispec.spec.result",
+    "verify_greedy": "verispec.spec.greedy", "verify_greedy_rows": "verispec.spec.greedy",
+    "verify_greedy_tokens": "verispec.spec.greedy",
 }
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
-        module_name, attribute = _LAZY[name]
-        return getattr(importlib.import_module(f".{module_name}", __name__), attribute)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _MOVED:
+        import warnings
+
+        module = _MOVED[name]
+        warnings.warn(f"importing {name} from verispec is deprecated: it is no longer part of "
+                      f"the public surface; import it from its module: from {module} import "
+                      f"{name}.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'verispec' has no attribute {name!r}")
 
+
 __all__ = [
-    "load", "Decoder", "Completion", "demo_pair",
-    "LlamaCppConfig", "BackendError",
-    "ConfigError", "ConstraintDeadEnd", "ContextLengthExceeded", "DraftContractError",
+    "BackendError",
+    "BatchOptions",
+    "ChatTemplateMissing",
+    "Completion",
+    "ConfigError",
+    "ConstraintDeadEnd",
+    "ContextLengthExceeded",
+    "Decoder",
+    "DraftContractError",
     "EmptyPromptError",
-    "IncompatibleModelsError", "InputError", "ModelLoadError", "NonFiniteError", "ShapeError",
-    "TokenOutOfRangeError", "UnsupportedFeatureError", "UnsupportedModelError", "VerispecError",
-    "GenerationConfig", "SamplingConfig", "PenaltyConfig", "BatchOptions", "TokenLogprob",
-    "ThresholdPolicyConfig", "GoodputPolicyConfig",
-    "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
-    "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
-    "NgramProposer", "Proposal", "SuffixDraft", "SuffixProposer", "ChatTemplateMissing",
-    "make_generator", "sample", "to_probs", "to_logprobs", "greedy_tokens", "verify", "verify_rows",
-    "verify_block_rows", "verify_greedy", "verify_greedy_rows", "verify_greedy_tokens", "VerifyResult",
-    "expected_tokens_per_step", "theoretical_speedup", "optimal_num_draft_tokens",
+    "GenerationConfig",
+    "GoodputPolicyConfig",
+    "IncompatibleModelsError",
+    "InputError",
+    "LlamaCppConfig",
+    "MarkovLM",
+    "ModelLoadError",
+    "NgramDraft",
+    "NonFiniteError",
+    "PenaltyConfig",
+    "SamplingConfig",
+    "ShapeError",
+    "SpeculativeDecoder",
+    "SuffixDraft",
+    "ThresholdPolicyConfig",
+    "TokenOutOfRangeError",
+    "UnsupportedFeatureError",
+    "UnsupportedModelError",
+    "VerispecError",
+    "expected_tokens_per_step",
+    "load",
+    "optimal_num_draft_tokens",
+    "theoretical_speedup",
+    "verify",
+    "verify_block_rows",
 ]

@@ -19,10 +19,54 @@ from .errors import ConfigError
 MAX_NUM_DRAFT_TOKENS = 32
 
 
-def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
+def require(ok: bool, name: str, value: object, expected: str) -> None:
+    """ConfigError unless ``ok``, in the form every setting's check shares:
+    "{name}={value!r} is invalid: expected {expected}." (``field`` = name)."""
     if not ok:
-        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.",
-                          field=field_name)
+        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}.", field=name)
+
+
+def is_int(value: object) -> bool:
+    """An int, never a bool (True is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, never a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None,
+              note: str = "") -> None:
+    """An integer >= ``low`` (and <= ``high`` where given), else ConfigError; ``note`` follows
+    the range in the message: check_int("top_k", 0, 1, ", or None") -> "top_k=0 is invalid:
+    expected an integer >= 1, or None."."""
+    expected = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    require(is_int(value) and low <= value and (high is None or value <= high), name, value,
+            expected + note)
+
+
+def check_number(name: str, value: object, low: float, high: float | None = None, *,
+                 low_open: bool = False, note: str = "") -> None:
+    """A real number >= ``low`` (> with ``low_open``) and <= ``high`` where given (high=inf:
+    finite), else ConfigError; NaN never passes. ``note`` follows the range in the message:
+    check_number("top_p", 0, 0, 1, low_open=True) -> "top_p=0 is invalid: expected a number in
+    (0, 1]."."""
+    ok = is_number(value) and (value > low if low_open else value >= low)
+    bound = f"{'>' if low_open else '>='} {low:g}"
+    if high is None:
+        expected = f"a number {bound}"
+    elif high == math.inf:
+        ok, expected = ok and value < high, f"a finite number {bound}"
+    else:
+        ok = ok and value <= high
+        expected = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+    require(ok, name, value, expected + note)
+
+
+def check_bool(name: str, value: object) -> None:
+    """True or False, else ConfigError (1 and "yes" are not flags)."""
+    require(isinstance(value, bool), name, value, "True or False")
 
 
 def plain_number(value: object) -> object:
@@ -47,16 +91,8 @@ def check_seed(seed: object) -> None:
     """A seed torch takes as given: an int in [0, 2**63) or None (torch would wrap -1 to
     2**64 - 1, a different seed than the one asked for)."""
     if seed is not None:
-        _require(_is_int(seed) and 0 <= seed < 2**63, "seed", seed,
-                 "an integer in [0, 2**63) or None")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        require(is_int(seed) and 0 <= seed < 2**63, "seed", seed,
+                "an integer in [0, 2**63) or None")
 
 
 # the highest temperature: logits are divided by it in fp32, where a value past 3.4e38 is inf
@@ -85,18 +121,14 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _make_plain(self, "temperature", "top_k", "top_p", "min_p")
-        _require(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
-                 "temperature", self.temperature,
-                 f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
+        check_number("temperature", self.temperature, 0, MAX_TEMPERATURE, note=" (0 = greedy)")
         if self.top_k is not None:
-            _require(_is_int(self.top_k) and self.top_k >= 1, "top_k", self.top_k,
-                     "an integer >= 1, or None to disable top-k")
+            check_int("top_k", self.top_k, 1, note=", or None to disable top-k")
         if self.top_p is not None:
-            _require(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p,
-                     "a number in (0, 1], or None to disable top-p")
+            check_number("top_p", self.top_p, 0, 1, low_open=True,
+                         note=", or None to disable top-p")
         if self.min_p is not None:
-            _require(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p,
-                     "a number in [0, 1], or None to disable min-p")
+            check_number("min_p", self.min_p, 0, 1, note=", or None to disable min-p")
 
     @property
     def is_greedy(self) -> bool:
@@ -137,30 +169,25 @@ class PenaltyConfig:
                 tuple(plain_number(x) for x in pair) if isinstance(pair, tuple) else pair
                 for pair in self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require(_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
-                     f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
-        rp = self.repetition_penalty
-        _require(_is_real(rp) and MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY,
-                 "repetition_penalty", rp,
-                 f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off; "
-                 "> 1 discourages repeats)")
+            check_number(name, getattr(self, name), -MAX_PENALTY, MAX_PENALTY, note=" (0 = off)")
+        check_number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                     MAX_REPETITION_PENALTY, note=" (1 = off; > 1 discourages repeats)")
         self._check_logit_bias()
 
     def _check_logit_bias(self) -> None:
         """Each pair on its own, so the error names the token and the bias that are wrong."""
         bias = self.logit_bias
-        _require(isinstance(bias, tuple) and all(isinstance(pair, tuple) and len(pair) == 2
+        require(isinstance(bias, tuple) and all(isinstance(pair, tuple) and len(pair) == 2
                                                  for pair in bias),
                  "logit_bias", bias, "a tuple of (token id, bias) pairs")
         for token, value in bias:
-            _require(_is_int(token) and token >= 0, "logit_bias", {token: value},
-                     "token ids that are integers >= 0")
-            _require(_is_real(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
-                     "logit_bias", {token: value},
-                     f"a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] for each token")
-        _require(len({token for token, _ in bias}) == len(bias), "logit_bias", bias,
-                 "each token id once")
+            require(is_int(token) and token >= 0, "logit_bias", {token: value},
+                    "token ids that are integers >= 0")
+            require(is_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                    "logit_bias", {token: value},
+                    f"a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] for each token")
+        require(len({token for token, _ in bias}) == len(bias), "logit_bias", bias,
+                "each token id once")
 
     @property
     def uses_history(self) -> bool:
@@ -201,10 +228,10 @@ class GenerationConfig:
     logprobs: None, or how many alternatives (0 to 20) each emitted token's logprob comes with
         (engine/rows.py TokenLogprob: of the distribution the token was drawn from).
     verification: how an unseeded sampled row tests a draft model's tokens: "block" (block
-        verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average) or
-        "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
-        (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a
-        draft token while it is the target's own sample at its position (spec/seeded.py).
+        verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average)
+        or "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
+        (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a draft
+        token while it is the target's own sample at its position (spec/seeded.py).
     adaptive, cost_ratio: options of the batch, not of a row: given here, a ConfigError names
         where they go (BatchOptions).
     """
@@ -233,32 +260,27 @@ class GenerationConfig:
         if isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids",
                                tuple(plain_number(t) for t in self.stop_token_ids))
-        _require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
-                 self.max_new_tokens, "an integer >= 1")
+        require(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
+                self.max_new_tokens, "an integer >= 1")
         if self.num_draft_tokens is not None:
-            check_num_draft_tokens(self.num_draft_tokens, ", or None for the batch's depth")
-        _require(isinstance(self.sampling, SamplingConfig), "sampling", self.sampling,
-                 "a verispec.SamplingConfig")
+            check_int("num_draft_tokens", self.num_draft_tokens, 1, MAX_NUM_DRAFT_TOKENS,
+                      ", or None for the batch's depth")
+        require(isinstance(self.sampling, SamplingConfig), "sampling", self.sampling,
+                "a verispec.SamplingConfig")
         stops = self.stop_token_ids
-        _require(isinstance(stops, tuple) and all(_is_int(t) and t >= 0 for t in stops),
-                 "stop_token_ids", stops, "a tuple of non-negative token ids, e.g. (2,)")
-        _require(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
-                 "min_new_tokens", self.min_new_tokens,
-                 f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
+        require(isinstance(stops, tuple) and all(is_int(t) and t >= 0 for t in stops),
+                "stop_token_ids", stops, "a tuple of non-negative token ids, e.g. (2,)")
+        require(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens", self.min_new_tokens,
+                f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
         check_seed(self.seed)
         check_verification(self.verification)
-        _require(isinstance(self.penalty, PenaltyConfig), "penalty", self.penalty,
-                 "a verispec.PenaltyConfig")
+        require(isinstance(self.penalty, PenaltyConfig), "penalty", self.penalty,
+                "a verispec.PenaltyConfig")
         if self.logprobs is not None:
-            _require(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-                     "logprobs", self.logprobs,
-                     f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), or None")
-
-
-def check_num_draft_tokens(k: object, alternative: str = "") -> None:
-    """A depth k: an integer from 1 to MAX_NUM_DRAFT_TOKENS, else ConfigError naming it."""
-    _require(_is_int(k) and 1 <= k <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens", k,
-             f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}{alternative}")
+            require(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                    "logprobs", self.logprobs,
+                    f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), or None")
 
 
 DEFAULT_PREFILL_BUDGET = 512
@@ -297,18 +319,15 @@ class BatchOptions:
     def __post_init__(self) -> None:
         _make_plain(self, "num_draft_tokens", "cost_ratio", "prefill_budget", "max_batch_size")
         if self.adaptive is not None:
-            _require(isinstance(self.adaptive, DepthPolicyConfig), "adaptive", self.adaptive,
-                     "ThresholdPolicyConfig(...), GoodputPolicyConfig(...), or None for a "
-                     "fixed k")
-        check_num_draft_tokens(self.num_draft_tokens)
+            require(isinstance(self.adaptive, DepthPolicyConfig), "adaptive", self.adaptive,
+                    "ThresholdPolicyConfig(...), GoodputPolicyConfig(...), or None for a fixed k")
+        check_int("num_draft_tokens", self.num_draft_tokens, 1, MAX_NUM_DRAFT_TOKENS)
         if self.cost_ratio is not None:
-            _require(_is_real(self.cost_ratio) and 0 < self.cost_ratio < math.inf, "cost_ratio",
-                     self.cost_ratio, "a finite number > 0 (draft step time / target step time)")
-        _require(_is_int(self.prefill_budget) and self.prefill_budget >= 1, "prefill_budget",
-                 self.prefill_budget, "an integer >= 1 (prompt tokens a gap)")
+            check_number("cost_ratio", self.cost_ratio, 0, math.inf, low_open=True,
+                         note=" (draft step time / target step time)")
+        check_int("prefill_budget", self.prefill_budget, 1, note=" (prompt tokens a gap)")
         if self.max_batch_size is not None:
-            _require(_is_int(self.max_batch_size) and self.max_batch_size >= 1,
-                     "max_batch_size", self.max_batch_size, "an integer >= 1, or None")
+            check_int("max_batch_size", self.max_batch_size, 1, note=", or None")
 
 
 # llama.cpp's weight kernels (LlamaCppConfig.repack, --repack; models/llama_cpp/kernels.py)
@@ -331,13 +350,13 @@ BENCH_RULES = VERIFICATION_RULES + ("seeded",)
 
 def check_verification(verification: object) -> None:
     """One of VERIFICATION_RULES, else ConfigError naming them."""
-    _require(verification in VERIFICATION_RULES, "verification", verification,
-             " or ".join(repr(rule) for rule in VERIFICATION_RULES))
+    require(verification in VERIFICATION_RULES, "verification", verification,
+            " or ".join(repr(rule) for rule in VERIFICATION_RULES))
 
 
 def check_draft_p_min(draft_p_min: object) -> None:
     """A draft model's confidence floor (``--draft-p-min``; proposers/draft_model.py): a number
     in [0, 1], 0 for none, else ConfigError naming it."""
-    _require(_is_real(draft_p_min) and 0.0 <= draft_p_min <= 1.0, "draft_p_min", draft_p_min,
-             "a number from 0 to 1 (0: no floor), e.g. 0.75")
+    require(is_number(draft_p_min) and 0.0 <= draft_p_min <= 1.0, "draft_p_min", draft_p_min,
+            "a number from 0 to 1 (0: no floor), e.g. 0.75")
 

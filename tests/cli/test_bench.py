@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_untied_pair
 
 from verispec import cli
 from verispec.spec.theory import theoretical_speedup
+
+from tiny_models import save_untied_pair
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -185,7 +186,8 @@ def test_batching_library_script_times_batched_generate(tmp_path, capsys):
                  "2", "--out-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "batching_library.json").read_text())
     rows = {(row["batch_size"], row["mode"]): row for row in report["rows"]}
-    assert set(rows) == {(size, mode) for size in (1, 3) for mode in ("plain", "speculative", "k=2")}
+    modes = ("plain", "speculative", "k=2")
+    assert set(rows) == {(size, mode) for size in (1, 3) for mode in modes}
     for size in (1, 3):
         assert rows[size, "plain"]["mean_k"] == 0 and rows[size, "plain"]["vs_plain"] == 1
         assert 0 < rows[size, "k=2"]["mean_k"] <= 2

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_untied_pair
 
 import verispec
 from verispec import cli
 from verispec.text.demo import DemoAssetsMissingError, demo_pair
+
+from tiny_models import save_untied_pair
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -16,14 +16,14 @@ import torch
 
 import verispec
 from verispec import BatchOptions, GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.policy.base import AdaptivePolicy
 from verispec.engine.batch import fill_from_the_end
-from verispec.policy.scheduler import policy_evidence
-from verispec.text.demo import heldout_prompts
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
 from verispec.models.hf.adapter import TransformersLM
+from verispec.policy.base import AdaptivePolicy
+from verispec.policy.scheduler import policy_evidence
 from verispec.spec.sampling import make_generator
+from verispec.text.demo import heldout_prompts
 
 from injected_rules import _accept_all, _residual, _rule_verify, inject_verify
 from law_checks import (
@@ -114,7 +114,8 @@ def test_a_seeded_row_is_the_same_whatever_else_is_in_the_batch():
 def test_rows_with_different_max_new_tokens_and_stops_end_on_their_own():
     decoder = _fixture_decoder()
     configs = [GenerationConfig(max_new_tokens=n, num_draft_tokens=2, sampling=GREEDY,
-                                stop_token_ids=stops) for n, stops in ((3, ()), (9, ()), (30, (0, 1)))]
+                                stop_token_ids=stops)
+               for n, stops in ((3, ()), (9, ()), (30, (0, 1)))]
     batch = decoder.batch()
     rows = batch.add([[1, 2]] * 3, configs, [make_generator(0)] * 3)
     _run(batch, rows)

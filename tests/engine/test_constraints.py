@@ -22,23 +22,18 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test, pair_counts
-from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
-from verispec import (
-    GenerationConfig,
-    NgramDraft,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-    to_probs,
-)
+from verispec import GenerationConfig, NgramDraft, SamplingConfig, SpeculativeDecoder
 from verispec.engine.constraints import ConstraintSet
 from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
+from verispec.spec.sampling import make_generator, to_probs
 from verispec.text.grammar import TokenizerIndex, compile_response_format
+
+from helpers_stats import g_test, pair_counts
+from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -10,6 +10,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+
+from verispec import (
+    BatchOptions,
+    GenerationConfig,
+    MarkovLM,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
+from verispec.engine.metrics import GenerationMetrics
+from verispec.errors import TokenOutOfRangeError
+from verispec.models.fixtures import FixedDistributionLM
+from verispec.proposers import DraftModelProposer
+from verispec.proposers.base import DraftPlan
+from verispec.spec.sampling import make_generator, sample, to_probs
+
 from markov_chains import (
     GREEDY,
     PROMPTS,
@@ -19,21 +34,6 @@ from markov_chains import (
     _plain_greedy,
     _target,
 )
-from verispec import (
-    BatchOptions,
-    DraftModelProposer,
-    FixedDistributionLM,
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-    sample,
-    to_probs,
-)
-from verispec.errors import TokenOutOfRangeError
-from verispec.proposers.base import DraftPlan
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

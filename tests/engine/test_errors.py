@@ -27,9 +27,10 @@ from verispec import (
     ThresholdPolicyConfig,
     TokenOutOfRangeError,
     VerispecError,
-    make_generator,
     verify,
 )
+from verispec.config import check_bool, check_int, check_number
+from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -174,6 +175,8 @@ def test_only_the_goodput_policy_may_choose_plain_rounds():
     ({"grow_above": math.nan}, "grow_above=nan"),
     ({"window": 0}, "window=0"),
     ({"window": 2.5}, "window=2.5"),
+    ({"window": True}, "window=True"),
+    ({"shrink_below": "0.1"}, "shrink_below='0.1'"),
 ])
 def test_bad_threshold_policy_config(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -188,7 +191,10 @@ def test_bad_threshold_policy_config(kwargs, fragment):
     ({"decay": 0.0}, "decay=0.0"),
     ({"decay": 1.5}, "decay=1.5"),
     ({"prior_acceptance": 1.5}, "prior_acceptance=1.5"),
+    ({"prior_acceptance": True}, "prior_acceptance=True"),
+    ({"prior_acceptance": "0.5"}, "prior_acceptance='0.5'"),
     ({"prior_weight": -1.0}, "prior_weight=-1.0"),
+    ({"prior_weight": math.inf}, "prior_weight=inf"),
     ({"probe_every": -1}, "probe_every=-1"),
     ({"probe_every": 2.5}, "probe_every=2.5"),
     ({"probe_every": True}, "probe_every=True"),
@@ -200,6 +206,8 @@ def test_bad_threshold_policy_config(kwargs, fragment):
     ({"thin_evidence": -1.0}, "thin_evidence=-1.0"),
     ({"first_use_weight": -0.1}, "first_use_weight=-0.1"),
     ({"outlier_cap": 0.5}, "outlier_cap=0.5"),
+    ({"probe_share": True}, "probe_share=True"),
+    ({"decay": "0.9"}, "decay='0.9'"),
 ])
 def test_bad_goodput_policy_config(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -265,7 +273,8 @@ def test_vocabulary_mismatch_at_construction():
 
 def test_a_draft_on_another_device_is_refused_at_construction():
     target, draft = _markov(0), _markov(1)
-    draft.device = torch.device("meta")  # any device but the target's (tests/models/test_gpu.py: cuda)
+    # any device but the target's (tests/models/test_gpu.py: cuda)
+    draft.device = torch.device("meta")
     with pytest.raises(IncompatibleModelsError,
                        match="draft is on meta but the target on cpu.*same device="):
         SpeculativeDecoder.from_draft_model(target, draft)
@@ -306,6 +315,38 @@ def test_verify_shape_mismatches(target_shape, draft_shape, fragment):
     draft_probs = None if draft_shape is None else torch.full(draft_shape, 0.25)
     with pytest.raises(ShapeError, match=fragment):
         verify(draft_tokens, draft_probs, target_probs, make_generator(0))
+
+
+@pytest.mark.parametrize("check, expected", [
+    (lambda: check_int("top_k", 0, 1), "top_k=0 is invalid: expected an integer >= 1."),
+    (lambda: check_int("k", True, 1, 32), "k=True is invalid: expected an integer from 1 to 32."),
+    (lambda: check_int("batch_size", 8, 16, note=" (tokens per call)"),
+     "batch_size=8 is invalid: expected an integer >= 16 (tokens per call)."),
+    (lambda: check_number("top_p", 0, 0, 1, low_open=True),
+     "top_p=0 is invalid: expected a number in (0, 1]."),
+    (lambda: check_number("temperature", math.nan, 0, 1e4),
+     "temperature=nan is invalid: expected a number in [0, 10000]."),
+    (lambda: check_number("cost_ratio", math.inf, 0, math.inf, low_open=True),
+     "cost_ratio=inf is invalid: expected a finite number > 0."),
+    (lambda: check_number("margin", False, 1.0),
+     "margin=False is invalid: expected a number >= 1."),
+    (lambda: check_bool("carry_over", 1), "carry_over=1 is invalid: expected True or False."),
+])
+def test_shared_checks_name_the_field_the_value_and_the_range(check, expected):
+    # the one message form of every config's checks (config.py), with the field for the server
+    with pytest.raises(ConfigError) as info:
+        check()
+    assert str(info.value) == expected
+    assert info.value.field == expected.split("=")[0]
+
+
+def test_shared_checks_pass_the_bounds_themselves():
+    check_int("top_k", 1, 1)
+    check_int("k", 32, 1, 32)
+    check_number("top_p", 1.0, 0, 1, low_open=True)
+    check_number("min_p", 0, 0, 1)
+    check_number("margin", math.inf, 1.0)  # no upper bound: inf passes
+    check_bool("flag", False)
 
 
 def test_named_policies():

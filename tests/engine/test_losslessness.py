@@ -26,6 +26,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from verispec import (
+    GenerationConfig,
+    MarkovLM,
+    PenaltyConfig,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
+from verispec.config import VERIFICATION_RULES
+from verispec.engine.metrics import GenerationMetrics
+from verispec.spec.sampling import make_generator
+
 from helpers_stats import first_two_law, g_test, pair_law
 from injected_rules import (
     _accept_all,
@@ -48,17 +60,6 @@ from law_checks import (
     _pair,
     extreme_case,
 )
-
-from verispec import (
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    PenaltyConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
-from verispec.config import VERIFICATION_RULES
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

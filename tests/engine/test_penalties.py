@@ -13,14 +13,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test, pair_counts
-from markov_chains import PROMPTS, _noisy_draft, _target
 
 import verispec.engine.batch
 import verispec.engine.rows
-from verispec import (DraftModelProposer, GenerationConfig, MarkovLM, PenaltyConfig,
-                      SamplingConfig, SpeculativeDecoder, make_generator, to_probs)
+from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec.proposers import DraftModelProposer
 from verispec.spec.penalties import seen_tokens, shape_logits
+from verispec.spec.sampling import make_generator, to_probs
+
+from helpers_stats import g_test, pair_counts
+from markov_chains import PROMPTS, _noisy_draft, _target
 
 VOCAB_SIZE = 8
 PROMPT = [3, 5]

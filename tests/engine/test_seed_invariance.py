@@ -55,10 +55,10 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
-    make_generator,
+    cli,
 )
-from verispec import cli
 from verispec.policy import named_policy
+from verispec.spec.sampling import make_generator
 from verispec.text.demo import heldout_prompts
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
@@ -391,7 +391,7 @@ def test_keyed_rows_have_the_target_law(k, sampling):
     tokens, metrics = _keyed_tokens(k, sampling)
     assert 0.2 < metrics.acceptance_rate < 0.9  # both kept and rejected drafts are exercised
     results = _law_tests(tokens, sampling)
-    print(f"PVALUE keyed k={k} {sampling}: " + "; ".join(f"{l} {r}" for l, r in results))
+    print(f"PVALUE keyed k={k} {sampling}: " + "; ".join(f"{label} {r}" for label, r in results))
     for label, result in results:
         assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
 
@@ -431,7 +431,7 @@ def test_keyed_rows_have_the_target_law_at_low_temperature_and_extreme_bias(name
     case = extreme_case(name)
     tokens = _keyed_extreme_tokens(name, k, 1_500)
     results = _law_tests(tokens, case.pair.sampling(case.temperature), case.law_target)
-    print(f"PVALUE keyed {name} k={k}: " + "; ".join(f"{l} {r}" for l, r in results))
+    print(f"PVALUE keyed {name} k={k}: " + "; ".join(f"{label} {r}" for label, r in results))
     for label, result in results:
         assert result.p_value > ALPHA, f"law of {label} differs from the target's: {result}"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tiny_models import tiny_llama
 
 VOCAB = 97

@@ -17,18 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
-from verispec import (
-    FixedDistributionLM,
-    GenerationConfig,
-    GenerationMetrics,
-    MarkovLM,
-    PenaltyConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
+from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec.engine.metrics import GenerationMetrics
+from verispec.models.fixtures import FixedDistributionLM
+from verispec.spec.sampling import make_generator
+
+from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
 VOCAB_SIZE = 8
 PROMPT = [3, 5]
@@ -111,7 +106,7 @@ PAIR_NAMES = ("equal", "disjoint", "one_hot_draft", "draft_zero_where_target_pos
               "reversed", "argmax_draft", "top_k", "top_p", "markov1_zeros", "markov2_zeros")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair(name: str) -> Pair:
     return _build_pair(name)
 
@@ -216,7 +211,7 @@ def _proposer_law(target, proposer, k: int, temperature: float, seed: int,
 
 def _assert_control_rejected(tag: str, results: list) -> None:
     """A broken rule's (x1, x2) G-test must fail far beyond chance (p < CONTROL_ALPHA)."""
-    print(f"PVALUE control {tag}: " + "; ".join(f"{l} {r}" for l, r in results))
+    print(f"PVALUE control {tag}: " + "; ".join(f"{label} {r}" for label, r in results))
     assert results[0][1].p_value < CONTROL_ALPHA, (
         f"the G-test failed to reject {tag}: {results[0][1]}")
 

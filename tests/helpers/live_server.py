@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_models import build_tokenizer, save_model, tiny_llama
 
 from verispec.server.http import VerispecServer, uvicorn_config
+
+from tiny_models import build_tokenizer, save_model, tiny_llama
 
 
 class ServerThread:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec import MarkovLM, SamplingConfig, SpeculativeDecoder, make_generator
+from verispec import MarkovLM, SamplingConfig, SpeculativeDecoder
+from verispec.spec.sampling import make_generator
 
 VOCAB_SIZE = 10
 PROMPTS = [[3, 5], [1], [7, 7, 2, 0]]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, make_generator, to_probs
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec.spec.sampling import make_generator, to_probs
 
 VOCAB_SIZE = 24
 PROMPT = [3, 17, 5]

@@ -18,14 +18,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from verispec import SamplingConfig, SpeculativeDecoder
+from verispec.models.hf.adapter import TransformersLM
+from verispec.models.hf.masks import MaskPlan
+from verispec.spec.sampling import to_probs
+
 from arch_specs import Arch
 from helpers_stats import g_test, pair_counts
 from injected_rules import accept_every_draft_token, inject_verify
 from real_law import first_two_tokens as real_first_two_tokens
-
-from verispec import SamplingConfig, SpeculativeDecoder, to_probs
-from verispec.models.hf.masks import MaskPlan
-from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
 

@@ -1,7 +1,7 @@
 """Exact on every architecture verispec accepts; refused at load for those it cannot run exactly.
 
-The matrix (tests/helpers/arch_specs.py): tiny random-init targets of the transformers causal LMs with a
-simple config, each with a 1-layer draft cut from it. For each one:
+The matrix (tests/helpers/arch_specs.py): tiny random-init targets of the transformers causal LMs
+with a simple config, each with a 1-layer draft cut from it. For each one:
   * greedy: plain decoding through the engine and speculative decoding at k in {1, 3, 6}, at
     batch 3 (ragged prompts, one already past the window) and batch 1, equal transformers' own
     ``generate(do_sample=False)`` token for token, for NUM_NEW_TOKENS = 4 x WINDOW tokens, so
@@ -21,12 +21,13 @@ import random
 
 import pytest
 import torch
-from arch_specs import REFUSED, SUPPORTED, VOCAB_SIZE, WINDOW, Arch, Refused
-from tiny_models import build_tokenizer, save_model
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, UnsupportedModelError
 from verispec.models.hf.adapter import TransformersLM
+
+from arch_specs import REFUSED, SUPPORTED, VOCAB_SIZE, WINDOW, Arch, Refused
+from tiny_models import build_tokenizer, save_model
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -115,7 +116,8 @@ def test_rewind_matches_fresh_forward(case):
         for b, row in enumerate(rows):
             torch.testing.assert_close(logits[b], fresh_last_logits(case.target, row, num_new),
                                        atol=1e-4, rtol=0,
-                                       msg=lambda m: f"{case.arch.name} step {step} row {b}: {m}")
+                                       msg=lambda m, step=step, b=b:
+                                       f"{case.arch.name} step {step} row {b}: {m}")
         step += 1
 
 

@@ -10,6 +10,18 @@ import sys
 import pytest
 import torch
 
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
+from verispec.models import attention as attention_module
+from verispec.models.fast_llama import matmul as matmul_module
+from verispec.models.fast_llama import model as fast_llama_module
+from verispec.models.fast_llama import session as fast_llama_session
+from verispec.models.fast_llama.matmul import onednn_available, resolve_matmul
+from verispec.models.fast_llama.model import FastLlamaLM, supports
+from verispec.models.fixtures import MarkovLM
+from verispec.models.hf.adapter import TransformersLM
+from verispec.text.assemble import wrap_model
+
 from fast_llama_pair import (  # noqa: F401 (draft, target: its module fixtures)
     PROMPTS,
     VOCAB,
@@ -18,17 +30,6 @@ from fast_llama_pair import (  # noqa: F401 (draft, target: its module fixtures)
     target,
 )
 from tiny_models import tiny_gpt2, tiny_llama
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.text.assemble import wrap_model
-from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
-from verispec.models import attention as attention_module
-from verispec.models.fast_llama import matmul as matmul_module
-from verispec.models.fast_llama import model as fast_llama_module
-from verispec.models.fast_llama import session as fast_llama_session
-from verispec.models.fast_llama.model import FastLlamaLM, supports
-from verispec.models.fixtures import MarkovLM
-from verispec.models.fast_llama.matmul import onednn_available, resolve_matmul
-from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -64,7 +65,7 @@ def test_segments_by_length_reads_the_fewest_key_rows():
                                 generator=generator).tolist()
         call_rows = float(torch.randint(0, 200, (1,), generator=generator))
 
-        def cost(segments):
+        def cost(segments, call_rows=call_rows):
             return sum((stop - first) * num_keys + call_rows for first, stop, num_keys in segments)
 
         found = segments_by_length(lengths, call_rows)

@@ -3,9 +3,9 @@ backend, which "auto" picks for GGUF files when llama-cpp-python is installed, i
 test_llama_cpp.py): loading, exact equality with the same model from safetensors, quantized
 targets, the CLI and the server, and typed errors for bad files.
 
-The .gguf files are written here from tiny random-init Llama models (verispec.models.gguf_export writes
-what llama.cpp's converter writes), so what each file holds is known exactly: an F32 file must
-give bit-identical logits and tokens to the safetensors model it came from.
+The .gguf files are written here from tiny random-init Llama models (verispec.models.gguf_export
+writes what llama.cpp's converter writes), so what each file holds is known exactly: an F32 file
+must give bit-identical logits and tokens to the safetensors model it came from.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 import verispec
 from verispec import cli
 from verispec.errors import ModelLoadError
+from verispec.models.gguf_export import save_gguf
 from verispec.server import ServerSettings, create_app
 
-from verispec.models.gguf_export import save_gguf
 from live_server import ServerThread
 from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 

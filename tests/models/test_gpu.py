@@ -4,10 +4,11 @@ Marked ``gpu`` and skipped on machines without CUDA (CI has none; `pytest -m gpu
 runs them). What is checked here and not on the CPU:
   * verification on CUDA tensors (both the host-rows path and the batched tensor path) gives the
     same tokens as on the CPU for the same random numbers, and a CUDA Generator is reproducible;
-  * the engine on CUDA: greedy output equals the target's own greedy decoding (fresh forwards)
-    on the same device for every proposer (draft model, n-gram, hybrid), both backends,
-    k in {1, 2, 4, 8}, batch 1 and 3; sampled output is reproducible per seed, leaves the global RNGs (CPU and CUDA) alone,
-    and drafts and target meet on one device (a mismatch is refused at construction);
+  * the engine on CUDA: greedy output equals the target's own greedy decoding (fresh forwards) on
+    the same device for every proposer (draft model, n-gram, hybrid), both backends,
+    k in {1, 2, 4, 8}, batch 1 and 3; sampled output is reproducible per seed, leaves the global
+    RNGs (CPU and CUDA) alone, and drafts and target meet on one device (a mismatch is refused at
+    construction);
   * bfloat16 on the GPU through the public API, the CLI and the bench;
   * the fast path's steps captured as CUDA graphs (models/fast_llama/step_graphs.py, on by default):
     the demo pair's greedy speculative output equals its plain output at k in {1, 2, 4, 8}, batch 1
@@ -24,14 +25,11 @@ import json
 
 import pytest
 import torch
-from fast_llama_pair import check_logits_after_random_extend_and_rewind
-from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 import verispec
 from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.bench.run import BenchSettings, run_bench
 from verispec.cli import main
-from verispec.text.demo import heldout_prompts
 from verispec.errors import IncompatibleModelsError, ShapeError
 from verispec.models.fast_llama.model import FastLlamaLM
 from verispec.models.hf.adapter import TransformersLM
@@ -39,6 +37,10 @@ from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.spec.rejection import verify, verify_with_randomness
+from verispec.text.demo import heldout_prompts
+
+from fast_llama_pair import check_logits_after_random_extend_and_rewind
+from tiny_models import layer_dropped_draft, save_untied_pair, untied_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -116,7 +118,8 @@ def _first_divergence(model, prompt: list[int], got: list[int], expected: list[i
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + expected[:i]], device=CUDA)).logits[0, -1]
     top = logits.float().topk(2).values
-    return f"prompt {prompt}: position {i}, {got[i]} vs {expected[i]}, top-2 gap {top[0] - top[1]:.3g}"
+    return (f"prompt {prompt}: position {i}, {got[i]} vs {expected[i]}, "
+            f"top-2 gap {top[0] - top[1]:.3g}")
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +151,8 @@ def _proposer(kind: str, draft_lm):
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("proposer", ["draft", "ngram", "hybrid"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_on_cuda_equals_the_targets_greedy_output(models, greedy_reference, backend, proposer, k):
+def test_greedy_on_cuda_equals_the_targets_greedy_output(models, greedy_reference, backend,
+                                                          proposer, k):
     target, draft = models
     lm = BACKENDS[backend]
     engine = SpeculativeDecoder(lm(target), _proposer(proposer, lm(draft)))
@@ -359,7 +363,8 @@ def test_graphed_first_two_tokens_follow_the_target_law_and_the_control_fails(mo
     )
     from real_law import LM_HEAD_SCALE as LAW_HEAD_SCALE
     target = untied_llama(VOCAB_SIZE, seed=11, hidden=32, layers=2, max_positions=64)
-    with torch.no_grad():  # the law test's pair (real_law.py, test_real_losslessness.models), on CUDA
+    # the law test's pair (real_law.py, test_real_losslessness.models), on CUDA
+    with torch.no_grad():
         target.lm_head.weight.mul_(LAW_HEAD_SCALE)
     target, draft = target.to(CUDA), layer_dropped_draft(target, num_layers=1).to(CUDA)
     engine = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))

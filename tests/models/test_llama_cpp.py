@@ -22,20 +22,9 @@ import llama_cpp
 import numpy as np
 import pytest
 import torch
-from helpers_stats import first_two_in_runs, g_test, pair_counts
-from injected_rules import accept_every_draft_token, inject_verify
-from real_law import truncation_margin
-from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 import verispec
-from verispec import (
-    GenerationConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    cli,
-    to_probs,
-)
-from verispec.text.demo import demo_pair, heldout_prompts
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, cli
 from verispec.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -45,8 +34,14 @@ from verispec.errors import (
 )
 from verispec.models.gguf_export import export_gguf, save_gguf
 from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
-from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import lookup_named
+from verispec.spec.sampling import to_probs
+from verispec.text.demo import demo_pair, heldout_prompts
+
+from helpers_stats import first_two_in_runs, g_test, pair_counts
+from injected_rules import accept_every_draft_token, inject_verify
+from real_law import truncation_margin
+from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 PROMPT = [3, 17, 5]
 NUM_SAMPLES = 20_000
@@ -396,9 +391,10 @@ def test_chained_hybrid_with_a_confidence_stop_on_llama_cpp(tiny, lookup):
     assert sum(o.metrics.num_drafted for o in outs) > 0
 
 
-# --- sampling losslessness -------------------------------------------------------------------------
+# --- sampling losslessness ------------------------------------------------------------------------
 
-def _exact_first_two_law(lm: LlamaCppLM, sampling: SamplingConfig) -> tuple[np.ndarray, torch.Tensor]:
+def _exact_first_two_law(lm: LlamaCppLM, sampling: SamplingConfig
+                         ) -> tuple[np.ndarray, torch.Tensor]:
     """P(x1, x2) enumerated from llama.cpp's logits: after PROMPT, and after PROMPT + [x1] for
     every x1. -> law [V, V] float64, and the logits [1 + V, V] it came from."""
     vocab = lm.vocab_size
@@ -477,7 +473,7 @@ def test_negative_control_is_rejected_on_llama_cpp(tiny, tiny_engine, monkeypatc
     assert result.p_value < CONTROL_P_THRESHOLD, result
 
 
-# --- ignore_eos and min_new_tokens -----------------------------------------------------------------
+# --- ignore_eos and min_new_tokens ----------------------------------------------------------------
 
 def test_min_new_tokens_and_ignore_eos_keep_greedy_exact(tiny):
     """min_new_tokens masks the stop tokens in the target's distribution only; speculative and
@@ -494,7 +490,7 @@ def test_min_new_tokens_and_ignore_eos_keep_greedy_exact(tiny):
                 assert eos not in spec.token_ids
 
 
-# --- errors ------------------------------------------------------------------------------------------
+# --- errors ---------------------------------------------------------------------------------------
 
 def test_missing_and_corrupt_files_are_typed_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
@@ -562,7 +558,7 @@ def test_missing_extra_names_it(monkeypatch, tiny):
         verispec.load(tiny["target"], backend="llama.cpp")
 
 
-# --- entry points ----------------------------------------------------------------------------------
+# --- entry points ---------------------------------------------------------------------------------
 
 def test_cli_export_and_generate_on_llama_cpp(tmp_path, capsys):
     out = tmp_path / "draft.gguf"
@@ -580,9 +576,10 @@ def test_cli_export_and_generate_on_llama_cpp(tmp_path, capsys):
 def test_server_serves_the_llama_cpp_backend(tiny):
     import httpx
 
-    from live_server import ServerThread
     from verispec.server import ServerSettings, create_app
     from verispec.server.run import load_decoder
+
+    from live_server import ServerThread
 
     settings = ServerSettings(target=tiny["target"], draft=tiny["draft"], backend="llama.cpp",
                               port=0)
@@ -609,9 +606,10 @@ def test_chat_on_a_gguf_model_with_a_template_answers_with_the_templates_prompt(
     # the chat route encodes the rendered template with add_special_tokens=False; the GGUF
     # tokenizer did not take that argument, and every chat request on such a model was a 500
     from openai import OpenAI
-    from live_server import ServerThread
 
     from verispec.server import ServerSettings, create_app
+
+    from live_server import ServerThread
 
     tokenizer = build_tokenizer(vocab_size=300)
     tokenizer.chat_template = CHAT_TEMPLATE

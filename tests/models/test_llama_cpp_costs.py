@@ -18,7 +18,6 @@ import shutil
 import pytest
 import torch
 from rich.console import Console
-from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 import verispec
 from verispec import BatchOptions, GenerationConfig, GoodputPolicyConfig, SamplingConfig, cli
@@ -32,6 +31,8 @@ from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCpp
 from verispec.policy.costs import CURVE_DEPTH
 from verispec.server.run import describe_decoding
 from verispec.server.settings import ServerSettings
+
+from tiny_models import build_tokenizer, layer_dropped_draft, untied_llama
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [42]]

@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import verispec.spec.block
+from verispec import SamplingConfig, SpeculativeDecoder
+from verispec.models.hf.adapter import TransformersLM
+
 from helpers_stats import g_test, pair_counts
 from injected_rules import accept_every_draft_token, inject_verify
 from real_law import (
@@ -37,10 +42,6 @@ from real_law import (
     truncation_margin,
 )
 from tiny_models import layer_dropped_draft, untied_llama
-
-import verispec.spec.block
-from verispec import SamplingConfig, SpeculativeDecoder
-from verispec.models.hf.adapter import TransformersLM
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
 

@@ -20,12 +20,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from live_server import ServerThread
-from near_ties import assert_greedy_agree, steps_of_chat, steps_of_completion, steps_of_stream
 
 import verispec
 from verispec import cli
-from verispec.text.chat import ChatTemplateMissing
 from verispec.errors import ModelLoadError
 from verispec.models import packaged
 from verispec.models.packaged import (
@@ -37,6 +34,10 @@ from verispec.proposers.ngram import NgramDraft
 from verispec.proposers.suffix import SuffixDraft
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import load_decoder
+from verispec.text.chat import ChatTemplateMissing
+
+from live_server import ServerThread
+from near_ties import assert_greedy_agree, steps_of_chat, steps_of_completion, steps_of_stream
 
 SMOLLM2 = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec.errors import ConfigError
+from verispec.models.fast_llama.model import FastLlamaLM
+from verispec.models.fast_llama.step_graphs import MIN_KEYS, bucket_keys, bucket_rows
+
 from fast_llama_pair import (  # noqa: F401 (draft, target: its module fixtures)
     PROMPTS,
     VOCAB,
@@ -14,11 +20,6 @@ from fast_llama_pair import (  # noqa: F401 (draft, target: its module fixtures)
     draft,
     target,
 )
-
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.errors import ConfigError
-from verispec.models.fast_llama.model import FastLlamaLM
-from verispec.models.fast_llama.step_graphs import MIN_KEYS, bucket_keys, bucket_rows
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

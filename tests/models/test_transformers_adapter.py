@@ -27,6 +27,23 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import verispec
+from verispec import (
+    ContextLengthExceeded,
+    GenerationConfig,
+    IncompatibleModelsError,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
+from verispec.engine.target import TargetScorer
+from verispec.models.hf.adapter import TransformersLM, output_width
+from verispec.proposers.base import DraftPlan
+from verispec.proposers.draft_model import DraftModelProposer
+from verispec.spec.sampling import make_generator, to_probs
+from verispec.text.decoder import Decoder
+from verispec.text.demo import DemoAssetsMissingError, demo_pair, heldout_prompts
+
 from tiny_models import (
     PROMPTS,
     build_tokenizer,
@@ -35,22 +52,6 @@ from tiny_models import (
     untied_gpt2,
     untied_llama,
 )
-
-import verispec
-from verispec.proposers.base import DraftPlan
-from verispec import (
-    ContextLengthExceeded,
-    GenerationConfig,
-    IncompatibleModelsError,
-    SamplingConfig,
-    SpeculativeDecoder,
-)
-from verispec.text.decoder import Decoder
-from verispec.text.demo import DemoAssetsMissingError, demo_pair, heldout_prompts
-from verispec.engine.target import TargetScorer
-from verispec.models.hf.adapter import TransformersLM, output_width
-from verispec.proposers.draft_model import DraftModelProposer
-from verispec.spec.sampling import make_generator, to_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

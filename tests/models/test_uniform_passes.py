@@ -23,7 +23,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import build_tokenizer, untied_llama
 
 import verispec
 from verispec import cli
@@ -39,6 +38,8 @@ from verispec.models.llama_cpp.model import (
 )
 from verispec.server import ServerSettings
 from verispec.server.run import load_decoder
+
+from tiny_models import build_tokenizer, untied_llama
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 CODE_PROMPTS = [
@@ -192,7 +193,8 @@ def test_the_flag_reaches_the_config_from_the_cli_and_the_server(monkeypatch):
         args = parser.parse_args(["generate", "x", "--target", "t.gguf", *flags])
         assert llama_cpp_config(args).uniform_passes is expected
     loaded = {}
-    monkeypatch.setattr(importlib.import_module("verispec.text.load"), "load", lambda *args, **kwargs: loaded.update(kwargs))
+    monkeypatch.setattr(importlib.import_module("verispec.text.load"), "load",
+                        lambda *args, **kwargs: loaded.update(kwargs))
     load_decoder(ServerSettings.from_args(parser.parse_args(
         ["serve", "--target", "t.gguf", "--no-draft", "--uniform-passes"])))
     assert loaded["llama_cpp_config"].uniform_passes
@@ -238,9 +240,9 @@ def test_coder_target_without_uniform_passes_gives_other_bits_and_with_them_the_
     assert all(bits_equal(logits[True, 8], logits[True, 2]))
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_coder_greedy_speculative_equals_plain_with_uniform_passes(coder, k):
-    assert_equals_plain(coder, coder["draft"], k)
+def test_coder_greedy_speculative_equals_plain_with_uniform_passes(coder):
+    # k = 3 fills the 4-token pass; the padding of shorter passes is tested on the tiny model
+    assert_equals_plain(coder, coder["draft"], 3)
 
 
 def test_coder_greedy_hybrid_equals_plain_with_uniform_passes(coder):

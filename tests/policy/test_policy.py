@@ -12,14 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from markov_chains import (
-    GREEDY,
-    PROMPTS,
-    _decoder,
-    _noisy_draft,
-    _plain_greedy,
-    _target,
-)
+
 from verispec import (
     BatchOptions,
     GenerationConfig,
@@ -28,11 +21,20 @@ from verispec import (
     SamplingConfig,
     SpeculativeDecoder,
     ThresholdPolicyConfig,
-    make_generator,
     optimal_num_draft_tokens,
 )
 from verispec.errors import ConfigError
 from verispec.policy.base import RoundStats
+from verispec.spec.sampling import make_generator
+
+from markov_chains import (
+    GREEDY,
+    PROMPTS,
+    _decoder,
+    _noisy_draft,
+    _plain_greedy,
+    _target,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -21,6 +21,28 @@ import json
 
 import pytest
 import torch
+
+import verispec
+from verispec import (
+    GenerationConfig,
+    MarkovLM,
+    NgramDraft,
+    SamplingConfig,
+    SpeculativeDecoder,
+    SuffixDraft,
+    cli,
+)
+from verispec.errors import ConfigError
+from verispec.proposers import DraftModelProposer, HybridProposer
+from verispec.proposers.base import DraftPlan, Proposal
+from verispec.proposers.hybrid import lookup_named
+from verispec.server.settings import ServerSettings
+from verispec.spec.rejection import point_mass, verify_rows
+from verispec.spec.sampling import make_generator, to_probs
+from verispec.spec.seeded import RaceClocks, stream_key
+from verispec.text.assemble import wrap_model
+from verispec.text.demo import heldout_prompts
+
 from law_checks import (
     VOCAB_SIZE,
     _assert_control_rejected,
@@ -28,29 +50,6 @@ from law_checks import (
     _proposer_law,
 )
 from tiny_models import tiny_llama
-
-import verispec
-from verispec import (
-    DraftModelProposer,
-    GenerationConfig,
-    HybridProposer,
-    MarkovLM,
-    NgramDraft,
-    SamplingConfig,
-    SpeculativeDecoder,
-    SuffixDraft,
-    cli,
-    make_generator,
-)
-from verispec.errors import ConfigError
-from verispec.proposers.base import DraftPlan, Proposal
-from verispec.proposers.hybrid import lookup_named
-from verispec.server.settings import ServerSettings
-from verispec.spec.rejection import point_mass, verify_rows
-from verispec.spec.sampling import to_probs
-from verispec.spec.seeded import RaceClocks, stream_key
-from verispec.text.assemble import wrap_model
-from verispec.text.demo import heldout_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -20,6 +20,17 @@ import math
 
 import pytest
 import torch
+
+import verispec
+from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder, cli
+from verispec.errors import ConfigError
+from verispec.proposers import DraftModelProposer
+from verispec.proposers.base import DraftPlan, Proposal
+from verispec.server.settings import ServerSettings
+from verispec.spec.sampling import make_generator, to_probs
+from verispec.text.assemble import wrap_model
+from verispec.text.demo import heldout_prompts
+
 from law_checks import (
     VOCAB_SIZE,
     _assert_control_rejected,
@@ -27,23 +38,6 @@ from law_checks import (
     _proposer_law,
 )
 from tiny_models import tiny_llama
-
-import verispec
-from verispec import (
-    DraftModelProposer,
-    GenerationConfig,
-    MarkovLM,
-    SamplingConfig,
-    SpeculativeDecoder,
-    cli,
-    make_generator,
-)
-from verispec.errors import ConfigError
-from verispec.proposers.base import DraftPlan, Proposal
-from verispec.server.settings import ServerSettings
-from verispec.spec.sampling import to_probs
-from verispec.text.assemble import wrap_model
-from verispec.text.demo import heldout_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import tiny_llama
-from verispec.proposers.base import DraftPlan
 from verispec import SamplingConfig
-from verispec.text.assemble import wrap_model
+from verispec.proposers.base import DraftPlan
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.spec.sampling import to_probs
+from verispec.text.assemble import wrap_model
+
+from tiny_models import tiny_llama
 
 VOCAB = 97
 SAMPLING = SamplingConfig(temperature=1.0)

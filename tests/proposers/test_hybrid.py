@@ -16,6 +16,24 @@ import pytest
 import torch
 
 import verispec
+from verispec import (
+    BatchOptions,
+    GenerationConfig,
+    GoodputPolicyConfig,
+    MarkovLM,
+    NgramDraft,
+    SamplingConfig,
+    SpeculativeDecoder,
+    ThresholdPolicyConfig,
+    cli,
+)
+from verispec.errors import ConfigError
+from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
+from verispec.proposers.base import DraftPlan
+from verispec.proposers.hybrid import HYBRID_LOOKUP
+from verispec.spec.sampling import make_generator
+from verispec.text.assemble import wrap_model
+
 from injected_rules import (
     _accept_all,
     _exact_accept,
@@ -26,25 +44,6 @@ from injected_rules import (
 )
 from law_checks import VOCAB_SIZE, _assert_control_rejected, _assert_target_law, _proposer_law
 from tiny_models import save_untied_pair, tiny_gpt2, tiny_llama
-from verispec.proposers.base import DraftPlan
-from verispec import (
-    BatchOptions,
-    DraftModelProposer,
-    GenerationConfig,
-    GoodputPolicyConfig,
-    HybridProposer,
-    MarkovLM,
-    NgramDraft,
-    NgramProposer,
-    SamplingConfig,
-    SpeculativeDecoder,
-    ThresholdPolicyConfig,
-    cli,
-    make_generator,
-)
-from verispec.text.assemble import wrap_model
-from verispec.proposers.hybrid import HYBRID_LOOKUP
-from verispec.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -11,28 +11,29 @@ from __future__ import annotations
 import pytest
 
 import verispec
-from law_checks import VOCAB_SIZE
-from tiny_models import save_untied_pair
-from verispec.proposers.base import DraftPlan
 from verispec import (
     GenerationConfig,
     MarkovLM,
     NgramDraft,
-    NgramProposer,
     SamplingConfig,
     SpeculativeDecoder,
     cli,
-    make_generator,
 )
 from verispec.errors import ConfigError
+from verispec.proposers import NgramProposer
+from verispec.proposers.base import DraftPlan
+from verispec.spec.sampling import make_generator
+
+from law_checks import VOCAB_SIZE
+from tiny_models import save_untied_pair
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 GREEDY = SamplingConfig(temperature=0)
 
 
-def _session(prompts, config=NgramDraft()):
-    return NgramProposer(100, config).start(prompts)
+def _session(prompts, config=None):
+    return NgramProposer(100, config or NgramDraft()).start(prompts)
 
 
 def _proposed(session, k):

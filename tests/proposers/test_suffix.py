@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from verispec import (
-    GenerationConfig,
-    SamplingConfig,
-    SpeculativeDecoder,
-    make_generator,
-)
+from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.errors import ConfigError
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.suffix import MAX_OCCURRENCES, SuffixDraft, SuffixProposer
+from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -57,9 +53,12 @@ def test_a_long_repeat_drafts_up_to_k_and_match_times_factor():
     prompt = SPAN + SPAN[:6]  # the suffix SPAN[:6] matched: m = 6
     assert _proposed(_session([prompt]), 8) == [SPAN[6:12]]  # m * factor = 6 < k
     assert _proposed(_session([prompt]), 4) == [SPAN[6:10]]  # k < 6
-    assert _proposed(_session([prompt], SuffixDraft(min_match=2, first_depth=32, factor=0.5)), 8) == [SPAN[6:9]]
-    assert _proposed(_session([prompt], SuffixDraft(min_match=2, first_depth=2, max_depth=2)), 8) == [SPAN[6:8]]
-    assert _proposed(_session([prompt], SuffixDraft(min_match=2, first_depth=32, max_match=4)), 8) == [SPAN[6:10]]
+    def proposed(**settings):
+        return _proposed(_session([prompt], SuffixDraft(min_match=2, **settings)), 8)
+
+    assert proposed(first_depth=32, factor=0.5) == [SPAN[6:9]]
+    assert proposed(first_depth=2, max_depth=2) == [SPAN[6:8]]
+    assert proposed(first_depth=32, max_match=4) == [SPAN[6:10]]
 
 
 def test_a_match_is_the_longest_suffix_up_to_max_match():
@@ -80,9 +79,11 @@ def test_the_confident_path_stops_where_occurrences_diverge():
     history = [90, 1, 2, 3, 4, 5, 91, 1, 2, 3, 4, 6, 92, 1, 2, 3, 4, 7, 93, 1, 2, 3]
     assert _proposed(_session([history]), 8) == [[4]]  # 5, 6, 7: 1/3 each < 0.5
     # at 1/3 the path goes on; a tie goes to the most recent occurrence (then m = 3 caps it)
-    assert _proposed(_session([history], SuffixDraft(min_match=2, first_depth=32, min_confidence=0.3)), 8) == [[4, 7, 93]]
+    confident = SuffixDraft(min_match=2, first_depth=32, min_confidence=0.3)
+    assert _proposed(_session([history], confident), 8) == [[4, 7, 93]]
     # min_confidence 1: a path every occurrence shares
-    assert _proposed(_session([history], SuffixDraft(min_match=2, first_depth=32, min_confidence=1.0)), 8) == [[4]]
+    certain = SuffixDraft(min_match=2, first_depth=32, min_confidence=1.0)
+    assert _proposed(_session([history], certain), 8) == [[4]]
 
 
 def test_the_most_frequent_continuation_beats_the_most_recent():

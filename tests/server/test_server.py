@@ -13,26 +13,25 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 import verispec
 from verispec import cli
-from verispec.text.chat import ChatTemplateMissing
-from verispec.policy import default_num_draft_tokens
 from verispec.errors import ConfigError
 from verispec.models.fast_llama.matmul import resolve_matmul
+from verispec.policy import default_num_draft_tokens
 from verispec.server import ServerSettings, create_app
 from verispec.server.errors import ERROR_TABLE, ServerOverloaded, error_kind
 from verispec.server.prompts import ChatMessage, ChatPrompt
 from verispec.server.run import adaptive_policy
 from verispec.server.settings import add_settings_arguments
+from verispec.text.chat import ChatTemplateMissing
 
 from live_server import (  # noqa: F401 (model_dirs: a fixture)
     ServerThread,

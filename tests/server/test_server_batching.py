@@ -8,6 +8,7 @@ list of prompts, ``n``) are rows of their own: a greedy choice equals its prompt
 seeded choice i its prompt alone with seed + i; a stream carries each under its index, usage
 counts each prompt once, a disconnect frees them all, and one bad prompt fails the request.
 """
+# ruff: noqa: F811 (the tests take live_server's module fixture model_dirs by name)
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_batch_siz
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), SETTINGS)) as running:
+    decoder = verispec.load(*model_dirs, chat_template="plain")
+    with ServerThread(create_app(decoder, SETTINGS)) as running:
         yield running
 
 

@@ -10,9 +10,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import ServerThread
 
 from verispec.server import ServerSettings, create_app
+
+from live_server import ServerThread
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -106,7 +106,8 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), SETTINGS)) as running:
+    decoder = verispec.load(*model_dirs, chat_template="plain")
+    with ServerThread(create_app(decoder, SETTINGS)) as running:
         yield running
 
 

@@ -24,16 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
-from live_server import ServerThread, wait_for
-from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 import verispec
 from verispec import cli
 from verispec.errors import ConfigError
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import bind_address
+
+from live_server import ServerThread, wait_for
+from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -64,7 +64,8 @@ SETTINGS = ServerSettings(model_name=MODEL, max_tokens_limit=2000, max_queue=1, 
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), SETTINGS)) as running:
+    decoder = verispec.load(*model_dirs, chat_template="plain")
+    with ServerThread(create_app(decoder, SETTINGS)) as running:
         yield running
 
 
@@ -128,7 +129,8 @@ def test_host_names_follow_the_bind_address_and_allowed_hosts():
 
 def test_allowed_hosts_lets_a_named_host_in(model_dirs):
     settings = ServerSettings(model_name=MODEL, allowed_hosts="api.example.test")
-    with ServerThread(create_app(verispec.load(*model_dirs, chat_template="plain"), settings)) as running:
+    decoder = verispec.load(*model_dirs, chat_template="plain")
+    with ServerThread(create_app(decoder, settings)) as running:
         assert post(running, headers={"Host": "api.example.test"}).status_code == 200
         error_of(post(running, headers={"Host": "127.0.0.1"}), 403, "host_not_allowed")
 

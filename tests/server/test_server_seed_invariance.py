@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from verispec.text.demo import heldout_prompts
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import load_decoder
+from verispec.text.demo import heldout_prompts
 
 from live_server import ServerThread, wait_for
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from top_p_reference import reference_renormalised, reference_top_p_kept
 
-from verispec import NonFiniteError, SamplingConfig, make_generator, to_probs
+from verispec import NonFiniteError, SamplingConfig
 from verispec.spec.host_probs import _kept_from, top_p_kept
-from verispec.spec.sampling import _device_probs, _masked, greedy_tokens
+from verispec.spec.sampling import _device_probs, _masked, greedy_tokens, make_generator, to_probs
+
+from top_p_reference import reference_renormalised, reference_top_p_kept
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

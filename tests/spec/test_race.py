@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from verispec import make_generator
+from verispec.spec.sampling import make_generator
 from verispec.spec.seeded import RaceClocks, race, stream_key
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

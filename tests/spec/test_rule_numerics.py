@@ -25,22 +25,22 @@ import math
 import pytest
 import torch
 
-from verispec import PenaltyConfig, SamplingConfig, make_generator, to_probs
+from verispec import PenaltyConfig, SamplingConfig
 from verispec.spec import rejection
-from verispec.spec.block import (
-    block_weights,
-    verify_block_rows,
-    verify_block_with_randomness,
-)
+from verispec.spec.block import verify_block_rows
 from verispec.spec.greedy import verify_greedy_rows
 from verispec.spec.penalties import shape_logits
-from verispec.spec.rejection import acceptance_probs, residual_probs, verify_rows
+from verispec.spec.rejection import residual_probs, verify_rows
 from verispec.spec.sampling import (
     greedy_tokens,
+    make_generator,
     sample_from_logits,
     sample_with_uniform,
+    to_probs,
 )
 from verispec.spec.seeded import RaceClocks, race, stream_key
+
+from rule_references import acceptance_probs, block_weights, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

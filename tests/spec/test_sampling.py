@@ -9,22 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_stats import g_test
-from verispec import (
-    NonFiniteError,
-    SamplingConfig,
-    ShapeError,
-    VerispecError,
+from verispec import NonFiniteError, SamplingConfig, ShapeError, VerispecError
+from verispec.spec.sampling import (
     make_generator,
     sample,
-    to_probs,
-)
-from verispec.spec.sampling import (
     sample_from_logits,
-    sample_from_logprobs,
     sample_with_host_uniforms,
     sample_with_uniform,
+    to_probs,
 )
+
+from helpers_stats import g_test
+from rule_references import sample_from_logprobs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -25,27 +25,24 @@ from verispec import (
     ShapeError,
     TokenOutOfRangeError,
     expected_tokens_per_step,
-    make_generator,
     optimal_num_draft_tokens,
     theoretical_speedup,
-    greedy_tokens,
-    to_probs,
     verify,
-    verify_greedy,
-    verify_greedy_rows,
-    verify_greedy_tokens,
 )
 from verispec.config import SamplingConfig
-from verispec.spec.theory import expected_acceptance
+from verispec.spec.checks import check_stop_token_ids
+from verispec.spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
 from verispec.spec.rejection import (
-    acceptance_probs,
     point_mass,
     residual_probs,
     verify_rows,
     verify_with_randomness,
 )
 from verispec.spec.result import PAD_TOKEN
-from verispec.spec.checks import check_stop_token_ids
+from verispec.spec.sampling import greedy_tokens, make_generator, to_probs
+from verispec.spec.theory import expected_acceptance
+
+from rule_references import acceptance_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -14,12 +14,13 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import re
 
 import numpy as np
 import pytest
 import torch
-from helpers_stats import g_test
 
 from verispec import (
     ConfigError,
@@ -28,17 +29,15 @@ from verispec import (
     SamplingConfig,
     ShapeError,
     TokenOutOfRangeError,
-    make_generator,
-    to_probs,
 )
 from verispec.errors import UnsupportedFeatureError
 from verispec.spec import block as verify_block
-from verispec.spec.block import (
-    block_weights,
-    verify_block_rows,
-    verify_block_with_randomness,
-)
+from verispec.spec.block import verify_block_rows
 from verispec.spec.result import PAD_TOKEN
+from verispec.spec.sampling import make_generator, to_probs
+
+from helpers_stats import g_test
+from rule_references import block_weights, verify_block_with_randomness
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -437,7 +436,7 @@ def _sampled_counts(kind: str, vocab_size: int, k: int, seed: int, num_rows: int
     draft, target = _tables(kind, vocab_size, k, seed)
     gen = make_generator(seed + 1000)
     blocks = [[] for _ in range(num_rows)]
-    for i in range(k):  # draw the draft blocks position by position
+    for _ in range(k):  # draw the draft blocks position by position
         probs = torch.stack([draft[tuple(b)] for b in blocks]).float()
         for b, token in zip(blocks, torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()):
             b.append(token)
@@ -550,8 +549,6 @@ def test_bad_inputs_raise_typed_errors():
     gen = make_generator(0)
     with pytest.raises(UnsupportedFeatureError, match="verify_rows"):
         verify_block_rows(draft_tokens, None, target_probs, gen)
-    with pytest.raises(UnsupportedFeatureError):
-        block_weights(draft_tokens, None, target_probs)
     with pytest.raises(ShapeError):
         verify_block_rows(draft_tokens, draft_probs, target_probs[:, :3], gen)
     with pytest.raises(ShapeError):
@@ -563,7 +560,21 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(TokenOutOfRangeError):
         verify_block_rows(draft_tokens.clone().fill_(6), draft_probs, target_probs, gen)
     zero_at_draft = draft_probs.clone().scatter_(-1, draft_tokens[..., None], 0.0)
+    with pytest.raises(DraftContractError):
+        verify_block_rows(draft_tokens, zero_at_draft, target_probs, gen)
     for verify_fn in (lambda: verify_block_rows(draft_tokens, zero_at_draft, target_probs, gen),
                       lambda: block_weights(draft_tokens, zero_at_draft, target_probs)):
         with pytest.raises(DraftContractError):
             verify_fn()
+
+
+def test_point_mass_error_names_a_function_that_exists():
+    # the error sends the caller to the token-wise rule: the dotted name it gives must import
+    draft_tokens, _, target_probs = _random_batch(2, 2)
+    with pytest.raises(UnsupportedFeatureError) as raised:
+        verify_block_rows(draft_tokens, None, target_probs, make_generator(0))
+    names = re.findall(r"verispec(?:\.\w+)+", str(raised.value))
+    assert names, str(raised.value)
+    for name in names:
+        module, attribute = name.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), attribute), name

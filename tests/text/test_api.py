@@ -13,13 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import (
-    build_tokenizer,
-    layer_dropped_draft,
-    save_model,
-    scripted_llama,
-    untied_llama,
-)
 
 import verispec
 from verispec import (
@@ -30,6 +23,14 @@ from verispec import (
     ModelLoadError,
 )
 from verispec.policy import default_num_draft_tokens
+
+from tiny_models import (
+    build_tokenizer,
+    layer_dropped_draft,
+    save_model,
+    scripted_llama,
+    untied_llama,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

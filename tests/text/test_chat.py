@@ -16,10 +16,15 @@ import re
 import sys
 
 import pytest
-from tiny_models import build_tokenizer, tiny_llama
 
 import verispec
 from verispec import cli
+from verispec.errors import (
+    ConfigError,
+    EmptyPromptError,
+    InputError,
+    UnsupportedFeatureError,
+)
 from verispec.text.chat import (
     CHAT_TEMPLATES,
     ChatTemplate,
@@ -28,12 +33,8 @@ from verispec.text.chat import (
     check_messages,
     end_of_turn_ids,
 )
-from verispec.errors import (
-    ConfigError,
-    EmptyPromptError,
-    InputError,
-    UnsupportedFeatureError,
-)
+
+from tiny_models import build_tokenizer, tiny_llama
 
 SPECIAL = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "", "unk_token": ""}
 HI = [{"role": "user", "content": "Hi"}]

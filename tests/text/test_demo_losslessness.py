@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers_stats import first_two_in_runs, g_test
 
 import verispec.spec.block
-from verispec import GenerationConfig, SamplingConfig, to_probs
+from verispec import GenerationConfig, SamplingConfig
+from verispec.spec.sampling import to_probs
+
+from helpers_stats import first_two_in_runs, g_test
 
 pytestmark = [pytest.mark.usefixtures("single_thread_torch"), pytest.mark.slow]
 

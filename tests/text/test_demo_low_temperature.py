@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from verispec import GenerationConfig, PenaltyConfig, SamplingConfig, make_generator
+from verispec import GenerationConfig, PenaltyConfig, SamplingConfig
+from verispec.spec.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

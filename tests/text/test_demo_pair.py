@@ -1,4 +1,5 @@
-"""The shipped demo draft/target pair: loadable offline, compatible, and the target is the better LM.
+"""The shipped demo draft/target pair: loadable offline, compatible, and the target is the better
+LM.
 
 Runs in a few seconds on CPU; needs HF_HUB_OFFLINE-safe local loading only.
 """
@@ -21,8 +22,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verispec import ModelLoadError, VerispecError
-from verispec.text.demo import (DemoAssetsMissingError, DemoPair, demo_dir, demo_pair,
-                                heldout_prompts)
+from verispec.text.demo import (
+    DemoAssetsMissingError,
+    DemoPair,
+    demo_dir,
+    demo_pair,
+    heldout_prompts,
+)
 
 SEQ_LEN = 256
 # never in the training data (see assets/demo/README.md)

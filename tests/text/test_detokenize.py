@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import CORPUS, build_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from verispec.engine.metrics import MetricsRecorder
 from verispec.text.demo import demo_pair
 from verispec.text.detokenize import REPLACEMENT, IncrementalDetokenizer
-from verispec.engine.metrics import MetricsRecorder
 from verispec.text.stream import RowText
+
+from tiny_models import CORPUS, build_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b  # ü ✓ λ, naïve café 日本\n"
 
@@ -55,7 +56,7 @@ def token_streams(tokenizer, generator: torch.Generator) -> list[list[int]]:
     """Real text's tokens (cut anywhere: mid-word, mid-character) and random token ids (any
     byte sequence, invalid UTF-8 and special tokens included)."""
     text_ids = tokenizer.encode(TEXT + " ".join(CORPUS[:4]))
-    streams = [text_ids[start:] for start in range(0, 12)]
+    streams = [text_ids[start:] for start in range(12)]
     vocab = len(tokenizer)
     streams += [torch.randint(0, vocab, (40,), generator=generator).tolist() for _ in range(30)]
     return streams

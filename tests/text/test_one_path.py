@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 import pytest
-from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 import verispec
 from verispec import ConfigError, GoodputPolicyConfig, ThresholdPolicyConfig
+
+from tiny_models import build_tokenizer, layer_dropped_draft, save_model, untied_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -36,19 +36,19 @@ from pathlib import Path
 
 import torch
 
-from ..policy.threshold import ThresholdPolicyConfig
-from ..text.decoder import Decoder
 from ..config import BENCH_RULES, BatchOptions, GenerationConfig, SamplingConfig
-from ..spec.theory import theoretical_speedup
 from ..engine.decoder import SpeculativeDecoder
-from ..policy.goodput import GoodputPolicyConfig
 from ..engine.metrics import GenerationMetrics
 from ..models.fast_llama.matmul import cpuinfo
+from ..policy.goodput import GoodputPolicyConfig
+from ..policy.threshold import ThresholdPolicyConfig
 from ..proposers.draft_model import DraftModelProposer
 from ..proposers.hybrid import HybridProposer
 from ..proposers.ngram import NgramDraft, NgramProposer
 from ..proposers.suffix import SuffixDraft, SuffixProposer
 from ..spec.sampling import make_generator
+from ..spec.theory import theoretical_speedup
+from ..text.decoder import Decoder
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ..policy import named_policy
 from ..errors import VerispecError
+from ..policy import named_policy
 from .bench import add_bench_parser
 from .options import _add_model_options, _add_sampling_options, llama_cpp_config
 
@@ -165,9 +165,9 @@ def _read_prompt(prompt: str | None) -> str:
 
 def _load_decoder(args: argparse.Namespace):
     """The decoder the model flags describe."""
-    from ..text.load import load
     from ..proposers.hybrid import lookup_named
     from ..proposers.suffix import SuffixDraft
+    from ..text.load import load
 
     return load(args.target, SuffixDraft() if args.ngram else args.draft, device=args.device,
                 dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,

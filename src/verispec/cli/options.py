@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import (COST_CURVE_MODES, HYBRID_LOOKUPS, POLICY_NAMES, REPACK_MODES,
-                      VERIFICATION_RULES)
+from ..config import (
+    COST_CURVE_MODES,
+    HYBRID_LOOKUPS,
+    POLICY_NAMES,
+    REPACK_MODES,
+    VERIFICATION_RULES,
+)
 
 COST_CURVE_HELP = ("llama.cpp backend: the target's pass costs over 1 to 9 tokens and the "
                    "draft's step, which price the depth policy from the first round. cached: "
@@ -109,8 +114,9 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                           default=VERIFICATION_RULES[0],
                           help="how an unseeded sampled request tests a draft model's tokens: "
                           "'block' (block verification: exact, keeps at least as many tokens a "
-                          "round on average) or 'token' (token-wise rejection sampling); a seeded request "
-                          "keeps draft tokens while they are the target's own samples (default: "
+                          "round on average) or 'token' (token-wise rejection sampling); a seeded "
+                          "request keeps draft tokens while they are the target's own samples "
+                          "(default: "
                           f"{VERIFICATION_RULES[0]})")
 
 

@@ -39,7 +39,8 @@ rounds its logits differently enough to flip a race).
 Depth: before each round the scheduler (policy/scheduler.py) plans each row's k from the batch's
 options (config.BatchOptions): its depth policy (policy/; one per batch-size bucket, and it may
 choose k = 0: a plain round for the whole batch) or its fixed k, under each row's own cap
-(rows.Row); after it, the round is reported back to it.
+(rows.Row); after it, the round is reported back to it, with its seconds by step from a
+clock.RoundClock.
 
 The loop knows nothing about tokenisers, HTTP or printing; it sees token ids and the protocols
 in models/base.py and proposers/base.py.
@@ -53,21 +54,28 @@ from dataclasses import replace
 
 import torch
 
-from ..policy.base import AdaptivePolicy
-from .verification import (RowFaults, ban_early_stops, emitted_logprobs,
-                           shape_target_logits, target_outputs, verify_batch)
-from .prefill import ChunkedPrefill
 from ..config import BatchOptions, GenerationConfig
-from .constraints import ConstraintSet
 from ..errors import EmptyPromptError, InputError, TokenOutOfRangeError
-from .metrics import MetricsRecorder
-from ..models.base import CapturesSteps, LanguageModel
-from .target import TargetScorer
-from ..proposers.base import DraftPlan, Proposer
-from .rows import Row
+from ..models.base import LanguageModel
+from ..policy.base import AdaptivePolicy
 from ..policy.costs import CostCurve
 from ..policy.scheduler import RoundReport, Scheduler
+from ..proposers.base import DraftPlan, Proposer
 from ..spec.checks import check_stop_token_ids
+from .clock import RoundClock, step_capturers, timed
+from .constraints import ConstraintSet
+from .metrics import MetricsRecorder
+from .prefill import ChunkedPrefill
+from .rows import Row
+from .target import TargetScorer
+from .verification import (
+    RowFaults,
+    ban_early_stops,
+    emitted_logprobs,
+    shape_target_logits,
+    target_outputs,
+    verify_batch,
+)
 
 
 class Batch:
@@ -95,11 +103,7 @@ class Batch:
                    and lm.max_positions is not None]
         self.scheduler = Scheduler(options, carried, proposer is not None,
                                    min(windows) if windows else None, cost_curve)
-        # the models that capture steps as CUDA graphs: a round in which one captured reaches
-        # the policy as a first use (a capture costs tens of steps, and a new cache layout or
-        # key bucket brings one long after a depth's first round; taken at full weight, such
-        # rounds priced drafting out of reach)
-        self._capturers = [m for m in (target, proposer) if isinstance(m, CapturesSteps)]
+        self._capturers = step_capturers(target, proposer)  # a capture makes a first use
 
     @property
     def device(self) -> torch.device:
@@ -188,36 +192,25 @@ class Batch:
             row.cancel()
         self._keep([i for i, row in enumerate(self.rows) if row.id not in leaving])
 
-    def _catch_up(self) -> None:
-        """The draft feeds what plain rounds left it, timed apart for the scheduler."""
-        started = time.perf_counter()
-        self.proposer.catch_up()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.scheduler.draft_caught_up(time.perf_counter() - started)
-
     def step(self) -> list[tuple[Row, list[int]]]:
         """One round over every row: [(row, its new tokens)]; rows that finish leave."""
         assert self.rows, "a round needs at least one row"
         plan = self.scheduler.plan(self.rows)
         if plan.catch_up:  # the tokens of plain rounds, before the round's clock starts
-            self._catch_up()
-        captures = self._num_captured()
-        started = time.perf_counter()
+            self.scheduler.draft_caught_up(timed(self.device, self.proposer.catch_up))
+        clock = RoundClock(self._capturers)
         faults: RowFaults = {}  # rows failing on faults of their own this round -> errors
         # 1. propose (under a grammar: each draft token drawn from its masked distribution)
         draft_tokens, draft_probs, num_draft, allowed = self._propose(plan.num_draft_tokens,
                                                                       faults)
-        draft_time = _synced_elapsed(started, draft_tokens)
+        clock.drafted(draft_tokens)
         # 2. score: one target pass over each row's pending token and its k_b draft tokens
-        target_started = time.perf_counter()
         target_logits = ban_early_stops(self.rows, shape_target_logits(
             self.rows, self.target.score(draft_tokens, num_draft), draft_tokens, num_draft,
-            faults))
-        target_out = target_outputs(self.rows, target_logits, allowed, faults)  # [B, K+1, V]
-        target_time = _synced_elapsed(target_started, target_logits)
+            faults))  # [B, K+1, V]
+        target_out = target_outputs(self.rows, target_logits, allowed, faults)
+        clock.scored(target_logits)
         # 3. verify each row on its first k_b tokens
-        verify_started = time.perf_counter()
         measured, output_tokens = verify_batch(self.rows, draft_tokens, draft_probs, num_draft,
                                                target_out, self.vocab_size, faults)
         # a round that only measures drafting keeps each row's first token: rows in step stay so
@@ -226,23 +219,26 @@ class Batch:
         self._commit(num_accepted, [row[n] for row, n in zip(output_tokens, num_accepted)],
                      faults)
         # 5. emit (with their logprobs, for the rows that ask); a failed row takes nothing
-        logprobs = emitted_logprobs(self.rows, target_logits, allowed, output_tokens,
-                                    num_accepted, faults)
-        self._take_constraint_faults(faults)
-        emitted = [(row, _emit_or_fail(row, tokens[: n + 1], row_logprobs, faults.get(b)))
-                   for b, (row, tokens, n, row_logprobs)
-                   in enumerate(zip(self.rows, output_tokens, num_accepted, logprobs))]
-        times = {"draft_time": draft_time, "target_time": target_time,
-                 "verify_time": time.perf_counter() - verify_started,
-                 "wall_time": time.perf_counter() - started}
+        emitted = self._emit(target_logits, allowed, output_tokens, num_accepted, faults)
         self._record(_without_failed(RoundReport(
-            draft_tokens.shape[1], plan.num_draft_tokens, num_draft, measured, times,
-            self._num_captured() > captures), faults), emitted, plan.measuring)
+            draft_tokens.shape[1], plan.num_draft_tokens, num_draft, measured, clock.stop(),
+            clock.captured), faults), emitted, plan.measuring)
         self._keep([i for i, row in enumerate(self.rows) if not row.finished])
         return emitted
 
-    def _num_captured(self) -> int:
-        return sum(model.num_captured for model in self._capturers)
+    def _emit(self, target_logits: torch.Tensor, allowed: torch.Tensor | None,
+              output_tokens: list[list[int]], num_accepted: list[int], faults: RowFaults
+              ) -> list[tuple[Row, list[int]]]:
+        """Step 5: each row takes output_tokens[b][: n_b + 1], its accepted tokens and the
+        next one, with their logprobs where its config asks (from target_logits [B, K+1, V]
+        and the grammar's masks allowed [B, K+1, V] or None); a row in ``faults`` (its
+        logprobs or its grammar failed too) takes none and ends with its error."""
+        logprobs = emitted_logprobs(self.rows, target_logits, allowed, output_tokens,
+                                    num_accepted, faults)
+        self._take_constraint_faults(faults)
+        return [(row, _emit_or_fail(row, tokens[: n + 1], row_logprobs, faults.get(b)))
+                for b, (row, tokens, n, row_logprobs)
+                in enumerate(zip(self.rows, output_tokens, num_accepted, logprobs))]
 
     def _commit(self, num_accepted: list[int], next_tokens: list[int],
                 faults: RowFaults) -> None:
@@ -379,13 +375,6 @@ def fill_from_the_end(kept: list[int]) -> list[int]:
     staying = {row for row in kept if row < num_kept}
     movers = iter([row for row in kept if row >= num_kept])
     return [place if place in staying else next(movers) for place in range(num_kept)]
-
-
-def _synced_elapsed(started: float, tensor: torch.Tensor) -> float:
-    """Seconds since ``started``, after the device that produced ``tensor`` has finished."""
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-    return time.perf_counter() - started
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:

@@ -24,17 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import BatchOptions, GenerationConfig
+from ..errors import ConfigError, IncompatibleModelsError
+from ..models.base import LanguageModel
 from ..policy.base import AdaptivePolicy
 from ..policy.costs import CostCurve
-from .batch import Batch, check_prompts
-from ..config import BatchOptions, GenerationConfig
-from .constraints import ConstraintSet
-from ..errors import ConfigError, IncompatibleModelsError
-from .metrics import GenerationMetrics
-from ..models.base import LanguageModel
 from ..proposers.base import Proposer
 from ..proposers.draft_model import DraftModelProposer
 from ..spec.sampling import make_generator
+from .batch import Batch, check_prompts
+from .constraints import ConstraintSet
+from .metrics import GenerationMetrics
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..policy.scheduler import RoundTimes
+
 MAX_POSITIONS = 32
 
 
@@ -137,14 +139,13 @@ class MetricsRecorder:
         self.fixed_cost_ratio = fixed_cost_ratio
         self.counts = {"num_rounds": 0, "num_row_rounds": 0, "num_drafted": 0, "num_accepted": 0,
                        "num_emitted": 0, "num_draft_steps": 0, "num_target_calls": 0}
-        self.times = {"draft_time": 0.0, "target_time": 0.0, "verify_time": 0.0,
-                      "wall_time": 0.0}
+        self.times = RoundTimes()  # summed over the rounds recorded
         self.num_reached = [0] * MAX_POSITIONS
         self.num_accepted_at = [0] * MAX_POSITIONS
 
     def record_round(self, num_draft_tokens: int, num_rows: int, num_accepted: int,
                      num_emitted: int, reached: list[int], accepted_at: list[int],
-                     times: dict[str, float], num_drafted: int | None = None) -> None:
+                     times: RoundTimes, num_drafted: int | None = None) -> None:
         """One round: reached[i] / accepted_at[i] count rows tested / accepted at position i.
         num_draft_tokens: the round's k (draft steps); num_drafted: tokens verified over the
         rows, when rows drafted fewer than k (None: k per row)."""
@@ -160,11 +161,10 @@ class MetricsRecorder:
         for i, (r, a) in enumerate(zip(reached, accepted_at)):
             self.num_reached[i] += r
             self.num_accepted_at[i] += a
-        for name, seconds in times.items():
-            self.times[name] += seconds
+        self.times += times
 
     def snapshot(self) -> GenerationMetrics:
-        return GenerationMetrics(**self.counts, **self.times,
+        return GenerationMetrics(**self.counts, **asdict(self.times),
                                  num_reached=tuple(self.num_reached),
                                  num_accepted_at=tuple(self.num_accepted_at),
                                  fixed_cost_ratio=self.fixed_cost_ratio)

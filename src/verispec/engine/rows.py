@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GenerationConfig
-from .metrics import GenerationMetrics, MetricsRecorder
 from ..spec.penalties import seen_tokens, shape_logits
 from ..spec.seeded import RaceClocks, stream_key
+from .metrics import GenerationMetrics, MetricsRecorder
 
 _ids = itertools.count()
 

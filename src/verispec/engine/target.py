@@ -9,8 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.base import (AdoptsRows, ExtendsRagged, LMSession, PrefillsThroughLastToken,
-                           as_ints)
+from ..models.base import AdoptsRows, ExtendsRagged, LMSession, PrefillsThroughLastToken, as_ints
 
 
 class TargetScorer:

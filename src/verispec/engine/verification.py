@@ -27,21 +27,40 @@ spec/seeded.py), the loop, its policy and its caches (batch.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..proposers.base import run_isolated
-from .rows import Row, TokenLogprob, token_logprobs
-from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
-from ..spec.seeded import race
-from ..spec.rejection import verify_rows
-from ..spec.result import PAD_TOKEN
 from ..spec.block import verify_block_rows
 from ..spec.checks import raise_out_of_range
 from ..spec.greedy import verify_greedy_rows
-
+from ..spec.rejection import verify_rows
+from ..spec.result import PAD_TOKEN
+from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
+from ..spec.seeded import race
+from .rows import Row, TokenLogprob, token_logprobs
 
 RowFaults = dict[int, Exception]  # a round's failed rows (batch index) -> each one's error
+
+
+@dataclass(frozen=True)
+class TargetOutputs:
+    """The target's side of one round's verification (:func:`target_outputs`).
+
+    greedy          the greedy rows (batch indices) not failed before processing;
+    sampled         the sampled rows (batch indices) not failed before processing, in the
+                    order of target_probs' rows;
+    greedy_tokens   {greedy row: its K+1 argmax tokens (host ints)}; a row whose logits could
+                    not be processed is missing (it joined the round's faults);
+    target_probs    [S, K+1, V] fp32: row s holds sampled[s]'s processed distributions (zeros
+                    for a row that failed in processing); None when no row is sampled.
+    """
+
+    greedy: list[int]
+    sampled: list[int]
+    greedy_tokens: dict[int, list[int]]
+    target_probs: torch.Tensor | None
 
 
 def _failer(faults: RowFaults, rows: Sequence[int] | None = None
@@ -112,49 +131,47 @@ def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.T
 
 
 def target_outputs(rows: Sequence[Row], target_logits: torch.Tensor,
-                   allowed: torch.Tensor | None, faults: RowFaults) -> dict[str, object]:
-    """The target's side of verification: greedy rows' argmax tokens (host lists, [K+1]
-    each, by row) and sampled rows' probs [S, K+1, V] fp32, each row processed by its own
-    settings (rows with equal settings in one call; all rows in one call needs no indexing).
-    Rows already in ``faults`` are left out; a row whose logits cannot be processed (not
-    finite) joins them. target_logits [B, K+1, V]; allowed: a grammar's masks [B, K+1, V] or
-    None."""
+                   allowed: torch.Tensor | None, faults: RowFaults) -> TargetOutputs:
+    """The target's side of verification: greedy rows' argmax tokens and sampled rows' probs,
+    each row processed by its own settings (rows with equal settings in one call; all rows in
+    one call needs no indexing). Rows already in ``faults`` are left out; a row whose logits
+    cannot be processed (not finite) joins them. target_logits [B, K+1, V]; allowed: a
+    grammar's masks [B, K+1, V] or None."""
     greedy = [b for b, row in enumerate(rows) if row.is_greedy and b not in faults]
     sampled = [b for b, row in enumerate(rows) if not row.is_greedy and b not in faults]
-    out: dict[str, object] = {"greedy": greedy, "sampled": sampled}
+    tokens: dict[int, list[int]] = {}
     if greedy:
-        tokens: dict[int, list[int]] = {}
         for part, part_tokens in run_isolated(
                 greedy, lambda part: greedy_tokens(_take(target_logits, part),
                                                    _take(allowed, part)).tolist(),
                 _failer(faults)):
             tokens.update(zip(part, part_tokens))
-        out["greedy_tokens"] = tokens
+    target_probs = None
     if sampled:
         groups: dict[object, list[int]] = {}
         for position, b in enumerate(sampled):
             groups.setdefault(rows[b].config.sampling, []).append(position)
         logits, masks = _take(target_logits, sampled), _take(allowed, sampled)
-        probs = None
         for sampling, positions in groups.items():
             def process(part: list[int], sampling: object = sampling) -> torch.Tensor:
                 return to_probs(_take(logits, part), sampling, _take(masks, part))
 
             for part, part_probs in run_isolated(positions, process, _failer(faults, sampled)):
                 if len(part) == len(sampled):  # every sampled row in one call: no copy
-                    probs = part_probs
+                    target_probs = part_probs
                     continue
-                if probs is None:
-                    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-                probs[part] = part_probs
-        out["target_probs"] = probs if probs is not None else torch.zeros(
-            logits.shape, dtype=torch.float32, device=logits.device)  # every row failed
-    return out
+                if target_probs is None:
+                    target_probs = torch.zeros(logits.shape, dtype=torch.float32,
+                                               device=logits.device)
+                target_probs[part] = part_probs
+        if target_probs is None:  # every sampled row failed
+            target_probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return TargetOutputs(greedy, sampled, tokens, target_probs)
 
 
 def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
                  draft_probs: torch.Tensor | None, num_draft: list[int],
-                 target_out: dict[str, object], vocab_size: int, faults: RowFaults
+                 target_out: TargetOutputs, vocab_size: int, faults: RowFaults
                  ) -> tuple[list[int], list[list[int]]]:
     """Each row's accepted count and output tokens (K+1 ints, PAD after its new token), row b
     verified on its first num_draft[b] draft tokens. draft_tokens [B, K]; draft_probs
@@ -169,12 +186,12 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
     with their own generators."""
     num_rows, width = draft_tokens.shape
     num_accepted, output_tokens = [0] * num_rows, [[0] + [PAD_TOKEN] * width] * num_rows
-    sampled = target_out["sampled"]
+    sampled = target_out.sampled
     draft_rows = draft_tokens.tolist()
     for b, (n, tokens) in _verify_greedy(draft_rows, num_draft, target_out, vocab_size,
                                          faults).items():
         num_accepted[b], output_tokens[b] = n, tokens
-    target_probs = target_out.get("target_probs")  # [S, K+1, V], rows in `sampled` order
+    target_probs = target_out.target_probs  # [S, K+1, V], rows in `sampled` order
     by_rule: dict[str, list[int]] = {}
     for position, b in enumerate(sampled):
         if b not in faults:
@@ -202,12 +219,12 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
 
 
 def _verify_greedy(draft_rows: list[list[int]], num_draft: list[int],
-                   target_out: dict[str, object], vocab_size: int, faults: RowFaults
+                   target_out: TargetOutputs, vocab_size: int, faults: RowFaults
                    ) -> dict[int, tuple[int, list[int]]]:
     """The greedy rows (not in ``faults``) by spec.greedy.verify_greedy_rows on host lists:
     {row: (num_accepted, output tokens)}; a row that raises joins ``faults``."""
-    greedy = [b for b in target_out["greedy"] if b not in faults]
-    target_tokens = target_out.get("greedy_tokens", {})
+    greedy = [b for b in target_out.greedy if b not in faults]
+    target_tokens = target_out.greedy_tokens
     verified = {}
     for part, (accepted, outputs) in run_isolated(greedy, lambda part: verify_greedy_rows(
             [draft_rows[b][: num_draft[b]] for b in part],

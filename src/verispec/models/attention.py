@@ -4,12 +4,12 @@ Why: decoding feeds a new attention shape at almost every step (one more cached 
 length is 1 for a plain step and k + 1 for a verification pass), and on CUDA in half precision
 torch's default choice, cuDNN attention, builds an execution plan the first time it sees a shape.
 That first call at each new key length costs far more than the other kernels' first call, and
-than many steady-state steps, so a fresh process paid several steps' time per generated token
-until every length had been seen once (dev/LOG.md: attention kernels).
+than many steady-state steps, so with it a fresh process would pay several steps' time per
+generated token until every length had been seen once (dev/LOG.md: attention kernels).
 
 Memory-efficient attention has no per-shape planning, and it is the one kernel used for every
 pass: flash attention would take the unmasked 1-token steps of plain decoding but not the masked
-(k + 1)-token verification passes, and two kernels round bf16 differently, which broke greedy
+(k + 1)-token verification passes, and two kernels round bf16 differently, which breaks greedy
 equality between plain and speculative decoding on the GPU (tests/models/test_gpu.py). The math
 kernel stays as the fallback for what the efficient kernel does not take (on some torch versions,
 grouped-query heads: still exact, slower on long contexts).

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.utils import logging as hf_logging
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from ..errors import ConfigError, IncompatibleModelsError, ModelLoadError, UnsupportedFeatureError
 

@@ -1,4 +1,5 @@
-"""Real GGUF chat models that install from PyPI, loadable by name: ``load("smollm2-135m-instruct")``.
+"""Real GGUF chat models that install from PyPI, loadable by name:
+``load("smollm2-135m-instruct")``.
 
 What this is: a table from a short model name to the PyPI package(s) that carry its GGUF file,
 and the function that finds (or, for a file shipped in chunks, assembles) that file. Nothing is

@@ -11,10 +11,11 @@ implement; policy.named_policy builds either by name:
 
 Configs are frozen dataclasses; ``config.build(initial_k)`` makes a fresh stateful policy for
 one generation, so by default no state passes between requests. With ``carry_over=True`` the
-engine hands ``build`` the policy of the previous generation on the same decoder (same policy
-config, sampling settings and batch size) and the new one starts from a copy of what that one had
-learned: a short request then runs at the learned depth from its first round instead of spending
-its rounds on the priors. Policies never change the output law: any k gives exact samples; they
+engine hands ``build`` the latest policy of the same config and batch-size bucket on the same
+decoder (keyed by (config, bucket): scheduler.Scheduler._carry_key; the rows' sampling settings
+are not part of the key), and the new one starts from a copy of what that one had learned: a
+short request then runs at the learned depth from its first round instead of spending its
+rounds on the priors. Policies never change the output law: any k gives exact samples; they
 only change speed, and never what a seed gives: a seeded row's tokens are its target's samples
 on clocks keyed by position (spec/seeded.py), whatever k each round has.
 """
@@ -25,6 +26,7 @@ import copy
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..config import check_bool, check_int, is_int
 from ..errors import ConfigError
 from .costs import CostCurve
 
@@ -108,16 +110,12 @@ class AdaptivePolicyConfig:
 
     def __post_init__(self) -> None:
         lo, hi = self.min_num_draft_tokens, self.max_num_draft_tokens
-        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
-        if not (ints and self.LOWEST_MIN <= lo <= hi <= 32 and hi >= 1):
+        if not (is_int(lo) and is_int(hi) and self.LOWEST_MIN <= lo <= hi <= 32 and hi >= 1):
             raise ConfigError(
                 f"min_num_draft_tokens={lo!r}, max_num_draft_tokens={hi!r} are invalid: expected "
                 f"integers with {self.LOWEST_MIN} <= min <= max <= 32 and max >= 1.")
-        if isinstance(self.min_rows, bool) or not (isinstance(self.min_rows, int)
-                                                   and self.min_rows >= 1):
-            raise ConfigError(f"min_rows={self.min_rows!r} is invalid: expected an integer >= 1.")
-        if not isinstance(self.carry_over, bool):
-            raise ConfigError(f"carry_over={self.carry_over!r} is invalid: expected True or False.")
+        check_int("min_rows", self.min_rows, 1)
+        check_bool("carry_over", self.carry_over)
 
     def clamp(self, k: int) -> int:
         return max(self.min_num_draft_tokens, min(self.max_num_draft_tokens, k))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config import is_number
 from ..errors import ConfigError
 
 # the deepest k a measured curve covers (a target pass over CURVE_DEPTH + 1 tokens); deeper, T
@@ -43,9 +44,7 @@ class CostCurve:
 
     def __post_init__(self) -> None:
         values = self.target_pass + (() if self.draft_step is None else (self.draft_step,))
-        if not self.target_pass or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-                for v in values):
+        if not self.target_pass or not all(is_number(v) and 0 < v < math.inf for v in values):
             raise ConfigError(f"CostCurve(target_pass={self.target_pass!r}, draft_step="
                               f"{self.draft_step!r}) is invalid: expected at least one target "
                               "pass and every cost a finite number of seconds > 0.")
@@ -153,7 +152,7 @@ def faded(total: float, count: float, decay: float) -> tuple[float, float]:
     rounds after its last probe (0.9^200), its model goes back to a flat T(k) = T(0), and it
     drafts deep rounds for a promised gain that costly rounds, a catch-up and rows out of step
     take back. Held at one round's weight, the next probe still counts as much as everything
-    before it. Weights below one (first uses alone, first_use_weight) fade out as before: a
+    before it. Weights below one (first uses alone, first_use_weight) fade out as any do: a
     bucket's cold first round would otherwise set its T(k) slope alone for good and hold it in
     plain rounds where drafting pays (dev/LOG.md: goodput._faded)."""
     if count < 1.0:

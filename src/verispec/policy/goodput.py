@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import ConfigError
+from ..config import check_int, check_number
 from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
 from .costs import CostCurve, faded, piecewise, priced_rounds
 
@@ -76,13 +76,14 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
     # how far the probe interval stretches while plain rounds stay the best, in probe_every's
     plain_probe_backoff: int = 16
     # while drafting, every this many probes one is a plain round, so that T(0) is measured
-    # afresh: measured once, one slow plain round priced plain rounds for good, and a server
-    # drafted through rounds that cost what plain ones do (dev/LOG.md, PLAIN_REPROBE)
+    # afresh: measured once, one slow plain round would price plain rounds for good, and a
+    # server would draft through rounds that cost what plain ones do (dev/LOG.md, PLAIN_REPROBE)
     plain_reprobe: int = 3
     # how much more goodput than plain rounds drafting must promise to be chosen over them: a
     # round that drafts after plain ones first makes the draft catch up on their tokens, and
-    # on the rows that joined meanwhile, outside the priced round; a near tie taken whenever
-    # drafting came out ahead lost to plain rounds (dev/LOG.md, PLAIN_MARGIN)
+    # on the rows that joined meanwhile, outside the priced round, so a near tie is no reason
+    # to draft: drafting whenever it comes out ahead loses to plain rounds (dev/LOG.md,
+    # PLAIN_MARGIN)
     plain_margin: float = 1.1
     # a policy in plain rounds whose acceptance rests on fewer tested positions than this
     # (decayed sums) probes at its first depth every probe_every rounds, without backing off,
@@ -107,31 +108,19 @@ class GoodputPolicyConfig(AdaptivePolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cost_ratio is not None and not (0 < self.cost_ratio < math.inf):
-            raise ConfigError(f"cost_ratio={self.cost_ratio!r} is invalid: expected a finite "
-                              "number > 0, or None to measure it.")
-        if not 0.0 < self.decay <= 1.0:
-            raise ConfigError(f"decay={self.decay!r} is invalid: expected 0 < decay <= 1.")
-        if not (0.0 <= self.prior_acceptance <= 1.0 and 0.0 <= self.prior_weight < math.inf):
-            raise ConfigError(f"prior_acceptance={self.prior_acceptance!r} must be in [0, 1] and "
-                              f"prior_weight={self.prior_weight!r} >= 0.")
-        if isinstance(self.probe_every, bool) or not (isinstance(self.probe_every, int)
-                                                      and self.probe_every >= 0):
-            raise ConfigError(f"probe_every={self.probe_every!r} is invalid: expected an integer "
-                              ">= 0 (0 never probes).")
+        if self.cost_ratio is not None:
+            check_number("cost_ratio", self.cost_ratio, 0, math.inf, low_open=True,
+                         note=", or None to measure it")
+        check_number("decay", self.decay, 0, 1, low_open=True)
+        check_number("prior_acceptance", self.prior_acceptance, 0, 1)
+        check_number("prior_weight", self.prior_weight, 0, math.inf)
+        check_int("probe_every", self.probe_every, 0, note=" (0 never probes)")
         for name in ("plain_probe_backoff", "plain_reprobe", "thin_probes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name}={value!r} is invalid: expected an integer >= 1.")
-        if isinstance(self.probe_share, bool) or not (isinstance(self.probe_share, (int, float))
-                                                       and 0.0 < self.probe_share <= 1.0):
-            raise ConfigError(f"probe_share={self.probe_share!r} is invalid: expected a number "
-                              "in (0, 1].")
+            check_int(name, getattr(self, name), 1)
+        check_number("probe_share", self.probe_share, 0, 1, low_open=True)
         for name, low in (("plain_margin", 1.0), ("thin_evidence", 0.0),
                           ("first_use_weight", 0.0), ("outlier_cap", 1.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= low):
-                raise ConfigError(f"{name}={value!r} is invalid: expected a number >= {low}.")
+            check_number(name, getattr(self, name), low)
 
     def build(self, initial_num_draft_tokens: int, previous: AdaptivePolicy | None = None,
               costs: CostCurve | None = None) -> AdaptivePolicy:
@@ -317,7 +306,7 @@ class GoodputPolicy(AdaptivePolicy):
     def _observe(self, stats: RoundStats) -> None:
         decay = self.config.decay
         if stats.num_draft_tokens > 0:  # a plain round tests nothing: the rates stand as they
-            # were (forgetting them there drew them to the prior, which could hold k at 0)
+            # are (forgetting them there would draw them to the prior, which can hold k at 0)
             self._reached = [r * decay for r in self._reached]
             self._accepted = [a * decay for a in self._accepted]
         for i, (reached, accepted) in enumerate(zip(stats.num_reached, stats.num_accepted_at)):

@@ -59,17 +59,44 @@ class RoundPlan:
 
 
 @dataclass(frozen=True)
+class RoundTimes:
+    """The seconds of one round (engine.clock.RoundClock), or their sums over rounds.
+
+    draft_time   step 1, proposing, until the device finished the draft tokens;
+    target_time  step 2, the target's pass and its processed distributions;
+    verify_time  steps 3-5, verification, commit and emit;
+    wall_time    the whole round, from the start of step 1 (a draft's catch-up comes before).
+    """
+
+    draft_time: float = 0.0
+    target_time: float = 0.0
+    verify_time: float = 0.0
+    wall_time: float = 0.0
+
+    @property
+    def other_time(self) -> float:
+        """The round's seconds outside drafting and the target's pass: paid once a round."""
+        return self.wall_time - self.draft_time - self.target_time
+
+    def __add__(self, other: RoundTimes) -> RoundTimes:
+        return RoundTimes(self.draft_time + other.draft_time,
+                          self.target_time + other.target_time,
+                          self.verify_time + other.verify_time,
+                          self.wall_time + other.wall_time)
+
+
+@dataclass(frozen=True)
 class RoundReport:
     """What a round did. width: K, the widest draft fed; asked [B]: RoundPlan.num_draft_tokens;
     num_draft [B]: the tokens each row's proposer found; num_accepted [B]: what verification
-    accepted (before a measuring round drops it); times: seconds of "draft_time",
-    "target_time", "verify_time" and "wall_time"; captured: a model captured a step graph."""
+    accepted (before a measuring round drops it); times: its seconds by step; captured: a
+    model captured a step graph during it."""
 
     width: int
     asked: list[int]
     num_draft: list[int]
     num_accepted: list[int]
-    times: dict[str, float]
+    times: RoundTimes
     captured: bool
 
 
@@ -149,9 +176,9 @@ class Scheduler:
             room = min(self.max_positions - len(row.prompt) - row.num_generated for row in rows)
             wanted = [min(k, max(room, 0)) for k in wanted]
         # the work plain rounds left the proposer is done before the clock starts, so that this
-        # round's draft time prices its steps. Timed with them, such rounds went unpriced
-        # (RoundStats.draft_timed), and a draft step priced high by a cold start stayed so and
-        # held k at 0 for good
+        # round's draft time prices its steps: a round timed with it goes unpriced
+        # (RoundStats.draft_timed), and a draft step priced high by a cold start would then stay
+        # so and hold k at 0 for good
         catch_up = self._draft_lags and max(wanted) > 0
         if catch_up:
             self._draft_lags = False
@@ -168,15 +195,14 @@ class Scheduler:
         bucket = _bucket(num_rows)
         shape = (bucket, depth)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a join
-        # charged to its depth drove a many-row policy to deep drafts
+        # charged to its depth drives a many-row policy to deep drafts
         timed = shape in self._shapes_run and not self._joins_ride and not report.captured
         self._shapes_run.add(shape)
         self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             times = report.times
-            other_time = times["wall_time"] - times["draft_time"] - times["target_time"]
-            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times["draft_time"],
-                               times["target_time"], other_time, draft_timed, num_rows,
+            stats = RoundStats(depth, tuple(reached), tuple(accepted_at), times.draft_time,
+                               times.target_time, times.other_time, draft_timed, num_rows,
                                self._join_time, self._join_tokens, timed, self._catch_up_time)
             self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
             if self.adaptive is not None and self.adaptive.carry_over and self.carried is not None:
@@ -190,8 +216,8 @@ class Scheduler:
         Such a round commits one token a row: its accepted draft tokens are dropped (exact: a
         round's first token alone has the target's law, and at temperature 0 it is the
         target's argmax), so that rows which advanced together still do. Kept, a probe's
-        accepted tokens moved most rows one token ahead of the others; the rows then finished
-        in different rounds and rejoined in small groups, each a prefill pass of its own."""
+        accepted tokens would move most rows one token ahead of the others; the rows would then
+        finish in different rounds and rejoin in small groups, each a prefill pass of its own."""
         return (policy is not None and policy_k is not None and num_rows > 1
                 and policy.measuring(policy_k))
 
@@ -222,9 +248,10 @@ def policy_evidence(asked: list[int], num_draft: list[int], num_accepted: list[i
     priced at the depth it asked for. A row asked for k_b tokens whose proposer found fewer
     (a lookup without a long enough match) counts its first missing position as tested and
     rejected: it yields no token there. So the rates are tokens gained per position asked, and
-    T(k) the mean cost of rounds run at depth k, whatever the proposer found; counting only
-    the positions drafted, a batch where one row of eight drafted, nearly always kept, looked
-    as if every row would, and the policy drafted deep for a fraction of the gain it priced.
+    T(k) the mean cost of rounds run at depth k, whatever the proposer found. Counted over the
+    positions drafted only, a batch where one row of eight drafts, nearly always kept, would
+    look as if every row did, and the policy would draft deep for a fraction of the gain it
+    prices.
 
     Example: asked [4, 4], found [2, 0], accepted [2, 0] -> depth 4, reached [2, 1, 1, 0],
     accepted_at [1, 1, 0, 0]."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import check_int, is_number
 from ..errors import ConfigError
 from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
 from .costs import CostCurve
@@ -27,12 +28,12 @@ class ThresholdPolicyConfig(AdaptivePolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.shrink_below < self.grow_above <= 1.0:
+        below, above = self.shrink_below, self.grow_above
+        if not (is_number(below) and is_number(above) and 0.0 <= below < above <= 1.0):
             raise ConfigError(
-                f"shrink_below={self.shrink_below!r}, grow_above={self.grow_above!r} are invalid:"
-                " expected 0 <= shrink_below < grow_above <= 1.")
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ConfigError(f"window={self.window!r} is invalid: expected an integer >= 1.")
+                f"shrink_below={below!r}, grow_above={above!r} are invalid: expected numbers "
+                "with 0 <= shrink_below < grow_above <= 1.")
+        check_int("window", self.window, 1)
 
     def build(self, initial_num_draft_tokens: int, previous: AdaptivePolicy | None = None,
               costs: CostCurve | None = None) -> AdaptivePolicy:

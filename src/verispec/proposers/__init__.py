@@ -10,7 +10,8 @@ from .suffix import SuffixDraft, SuffixProposer
 ModelFreeDraft = NgramDraft | SuffixDraft
 
 
-def model_free_proposer(vocab_size: int, settings: ModelFreeDraft) -> NgramProposer | SuffixProposer:
+def model_free_proposer(vocab_size: int,
+                        settings: ModelFreeDraft) -> NgramProposer | SuffixProposer:
     """The proposer ``settings`` describe, over a vocabulary of ``vocab_size`` ids."""
     if isinstance(settings, SuffixDraft):
         return SuffixProposer(vocab_size, settings)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..config import is_int
 from ..errors import ConfigError
 from .base import DraftPlan, LookupSession, Proposal, RoundConstraint
 
@@ -43,8 +44,7 @@ class NgramDraft:
 
     def __post_init__(self) -> None:
         lo, hi = self.min_ngram, self.max_ngram
-        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
-        if not (ints and 1 <= lo <= hi <= 16):
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi <= 16):
             raise ConfigError(f"min_ngram={lo!r}, max_ngram={hi!r} are invalid: expected integers "
                               "with 1 <= min_ngram <= max_ngram <= 16.")
 

@@ -17,9 +17,9 @@ Language Model Inference". Per row and round:
      matched context's occurrences still on the path continue with (ties: the most recent),
      up to min(k_b, ``max_depth``, the row's budget, floor(m * ``factor``)) tokens (the
      paper's adaptive length alpha * p: a longer match earns a deeper draft; the budget starts
-     at ``first_depth`` and doubles while whole drafts are kept), and stop before a token that fewer than
-     ``min_confidence`` of the context's occurrences continue with (the paper's path score: the
-     product of the continuation frequencies along it).
+     at ``first_depth`` and doubles while whole drafts are kept), and stop before a token that
+     fewer than ``min_confidence`` of the context's occurrences continue with (the paper's path
+     score: the product of the continuation frequencies along it).
 
 What it is not: a literal suffix tree. Each source (a row, the pool) keeps, for a few suffix
 lengths L (min_match, 2 min_match, 4 min_match, ... and max_match), the latest end position of
@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import MAX_NUM_DRAFT_TOKENS
+from ..config import MAX_NUM_DRAFT_TOKENS, check_int, check_number, is_int, require
 from ..errors import ConfigError
 from ..models.base import as_ints
 from .base import DraftPlan, LookupSession, Proposal, RoundConstraint
@@ -92,22 +92,17 @@ class SuffixDraft:
     pool_tokens: int = 1 << 16
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.max_depth) and 1 <= self.max_depth <= MAX_NUM_DRAFT_TOKENS,
-                 "max_depth", self.max_depth,
-                 f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, e.g. 32")
-        _require(_is_int(self.first_depth) and 1 <= self.first_depth <= self.max_depth,
-                 "first_depth", self.first_depth,
-                 f"an integer from 1 to max_depth ({self.max_depth}), e.g. 8")
-        _require(_is_real(self.factor) and math.isfinite(self.factor) and self.factor > 0,
-                 "factor", self.factor, "a finite number > 0, e.g. 1.0")
+        check_int("max_depth", self.max_depth, 1, MAX_NUM_DRAFT_TOKENS, note=", e.g. 32")
+        require(is_int(self.first_depth) and 1 <= self.first_depth <= self.max_depth,
+                "first_depth", self.first_depth,
+                f"an integer from 1 to max_depth ({self.max_depth}), e.g. 8")
+        check_number("factor", self.factor, 0, math.inf, low_open=True, note=", e.g. 1.0")
         lo, hi = self.min_match, self.max_match
-        if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi <= 64):
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi <= 64):
             raise ConfigError(f"min_match={lo!r}, max_match={hi!r} are invalid: expected integers "
                               "with 1 <= min_match <= max_match <= 64, e.g. 4 and 32.")
-        _require(_is_real(self.min_confidence) and 0.0 <= self.min_confidence <= 1.0,
-                 "min_confidence", self.min_confidence, "a number in [0, 1], e.g. 0.5")
-        _require(_is_int(self.pool_tokens) and self.pool_tokens >= 0, "pool_tokens",
-                 self.pool_tokens, "an integer >= 0 (0 disables the pool), e.g. 65536")
+        check_number("min_confidence", self.min_confidence, 0, 1, note=", e.g. 0.5")
+        check_int("pool_tokens", self.pool_tokens, 0, note=" (0 disables the pool), e.g. 65536")
 
     def indexed_lengths(self) -> tuple[int, ...]:
         """The suffix lengths indexed, longest first: max_match, then min_match doubled down."""
@@ -116,19 +111,6 @@ class SuffixDraft:
             lengths.add(length)
             length *= 2
         return tuple(sorted(lengths, reverse=True))
-
-
-def _require(ok: bool, field_name: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field_name}={value!r} is invalid: expected {expected}.")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class _SuffixIndex:

@@ -176,7 +176,7 @@ def error_body(exc: BaseException, path: str | None = None) -> tuple[int, dict[s
     """(status, OpenAI error JSON) for ``exc`` raised answering a request to ``path``; also
     used for errors in the middle of a stream."""
     kind = error_kind(exc)
-    status = kind.status if kind.status is not None else int(getattr(exc, "status_code"))
+    status = kind.status if kind.status is not None else int(exc.status_code)
     message, param = _message(exc), error_param(exc, path)
     if kind.fault:
         message = f"internal server error ({type(exc).__name__}); see the server log"

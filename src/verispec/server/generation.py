@@ -23,8 +23,8 @@ from ..text.batch import GenerationMetrics, PendingRow, TextBatch
 from ..text.decoder import Completion, Decoder
 from ..text.inputs import RequestSettings
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
-from .metrics import ServerMetrics
 from .logprobs import Echo, TextOffsets, TokenTexts
+from .metrics import ServerMetrics
 from .prompts import Prompt
 from .responses import DONE_LINE, ChatFormat, CompletionFormat, sse
 from .schemas import GenerationParams

@@ -23,9 +23,8 @@ text (in a stream: its own first chunk per choice) and its tokens lead the logpr
 
 num_draft_tokens is the depth the request started at: the server's k (--k), under the request's
 own num_draft_tokens, a cap (0 for plain decoding); depth_policy is "fixed", or the --adaptive
-policy that moved k between rounds (a
-seeded request's text does not depend on it); mean_accepted_length is the tokens produced per target call
-(see verispec.metrics).
+policy that moved k between rounds (a seeded request's text does not depend on it);
+mean_accepted_length is the tokens produced per target call (see verispec.metrics).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def serve(settings: ServerSettings) -> int:
         # Every forward runs on the generation worker's thread, which sets --threads (default:
         # torch's, one per core) when it starts. The models load with one thread: a main
         # thread that ran a parallel region keeps an OpenMP pool, and with more OpenMP threads
-        # than cores libgomp stops spin-waiting, which made each round on the worker markedly
+        # than cores libgomp stops spin-waiting, which makes each round on the worker markedly
         # slower on a small CPU (dev/LOG.md: server threads).
         settings = replace(settings, threads=settings.threads or torch.get_num_threads())
         torch.set_num_threads(1)

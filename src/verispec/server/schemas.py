@@ -47,9 +47,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from ..config import (MAX_LOGIT_BIAS, MAX_NUM_DRAFT_TOKENS, MAX_PENALTY,
-                      MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
-                      MIN_REPETITION_PENALTY)
+from ..config import (
+    MAX_LOGIT_BIAS,
+    MAX_NUM_DRAFT_TOKENS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+)
 from ..errors import EmptyPromptError
 from ..text.grammar import Grammar, InvalidConstraintError, compile_response_format
 from ..text.inputs import RequestSettings

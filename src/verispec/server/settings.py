@@ -15,8 +15,18 @@ import argparse
 from dataclasses import Field, dataclass, field, fields, replace
 from os import PathLike
 
-from ..config import (COST_CURVE_MODES, HYBRID_LOOKUPS, MAX_NUM_DRAFT_TOKENS, POLICY_NAMES,
-                      REPACK_MODES, VERIFICATION_RULES, BatchOptions, check_draft_p_min)
+from ..config import (
+    COST_CURVE_MODES,
+    HYBRID_LOOKUPS,
+    MAX_NUM_DRAFT_TOKENS,
+    POLICY_NAMES,
+    REPACK_MODES,
+    VERIFICATION_RULES,
+    BatchOptions,
+    check_draft_p_min,
+    check_int,
+    require,
+)
 from ..errors import ConfigError
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
@@ -154,9 +164,9 @@ class ServerSettings:
                                     "threshold follows acceptance, fixed keeps --k (default: "
                                     "goodput-plain with a draft: a fixed k that pays for one "
                                     "client costs throughput under load; with --ngram it sets k "
-                                    "in batches only, a lone request drafting by its match). No policy changes "
-                                    "what a seed gives: a seeded request's text is the same at "
-                                    "any depth",
+                                    "in batches only, a lone request drafting by its match). No "
+                                    "policy changes what a seed gives: a seeded request's text is "
+                                    "the same at any depth",
                                     choices=POLICY_NAMES + ("fixed",), value_type=str)
     verification: str = _setting(VERIFICATION_RULES[0], "how an unseeded sampled request tests "
                                  "a draft model's tokens: block (block verification) or token "
@@ -239,44 +249,43 @@ class ServerSettings:
                                   no_draft=self.no_draft)
         if paired is not None:
             object.__setattr__(self, "draft", paired)
-        _check(self.hybrid_lookup in HYBRID_LOOKUPS, "hybrid_lookup", self.hybrid_lookup,
-               " or ".join(HYBRID_LOOKUPS))
+        require(self.hybrid_lookup in HYBRID_LOOKUPS, "hybrid_lookup", self.hybrid_lookup,
+                " or ".join(HYBRID_LOOKUPS))
         check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
                           no_draft=self.no_draft, hybrid_lookup=self.hybrid_lookup,
                           hybrid_chain=self.hybrid_chain, draft_p_min=self.draft_p_min)
         k = self.num_draft_tokens
-        _check(k is None or 1 <= k <= MAX_NUM_DRAFT_TOKENS, "k", k,
-               f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, or no --k for the device's default")
-        _check(self.adaptive is None or self.adaptive in POLICY_NAMES + ("fixed",), "adaptive",
-               self.adaptive, f"one of {', '.join(POLICY_NAMES)} or fixed")
-        _check(not (self.adaptive not in (None, "fixed") and self.no_draft), "adaptive",
-               self.adaptive, "no --adaptive with --no-draft (there is no draft depth to adapt)")
-        _check(self.verification in VERIFICATION_RULES, "verification", self.verification,
-               " or ".join(VERIFICATION_RULES))
-        _check(not self.carry_over or self.depth_policy is not None, "carry_over",
-               self.carry_over, "--carry-over only with an adaptive depth (a fixed k has nothing "
-               "to carry over)")
-        _check(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
-        _check(self.threads is None or self.threads >= 1, "threads", self.threads,
-               "an integer >= 1, or no --threads for torch's default")
-        _check(self.api_key is None or _header_safe(self.api_key), "api_key", self.api_key,
-               "a non-empty key of printable ASCII without spaces (an HTTP header carries it), "
-               "or no --api-key for an open server")
-        _check(self.allowed_hosts is None or bool(_host_names(self.allowed_hosts)),
-               "allowed_hosts", self.allowed_hosts,
-               "comma-separated host names (or '*'), or no --allowed-hosts for the default")
+        require(k is None or 1 <= k <= MAX_NUM_DRAFT_TOKENS, "k", k,
+                f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}, or no --k for the device's default")
+        require(self.adaptive is None or self.adaptive in POLICY_NAMES + ("fixed",), "adaptive",
+                self.adaptive, f"one of {', '.join(POLICY_NAMES)} or fixed")
+        require(not (self.adaptive not in (None, "fixed") and self.no_draft), "adaptive",
+                self.adaptive, "no --adaptive with --no-draft (there is no draft depth to adapt)")
+        require(self.verification in VERIFICATION_RULES, "verification", self.verification,
+                " or ".join(VERIFICATION_RULES))
+        require(not self.carry_over or self.depth_policy is not None, "carry_over",
+                self.carry_over, "--carry-over only with an adaptive depth (a fixed k has nothing "
+                "to carry over)")
+        require(0 <= self.port <= 65535, "port", self.port, "0 to 65535")
+        require(self.threads is None or self.threads >= 1, "threads", self.threads,
+                "an integer >= 1, or no --threads for torch's default")
+        require(self.api_key is None or _header_safe(self.api_key), "api_key", self.api_key,
+                "a non-empty key of printable ASCII without spaces (an HTTP header carries it), "
+                "or no --api-key for an open server")
+        require(self.allowed_hosts is None or bool(_host_names(self.allowed_hosts)),
+                "allowed_hosts", self.allowed_hosts,
+                "comma-separated host names (or '*'), or no --allowed-hosts for the default")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "drain_timeout"):
-            _check(0 < getattr(self, name) < float("inf"), name, getattr(self, name),
-                   "a number of seconds > 0")
-        _check(bool(self.model_name), "model_name", self.model_name, "a non-empty name")
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
-        _check(self.backend in BACKENDS, "backend", self.backend, f"one of {', '.join(BACKENDS)}")
-        _check(self.context_size is None or self.context_size >= 1, "context_size",
-               self.context_size, "an integer >= 1, or no --context-size for the default")
+            require(0 < getattr(self, name) < float("inf"), name, getattr(self, name),
+                    "a number of seconds > 0")
+        require(bool(self.model_name), "model_name", self.model_name, "a non-empty name")
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        require(self.backend in BACKENDS, "backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        require(self.context_size is None or self.context_size >= 1, "context_size",
+                self.context_size, "an integer >= 1, or no --context-size for the default")
         for name in ("max_batch_size", "prefill_budget", "max_tokens_limit", "max_prompt_tokens",
-                     "max_queue", "max_body_bytes",
-                     "max_connections"):
-            _check(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+                     "max_queue", "max_body_bytes", "max_connections"):
+            check_int(name, getattr(self, name), 1)
 
     def host_names(self) -> frozenset[str]:
         """The Host names this server answers to (lower case, no port); '*' means any."""
@@ -318,7 +327,8 @@ def add_field_argument(group, f: Field) -> None:
 
 _MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "hybrid_lookup",
                            "hybrid_chain", "draft_p_min", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "no_cuda_graphs", "context_size", "repack", "uniform_passes", "num_draft_tokens", "adaptive",
+                           "device", "dtype", "backend", "no_cuda_graphs", "context_size",
+                           "repack", "uniform_passes", "num_draft_tokens", "adaptive",
                            "carry_over", "threads", "verification"})
 
 
@@ -354,11 +364,6 @@ def check_kinds(settings) -> None:
     annotated kind (an int field given a string, a bool given 1)."""
     for f in fields(settings):
         value, kinds = getattr(settings, f.name), _KINDS[f.type]
-        _check(any(_is_kind(value, kind) for kind in kinds), f.name, value,
-               ", ".join(_KIND_NAMES[kind] for kind in kinds[:-1])
-               + (" or " if len(kinds) > 1 else "") + _KIND_NAMES[kinds[-1]])
-
-
-def _check(ok: bool, name: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}.")
+        require(any(_is_kind(value, kind) for kind in kinds), f.name, value,
+                ", ".join(_KIND_NAMES[kind] for kind in kinds[:-1])
+                + (" or " if len(kinds) > 1 else "") + _KIND_NAMES[kinds[-1]])

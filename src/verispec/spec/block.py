@@ -5,7 +5,8 @@ Accelerates Speculative Decoding" (ICLR 2025), Algorithm 2. Token-wise verificat
 stops at the first draft token that fails its own test. Block verification carries a weight, the
 running target/draft ratio of the prefix clamped at 1, so a token the target under-weights can be
 kept when later tokens make up for it. The output has exactly the target's law (checked by exact
-enumeration in tests/spec/test_verify_block.py), and for the same draft it keeps at least as many
+enumeration in tests/spec/test_verify_block.py, from the tensor form of these formulas in
+tests/helpers/rule_references.py), and for the same draft it keeps at least as many
 tokens in expectation as token-wise verification. With X_1..X_k the draft tokens, q_i =
 draft_probs[:, i-1] and p_i = target_probs[:, i-1] (the paper's M_s and M_b after X_<i):
 
@@ -56,66 +57,18 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import DraftContractError, UnsupportedFeatureError
-from .checks import (
-    check_draft_tokens,
-    check_inputs,
-    check_token_range,
-    check_verify_inputs,
-    proposed_mask,
-)
+from .checks import check_draft_tokens
 from .rejection import checked_draft_rows, draw_rows_randomness, plain_rows, rows_at
-from .result import VerifyResult, assemble_rows, result_from_rows
+from .result import assemble_rows
 from .sampling import sample_with_host_uniforms
 
 _NEEDS_DRAFT_PROBS = (
     "block verification needs draft_probs [B, K, V], the distributions the draft tokens were "
-    "drawn from; got None (a deterministic proposal). Verify point-mass drafts with "
-    "verispec.verify.verify_rows.")
+    "drawn from; got None (a deterministic proposal). Verify point-mass drafts with the "
+    "token-wise rule, verispec.spec.rejection.verify_rows.")
 _DRAFT_GAVE_ZERO = (
     "the draft proposed a token to which its own reported distribution gives probability 0; "
     "draft_probs must be exactly the distributions the draft tokens were sampled from.")
-
-
-def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                  target_probs: torch.Tensor, num_draft_tokens: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block rule's weights w_0..w_K and stop_probs h_0..h_K, as tensors: the reference.
-
-    Shapes: draft_tokens [B, K] int64, draft_probs [B, K, V], target_probs [B, K+1, V] (float64
-    for exact-law computations), num_draft_tokens [B] in [0, K] or None (K for every row).
-    Returns (weights [B, K+1], stop_probs [B, K+1]) in target_probs' dtype; w_0 = h_0 = 1, and
-    entries past a row's k are 0. P(tau = i | X) = h_i prod_{j > i} (1 - h_j); a loop over K
-    of [B] ops, clearer than fast: verify_block_rows decides on host floats instead.
-    """
-    batch_size, max_k = check_draft_tokens(draft_tokens)
-    if draft_probs is None:
-        raise UnsupportedFeatureError(_NEEDS_DRAFT_PROBS)
-    num_draft, valid = proposed_mask(check_inputs(draft_tokens, draft_probs, target_probs,
-                                                  num_draft_tokens), max_k, draft_tokens.device)
-    check_token_range(draft_tokens, valid, target_probs.shape[-1])
-    safe_tokens = torch.where(valid, draft_tokens, torch.zeros_like(draft_tokens))[..., None]
-    target_at_draft = target_probs[:, :max_k].gather(-1, safe_tokens).squeeze(-1)  # [B, K]
-    draft_at_draft = draft_probs.gather(-1, safe_tokens).squeeze(-1).to(target_probs.dtype)
-    if bool((valid & (draft_at_draft <= 0)).any()):
-        raise DraftContractError(_DRAFT_GAVE_ZERO)
-    weights = torch.zeros((batch_size, max_k + 1), dtype=target_probs.dtype,
-                          device=target_probs.device)
-    weights[:, 0] = 1.0
-    for i in range(max_k):  # w_{i+1} = min(1, w_i p_{i+1}(X_{i+1}) / q_{i+1}(X_{i+1}))
-        # (w p) / q, not w (p / q): p / q overflows to inf for a near-0 q in fp32, and w = 0
-        # (an earlier p = 0) times inf is NaN; w p <= 1 over q > 0 is inf at worst, clamped.
-        weighted = weights[:, i] * target_at_draft[:, i]
-        ratio = weighted / torch.where(valid[:, i], draft_at_draft[:, i], 1.0)
-        weights[:, i + 1] = torch.where(valid[:, i], ratio.clamp(max=1.0), 0.0)
-    masses = _weighted_excess(weights[:, :max_k], draft_probs.to(target_probs.dtype),
-                              target_probs).sum(-1)  # r_0..r_{K-1} [B, K]
-    positions = torch.arange(max_k + 1, device=target_probs.device)[None, :]  # [1, K+1]
-    complement = 1.0 - weights[:, :max_k]  # 1 - w_0..1 - w_{K-1}, exact (see _stop_prob)
-    stop_probs = torch.where(masses > 0, masses / (masses + complement), 0.0)  # [B, K]
-    stop_probs = torch.cat([stop_probs, torch.zeros_like(stop_probs[:, :1])], 1)  # [B, K+1]
-    stop_probs = torch.where(positions == num_draft[:, None], weights, stop_probs)
-    stop_probs[:, 0] = 1.0  # tau = 0 needs no test
-    return weights, torch.where(positions <= num_draft[:, None], stop_probs, 0.0)
 
 
 def verify_block_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
@@ -140,37 +93,20 @@ def verify_block_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
         raise UnsupportedFeatureError(_NEEDS_DRAFT_PROBS)
     etas, next_uniforms, num_draft = draw_rows_randomness(
         draft_tokens, draft_probs, target_probs, generator, num_draft_tokens)
-    return _verify_block_rows(draft_tokens, draft_probs, target_probs, etas, next_uniforms,
-                              num_draft)
+    return verify_block_rows_with_randomness(draft_tokens, draft_probs, target_probs, etas,
+                                             next_uniforms, num_draft)
 
 
-def verify_block_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                                 target_probs: torch.Tensor, etas: torch.Tensor,
-                                 next_uniforms: torch.Tensor,
-                                 num_draft_tokens: torch.Tensor | None = None) -> VerifyResult:
-    """:func:`verify_block_rows` with its random numbers given, as a VerifyResult (replay).
-
-    Shapes as in verify_block_rows, plus etas [B, K] and next_uniforms [B], all in [0, 1):
-    draft position i (1-based) passes iff etas[b, i-1] < h_i; the recovered/bonus token is the
-    inverse-CDF draw of next_uniforms[b] (sampling.sample_with_host_uniforms).
-    first_rejection equals num_accepted (the first draft token not kept).
-    """
-    check_draft_tokens(draft_tokens)
-    if draft_probs is None:
-        raise UnsupportedFeatureError(_NEEDS_DRAFT_PROBS)
-    num_draft = check_verify_inputs(draft_tokens, draft_probs, target_probs, etas,
-                                     next_uniforms, num_draft_tokens)
-    num_accepted, output_tokens = _verify_block_rows(draft_tokens, draft_probs, target_probs,
-                                                     etas, next_uniforms, num_draft)
-    return result_from_rows(num_accepted, output_tokens, num_draft, draft_tokens.device)
-
-
-def _verify_block_rows(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                       target_probs: torch.Tensor, etas: torch.Tensor,
-                       next_uniforms: torch.Tensor, num_draft: list[int]
-                       ) -> tuple[list[int], list[list[int]]]:
-    """The block rule on checked inputs: -> (num_accepted, B ints; output_tokens, B rows of
-    K+1 ints). Tensor work is two gathers and one [B, K, V] pass; decisions are host floats."""
+def verify_block_rows_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                                      target_probs: torch.Tensor, etas: torch.Tensor,
+                                      next_uniforms: torch.Tensor, num_draft: list[int]
+                                      ) -> tuple[list[int], list[list[int]]]:
+    """The block rule on checked inputs with its random numbers given (verify_block_rows draws
+    them; tests replay them): etas [B, K] and next_uniforms [B] in [0, 1), num_draft B host
+    ints. Draft position i (1-based) passes iff etas[b, i-1] < h_i; the recovered or bonus
+    token is the inverse-CDF draw of next_uniforms[b]. -> (num_accepted, B ints;
+    output_tokens, B rows of K+1 ints). Tensor work is two gathers and one [B, K, V] pass;
+    decisions are host floats."""
     max_k = draft_tokens.shape[1]
     draft_rows = checked_draft_rows(draft_tokens, num_draft, target_probs.shape[-1])
     if max_k == 0:  # nothing drafted (plain decoding): the next token is an ordinary sample

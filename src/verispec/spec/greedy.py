@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError, TokenOutOfRangeError
-from .result import PAD_TOKEN, VerifyResult, assemble_output
 from .checks import (
     check_draft_tokens,
     check_inputs,
@@ -25,6 +24,7 @@ from .checks import (
     check_token_range,
     proposed_mask,
 )
+from .result import PAD_TOKEN, VerifyResult, assemble_output
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,

@@ -37,8 +37,6 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import DraftContractError, ShapeError
-from .sampling import generator_groups, sample_with_host_uniforms, sample_with_uniform
-from .result import VerifyResult, assemble_output, assemble_rows, result_from_rows
 from .checks import (
     check_draft_tokens,
     check_generator,
@@ -47,6 +45,8 @@ from .checks import (
     proposed_mask,
     raise_out_of_range,
 )
+from .result import VerifyResult, assemble_output, assemble_rows, result_from_rows
+from .sampling import generator_groups, sample_with_host_uniforms, sample_with_uniform
 
 _DRAFT_GAVE_ZERO = (
     "the draft proposed a token to which its own reported distribution gives probability 0; "
@@ -57,16 +57,6 @@ _DRAFT_GAVE_ZERO = (
 def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """One-hot fp32 distributions for deterministic tokens. [...] int64 -> [..., V] fp32."""
     return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)
-
-
-def acceptance_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """min(1, p_target / p_draft) for every token: the chance it is accepted if proposed.
-
-    Shapes: draft_probs [B, K, V], target_probs [B, K, V] -> [B, K, V] fp32. Where p_draft = 0 the
-    token is never proposed; the entry is 1 by convention.
-    """
-    ratio = target_probs / draft_probs
-    return torch.where(draft_probs > 0, ratio.clamp(max=1.0), torch.ones_like(ratio))
 
 
 def residual_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -346,7 +336,8 @@ def _verify_batched(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # length of the accepted prefix [B]
     all_accepted = num_accepted == num_draft
 
-    # 2. The next token: residual at the first rejection, or the bonus distribution after position n.
+    # 2. The next token: residual at the first rejection, or the bonus distribution after
+    # position n.
     next_target = _row_at(target_probs, num_accepted)  # [B, V]
     first_rejected = num_accepted.clamp(max=max_k - 1)
     if draft_probs is None:

@@ -2,10 +2,10 @@
 
 Legend: B batch, K draft tokens, V vocabulary; ``...`` is any leading shape.
 
-:func:`to_probs` is the single place where temperature, top-k, top-p and min-p are applied. The draft
-samples from its output and reports exactly that tensor as its probabilities, and the target's
-scores go through the same function, so the acceptance test compares the two distributions that
-were really in play (the exactness requirement of Leviathan et al. 2023, Chen et al. 2023).
+:func:`to_probs` is the single place where temperature, top-k, top-p and min-p are applied. The
+draft samples from its output and reports exactly that tensor as its probabilities, and the target's
+scores go through the same function, so the acceptance test compares the two distributions that were
+really in play (the exactness requirement of Leviathan et al. 2023, Chen et al. 2023).
 
 One exact draw, batched, free of normalisation, never selecting a zero-probability entry, fed
 by an explicit ``torch.Generator`` (the global RNG is never touched): inverse CDF with one
@@ -40,7 +40,8 @@ def to_probs(logits: torch.Tensor, sampling: SamplingConfig,
              allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Turn logits into the fp32 distribution a token is sampled from.
 
-    Shapes: logits [..., V] (any float dtype; -inf marks an impossible token) -> probs [..., V] fp32.
+    Shapes: logits [..., V] (any float dtype; -inf marks an impossible token) -> probs [..., V]
+    fp32.
     allowed [..., V] bool (a grammar's mask, engine/constraints.py): tokens it excludes get
     probability 0 and the rest are renormalised, before temperature, top-k and top-p.
     temperature 0 gives a point mass on the argmax (ties go to the lowest id).
@@ -253,12 +254,6 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float], bad_total: str,
 
 _BAD_TOTAL_MASS = ("probs has a row with zero, NaN or infinite total mass; expected non-negative "
                    "finite probabilities with a positive sum per row.")
-
-
-def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row of log-probabilities [..., V] (-inf allowed). -> tokens [...] int64."""
-    _check_floating("logprobs", logprobs)
-    return sample(torch.exp(logprobs.float()), generator)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

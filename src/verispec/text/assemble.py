@@ -15,9 +15,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from ..config import (VERIFICATION_RULES, BatchOptions, check_draft_p_min,
-                      check_verification)
-from ..policy import default_num_draft_tokens
+from ..config import VERIFICATION_RULES, BatchOptions, check_draft_p_min, check_verification
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError
 from ..models.base import LanguageModel
@@ -27,6 +25,7 @@ from ..models.llama_cpp.costs import pass_costs
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
 from ..models.loading import common_vocab_size
+from ..policy import default_num_draft_tokens
 from ..policy.base import AdaptivePolicyConfig
 from ..policy.costs import CURVE_DEPTH, CostCurve
 from ..proposers import ModelFreeDraft, model_free_proposer

@@ -17,20 +17,27 @@ from dataclasses import replace
 
 import torch
 
+from ..config import BatchOptions, DepthPolicyConfig, GenerationConfig
 from ..engine.constraints import ConstraintSet
 from ..engine.rows import TokenLogprob
 from ..engine.scoring import score_prompt
-from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
-from ..config import BatchOptions, DepthPolicyConfig, GenerationConfig
-from ..spec.checks import as_index
-from .prompts import check_prompt_ids, check_text
 from ..errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from ..proposers import ModelFreeDraft
+from ..spec.checks import as_index
 from .assemble import DecoderOptions, LoadedModel, assemble
-from .chat import check_messages, require_chat_template, special_token_text
 from .batch import BatchStream, TextBatch, TextStream, is_batch, row_settings
-from .inputs import (CALL_OPTIONS, PreparedRow, RequestSettings, check_flag, check_keywords,
-                     penalty_config, settings_of)
+from .chat import check_messages, require_chat_template, special_token_text
+from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
+from .inputs import (
+    CALL_OPTIONS,
+    PreparedRow,
+    RequestSettings,
+    check_flag,
+    check_keywords,
+    penalty_config,
+    settings_of,
+)
+from .prompts import check_prompt_ids, check_text
 from .stream import Completion, check_stop
 
 

@@ -19,12 +19,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from ..config import (VERIFICATION_RULES, BatchOptions, GenerationConfig, PenaltyConfig,
-                      SamplingConfig, plain_number)
+from ..config import (
+    VERIFICATION_RULES,
+    BatchOptions,
+    GenerationConfig,
+    PenaltyConfig,
+    SamplingConfig,
+    plain_number,
+)
 from ..engine.constraints import ConstraintSet
+from ..errors import ConfigError
 from .grammar import Grammar
 from .stream import check_stop
-from ..errors import ConfigError
 
 S = TypeVar("S")
 

@@ -15,13 +15,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..policy.base import AdaptivePolicyConfig
 from ..config import VERIFICATION_RULES
 from ..errors import ConfigError
 from ..models.llama_cpp import model as llama_cpp
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
-from ..models.packaged import resolve_packaged
 from ..models.loading import (
     check_same_tokenizer,
     is_gguf,
@@ -30,6 +28,8 @@ from ..models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from ..models.packaged import resolve_packaged
+from ..policy.base import AdaptivePolicyConfig
 from ..proposers import ModelFreeDraft
 from .assemble import DecoderOptions, LoadedModel, check_draft_model_options, hybrid_lookup
 from .decoder import Decoder

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine.constraints import ConstraintSet
-from .detokenize import IncrementalDetokenizer
-from ..errors import ConfigError
 from ..engine.metrics import GenerationMetrics
 from ..engine.rows import TokenLogprob
+from ..errors import ConfigError
+from .detokenize import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

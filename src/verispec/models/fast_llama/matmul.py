@@ -146,8 +146,8 @@ def bound_onednn_caches() -> None:
     Why: each cache keeps a compiled product per shape, (rows, weight) here, by default 1024 of
     them, each with its kernels, and a primitive that ideep still holds stays alive when
     oneDNN's own cache drops it. A server under varied traffic meets a new number of rows in
-    most passes that carry prompts, so its memory grew for many minutes on default capacities,
-    still grew with only oneDNN's capped, and stayed flat with both capped, at the same request
+    most passes that carry prompts, so its memory grows for many minutes on default capacities,
+    still grows with only oneDNN's capped, and stays flat with both capped, at the same request
     rate (dev/LOG.md: ONEDNN_CACHE_CAPACITY). A product met again after its primitive was
     dropped is compiled afresh, a small cost against that growth.
     """

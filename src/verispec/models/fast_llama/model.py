@@ -35,13 +35,13 @@ from transformers import PreTrainedModel
 
 from ...errors import ConfigError
 from ..attention import SEGMENT_CALL_BYTES, _attention_mask, attend, attend_segments
-from .session import FastLlamaSession
-from .kv_cache import KVCache
+from ..hf.adapter import max_positions, output_width
 from ..hf.masks import FULL, mask_plan
+from .kv_cache import KVCache
 from .matmul import linear_kernel, resolve_matmul
 from .packed import PackedRows, embed_packed, write_and_attend, write_packed
+from .session import FastLlamaSession
 from .step_graphs import StepGraphs
-from ..hf.adapter import max_positions, output_width
 
 # Llama's forward, and the architectures whose forward is Llama's up to what this path already
 # computes: Mistral (Llama + an optional sliding window) and Qwen2 (Llama + q/k/v biases + an

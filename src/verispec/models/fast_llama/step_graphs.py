@@ -39,7 +39,6 @@ from ..attention import attention_kernels
 from .kv_cache import KVCache
 from .protocol import FastLlama
 
-
 # the fewest keys a step attends to: shorter caches share one graph per (rows, tokens)
 MIN_KEYS = 128
 # graphs kept per model, least recently used out first (each holds its buffers and output; the

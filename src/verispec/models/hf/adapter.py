@@ -187,8 +187,9 @@ class RowCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, batch_size: int, capacity: int) -> None:  # noqa: D107 - no super init:
-        # transformers' Cache.__init__ wants layer objects; this cache manages raw tensors.
+    def __init__(self, batch_size: int, capacity: int) -> None:
+        # no super().__init__(): transformers' Cache.__init__ wants layer objects; this cache
+        # manages raw tensors.
         self.layers = []
         self.layer_class_to_replicate = None
         self.offloading = False

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 from ...config import REPACK_MODES
 
-
 AMX = "AMX"
 _GGML_BACKEND_DEVICE_TYPE_CPU = 0
 _PROBE_TIMEOUT_S = 180

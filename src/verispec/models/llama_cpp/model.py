@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import COST_CURVE_MODES, REPACK_MODES
+from ...config import COST_CURVE_MODES, REPACK_MODES, check_bool, check_int, require
 from ...errors import (
     BackendError,
     ConfigError,
@@ -144,24 +144,14 @@ class LlamaCppConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_threads", "context_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ConfigError(f"{name}={value!r} is invalid: expected an integer >= 1, or "
-                                  "None for the default.")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or (
-                self.batch_size < 16):
-            raise ConfigError(f"batch_size={self.batch_size!r} is invalid: expected an integer "
-                              ">= 16 (tokens per llama_decode call).")
-        if self.repack not in REPACK_MODES:
-            raise ConfigError(f"repack={self.repack!r} is invalid: expected one of "
-                              f"{', '.join(map(repr, REPACK_MODES))}.")
-        if self.cost_curve is not None and self.cost_curve not in COST_CURVE_MODES:
-            raise ConfigError(f"cost_curve={self.cost_curve!r} is invalid: expected one of "
-                              f"{', '.join(map(repr, COST_CURVE_MODES))}, or None.")
-        if not isinstance(self.uniform_passes, bool):
-            raise ConfigError(f"uniform_passes={self.uniform_passes!r} is invalid: expected "
-                              "True or False.")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1, note=", or None for the default")
+        check_int("batch_size", self.batch_size, 16, note=" (tokens per llama_decode call)")
+        require(self.repack in REPACK_MODES, "repack", self.repack,
+                f"one of {', '.join(map(repr, REPACK_MODES))}")
+        require(self.cost_curve is None or self.cost_curve in COST_CURVE_MODES, "cost_curve",
+                self.cost_curve, f"one of {', '.join(map(repr, COST_CURVE_MODES))}, or None")
+        check_bool("uniform_passes", self.uniform_passes)
 
     def threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))

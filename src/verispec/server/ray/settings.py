@@ -14,8 +14,9 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
+from ...config import require
 from ...errors import ConfigError
-from ..settings import ServerSettings, _check, _setting, add_field_argument, check_kinds
+from ..settings import ServerSettings, _setting, add_field_argument, check_kinds
 
 # Ray's own defaults (AutoscalingConfig): kept when the flags are not given
 RAY_UPSCALE_DELAY = 30.0
@@ -95,50 +96,50 @@ class RaySettings:
 
     def __post_init__(self) -> None:
         check_kinds(self)
-        _check(self.replicas is None or self.replicas >= 1, "replicas", self.replicas,
-               "an integer >= 1 (to scale to zero: --min-replicas 0 --max-replicas N)")
-        _check(self.replicas is None or not self.autoscaling, "replicas", self.replicas,
-               "either --replicas N (a fixed count) or --min-replicas/--max-replicas (an "
-               "autoscaling range), not both")
-        _check(self.min_replicas is None or self.min_replicas >= 0, "min_replicas",
-               self.min_replicas, "an integer >= 0")
-        _check(not self.autoscaling or self.max_replicas is not None, "max_replicas", None,
-               f"the range's top, an integer >= {self.min_replicas or 1}, with --min-replicas")
+        require(self.replicas is None or self.replicas >= 1, "replicas", self.replicas,
+                "an integer >= 1 (to scale to zero: --min-replicas 0 --max-replicas N)")
+        require(self.replicas is None or not self.autoscaling, "replicas", self.replicas,
+                "either --replicas N (a fixed count) or --min-replicas/--max-replicas (an "
+                "autoscaling range), not both")
+        require(self.min_replicas is None or self.min_replicas >= 0, "min_replicas",
+                self.min_replicas, "an integer >= 0")
+        require(not self.autoscaling or self.max_replicas is not None, "max_replicas", None,
+                f"the range's top, an integer >= {self.min_replicas or 1}, with --min-replicas")
         low = 1 if self.min_replicas is None else max(1, self.min_replicas)
-        _check(self.max_replicas is None or self.max_replicas >= low, "max_replicas",
-               self.max_replicas, f"an integer >= {low} (the range's bottom, --min-replicas)")
+        require(self.max_replicas is None or self.max_replicas >= low, "max_replicas",
+                self.max_replicas, f"an integer >= {low} (the range's bottom, --min-replicas)")
         for name in _AUTOSCALING_FIELDS:
             value = getattr(self, name)
-            _check(value is None or self.autoscaling, name, value,
-                   "no value without an autoscaling range: add --min-replicas/--max-replicas, "
-                   "or drop it for a fixed --replicas count")
+            require(value is None or self.autoscaling, name, value,
+                    "no value without an autoscaling range: add --min-replicas/--max-replicas, "
+                    "or drop it for a fixed --replicas count")
         for name in ("target_ongoing_requests", "replica_cpus"):
             value = getattr(self, name)
-            _check(value is None or 0 < value < math.inf, name, value, "a number > 0")
-        _check(self.autoscaling_window is None or
-               RAY_METRICS_INTERVAL < self.autoscaling_window < math.inf, "autoscaling_window",
-               self.autoscaling_window, f"a number of seconds > {RAY_METRICS_INTERVAL:g} (Ray's "
-               "metrics interval)")
+            require(value is None or 0 < value < math.inf, name, value, "a number > 0")
+        require(self.autoscaling_window is None or
+                RAY_METRICS_INTERVAL < self.autoscaling_window < math.inf, "autoscaling_window",
+                self.autoscaling_window, f"a number of seconds > {RAY_METRICS_INTERVAL:g} (Ray's "
+                "metrics interval)")
         for name in ("upscale_delay", "downscale_delay", "replica_gpus"):
             value = getattr(self, name)
-            _check(value is None or 0 <= value < math.inf, name, value, "a number >= 0")
-        _check(bool(self.app_name), "app_name", self.app_name, "a non-empty name")
-        _check(self.route_prefix.startswith("/") and (self.route_prefix == "/" or not
-               self.route_prefix.endswith("/")), "route_prefix", self.route_prefix,
-               "a path starting with '/' and not ending with one, e.g. / or /verispec")
-        _check(self.address is None or bool(self.address), "address", self.address,
-               "'auto', HOST:PORT, or no --ray-address for a local Ray")
-        _check(self.ingress in INGRESSES, "ingress", self.ingress,
-               " or ".join(repr(kind) for kind in INGRESSES))
+            require(value is None or 0 <= value < math.inf, name, value, "a number >= 0")
+        require(bool(self.app_name), "app_name", self.app_name, "a non-empty name")
+        require(self.route_prefix.startswith("/") and (self.route_prefix == "/" or not
+                self.route_prefix.endswith("/")), "route_prefix", self.route_prefix,
+                "a path starting with '/' and not ending with one, e.g. / or /verispec")
+        require(self.address is None or bool(self.address), "address", self.address,
+                "'auto', HOST:PORT, or no --ray-address for a local Ray")
+        require(self.ingress in INGRESSES, "ingress", self.ingress,
+                " or ".join(repr(kind) for kind in INGRESSES))
 
     def check_server(self, server: ServerSettings) -> None:
         """The server settings a Ray deployment cannot take: ConfigError naming the fix."""
-        _check(server.port != 0, "port", server.port,
-               "a fixed port with --ray: Ray's proxies bind the same port on every node")
-        _check(not server.device.startswith("cuda") or self.num_gpus(server) > 0,
-               "replica_gpus", self.replica_gpus,
-               f"a number > 0 with --device {server.device} (each replica needs its GPU), or "
-               "--device cpu")
+        require(server.port != 0, "port", server.port,
+                "a fixed port with --ray: Ray's proxies bind the same port on every node")
+        require(not server.device.startswith("cuda") or self.num_gpus(server) > 0,
+                "replica_gpus", self.replica_gpus,
+                f"a number > 0 with --device {server.device} (each replica needs its GPU), or "
+                "--device cpu")
 
     def ingress_environment(self, server: ServerSettings) -> dict[str, str]:
         """The environment a Ray started for this command needs for --ray-ingress: none for

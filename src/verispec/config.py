@@ -268,8 +268,9 @@ DEFAULT_PREFILL_BUDGET = 512
 class BatchOptions:
     """How a batch decodes, shared by all its rows and never a part of what they emit (a row's
     own settings are its GenerationConfig). One object from the CLI's flags to the scheduler:
-    ``--adaptive``, ``--k``, ``--prefill-budget`` and ``--max-batch-size`` set these fields of
-    the same names; ``load(adaptive=, num_draft_tokens=)`` set a decoder's defaults
+    ``--adaptive``, ``--k``, ``--prefill-budget`` and ``--max-batch-size`` set adaptive,
+    num_draft_tokens, prefill_budget and max_batch_size; ``load(adaptive=, num_draft_tokens=)``
+    set a decoder's defaults
     (Decoder.batch_options), and a Decoder.generate call's ``adaptive`` and
     ``num_draft_tokens`` set its own batch's.
 

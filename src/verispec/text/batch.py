@@ -9,9 +9,9 @@ between rounds: at most the batch's prefill budget of prompt tokens a gap, a lon
 prefilled in chunks while the others decode; admission.py). Every :meth:`TextBatch.step` is one
 verified round for all of them, and each row's tokens become text through its own
 stream.RowText. A row whose text is complete (a stop token, max_new_tokens, a stop string, or
-its grammar's end token under ignore_eos) leaves the batch at once. A row that fails on a fault of its own (the engine's
-Row.fail, or its text's: the tokenizer) leaves too, its Completion with finish_reason "error"
-and the typed error; the other rows go on unchanged.
+its grammar's end token under ignore_eos) leaves the batch at once. A row that fails on a fault
+of its own (the engine's Row.fail, or its text's: the tokenizer) leaves too, its Completion with
+finish_reason "error" and the typed error; the other rows go on unchanged.
 
 What this is not: the round (engine/batch.py), tokenisation and checks (decoder.Decoder), or
 threads and queues (the server's worker).

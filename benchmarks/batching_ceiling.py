@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,8 +58,8 @@ def open_mode(decoder, mode: str) -> tuple[TextBatch, dict[str, object]]:
         return decoder.open_batch(False), {}
     if mode == "speculative":
         return decoder.open_batch(True), {}
-    return decoder.open_batch(True, adaptive=False), {
-        "num_draft_tokens": int(mode.removeprefix("k=")), "adaptive": False}
+    return decoder.open_batch(True, replace(decoder.batch_options, adaptive=None,
+                                            num_draft_tokens=int(mode.removeprefix("k=")))), {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -148,8 +149,8 @@ def passes_bound(decoder, prompts: list[str], clients: int, max_tokens: int, bud
     n tokens a row and D the draft's 1-token step, both halfway through the decode (the
     draft's 2-token steps after a fully accepted round, and its prefills, left out): an upper
     bound for any server of this pair here."""
-    plain = RequestSettings(speculative=False)
-    ids = sorted((decoder.prepare(prompts[client_prompt(c, 0, len(prompts))], plain).prompt_ids
+    plain = RequestSettings()
+    ids = sorted((decoder.prepare(prompts[client_prompt(c, 0, len(prompts))], plain, 0).prompt_ids
                   for c in range(clients)), key=len)
     chunks, chunk = [], []
     for prompt in ids:  # run_level's admission: prompts until the budget is reached

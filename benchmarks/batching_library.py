@@ -58,7 +58,7 @@ def mode_settings(mode: str) -> dict[str, object]:
         return {"speculative": False}
     if mode == "speculative":
         return {}
-    return {"num_draft_tokens": int(mode.removeprefix("k=")), "adaptive": False}
+    return {"num_draft_tokens": int(mode.removeprefix("k=")), "adaptive": None}
 
 
 def timed_call(decoder, prompts: list[str], max_tokens: int, mode: str) -> tuple[float, list]:

@@ -61,7 +61,7 @@ def decode(decoder, prompt_ids: list[int], k: int | None, args: argparse.Namespa
     started = time.perf_counter()
     completion = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=0,
                                   ignore_eos=True, speculative=k is not None,
-                                  num_draft_tokens=k, adaptive=False)
+                                  num_draft_tokens=k, adaptive=None)
     elapsed = time.perf_counter() - started
     metrics = completion.metrics
     result = {"token_ids": completion.token_ids,

@@ -37,7 +37,7 @@ def run_once(decoder, speculative: bool, temperature: float, settings: dict,
              max_new_tokens: int) -> dict[str, float]:
     started = time.perf_counter()
     out = [decoder.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                            seed=1, speculative=speculative, ignore_eos=True, adaptive=False,
+                            seed=1, speculative=speculative, ignore_eos=True, adaptive=None,
                             **settings) for prompt in PROMPTS]  # one request at a time
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),

@@ -117,7 +117,7 @@ def generate(decoder, prompt: str, seed: int, args: argparse.Namespace, k: int |
     completion = decoder.generate(prompt, max_new_tokens=args.max_tokens,
                                   temperature=args.temperature, top_p=args.top_p, seed=seed,
                                   speculative=k is not None, num_draft_tokens=k,
-                                  adaptive=False)
+                                  adaptive=None)
     return completion.token_ids
 
 

@@ -6,8 +6,8 @@ proposer, k, mode), how many seeded texts equal seeded plain decoding token for 
   alone     one request at a time, fixed k;
   batch     at most 4 rows decoded together, a row joining as soon as another leaves (rows
             end at different lengths), fixed k;
-  adaptive  the same batches with every row under a depth policy (goodput, threshold and
-            goodput-plain in turn by seed), k its starting depth.
+  adaptive  the same batches under a depth policy (goodput, threshold and goodput-plain in turn
+            by seed, a batch of each), k its starting depth.
 Seeds take T 0.7 or 1.0, top-p 0.9 on half of them and a JSON schema on one in five.
 
     python scripts/seed_matrix.py [--seeds 100] [--json benchmarks/results/seed_matrix.json]
@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 from collections import deque
+from dataclasses import replace
 
 import verispec
 from verispec.bench.run import environment
@@ -47,19 +48,22 @@ def settings(case: dict) -> dict:
     return {key: value for key, value in case.items() if key != "prompt"}
 
 
-def run_batches(decoder, requests: list[dict], k: int, adaptive: bool) -> list[list[int]]:
-    """Token ids of every request through one open batch of at most WIDTH rows."""
-    batch = decoder.open_batch()
-    pending, out = deque(enumerate(requests)), [None] * len(requests)
-    while pending or len(batch):
-        while pending and len(batch) < WIDTH:
-            index, case = pending.popleft()
-            policy = POLICIES[index % len(POLICIES)] if adaptive else False
-            batch.add(case["prompt"], index, num_draft_tokens=k, adaptive=policy,
-                      **settings(case))
-        for text_row, _ in batch.step():
-            if text_row.completion is not None:
-                out[text_row.tag] = text_row.completion.token_ids
+def run_batches(decoder, requests: list[dict], k: int, policies=(None,)) -> list[list[int]]:
+    """Token ids of every request through open batches of at most WIDTH rows at depth k, one
+    per depth policy of ``policies`` (None: fixed k), request i in batch i % len(policies)."""
+    out = [None] * len(requests)
+    for which, policy in enumerate(policies):
+        batch = decoder.open_batch(options=replace(decoder.batch_options, adaptive=policy,
+                                                   num_draft_tokens=k))
+        pending = deque((index, case) for index, case in enumerate(requests)
+                        if index % len(policies) == which)
+        while pending or len(batch):
+            while pending and len(batch) < WIDTH:
+                index, case = pending.popleft()
+                batch.add(case["prompt"], index, **settings(case))
+            for text_row, _ in batch.step():
+                if text_row.completion is not None:
+                    out[text_row.tag] = text_row.completion.token_ids
     return out
 
 
@@ -78,10 +82,10 @@ def main() -> int:
             decoder = verispec.load(backend=backend, **extra)
             for k in K_VALUES:
                 outputs = {
-                    "alone": [decoder.generate(case["prompt"], num_draft_tokens=k, adaptive=False,
+                    "alone": [decoder.generate(case["prompt"], num_draft_tokens=k, adaptive=None,
                                                **settings(case)).token_ids for case in requests],
-                    "batch": run_batches(decoder, requests, k, adaptive=False),
-                    "adaptive": run_batches(decoder, requests, k, adaptive=True)}
+                    "batch": run_batches(decoder, requests, k),
+                    "adaptive": run_batches(decoder, requests, k, POLICIES)}
                 for mode, tokens in outputs.items():
                     equal = sum(a == b for a, b in zip(tokens, reference))
                     rows.append(dict(backend=backend, proposer=proposer, k=k, mode=mode,

@@ -68,6 +68,19 @@ def test_imports_run_one_way():
     assert reaching == []
 
 
+def test_the_server_reaches_the_engine_only_through_text():
+    # the server keeps threads, queues and events; rows, batches, depth policies and drafts
+    # are the text layer's to hand it (text/batch.py, text/named.py), so server/ imports
+    # nothing from engine/, policy/ or proposers/
+    _, _, modules = _graphs()
+    reaching = sorted((module, target) for module, targets in modules.items()
+                      if module.split(".")[1:2] == ["server"]
+                      for target in targets
+                      if target.split(".")[1:2] in (["engine"], ["policy"], ["proposers"]))
+    assert reaching == []
+    assert any(target.startswith("verispec.text.") for target in modules["verispec.server.worker"])
+
+
 def test_the_package_top_holds_only_the_allowed_modules_and_packages():
     package = runpy.run_path(str(SCRIPT))["PACKAGE"]
     files = {path.name for path in package.iterdir() if path.is_file() and path.suffix == ".py"}

@@ -6,7 +6,7 @@ ids with its fixture model, and the pure math the docs show. The other names onc
 still import from ``verispec``, with a DeprecationWarning naming the module they live in.
 """
 
-from .config import GenerationConfig, PenaltyConfig, SamplingConfig
+from .config import BatchOptions, GenerationConfig, PenaltyConfig, SamplingConfig
 from .engine.decoder import SpeculativeDecoder
 from .errors import (
     BackendError,
@@ -86,6 +86,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "BackendError",
+    "BatchOptions",
     "ChatTemplateMissing",
     "Completion",
     "ConfigError",

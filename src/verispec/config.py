@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import ConfigError
@@ -202,7 +202,7 @@ class PenaltyConfig:
 
 @runtime_checkable
 class DepthPolicyConfig(Protocol):
-    """What GenerationConfig.adaptive holds: a depth policy's settings (policy/base.py's
+    """What BatchOptions.adaptive holds: a depth policy's settings (policy/base.py's
     AdaptivePolicyConfig and its subclasses). A Protocol, so that this module needs no policy."""
 
     carry_over: bool
@@ -213,16 +213,17 @@ class DepthPolicyConfig(Protocol):
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """One generation request's settings.
+    """One row's settings: what its text's law and length depend on, and a cap on its depth.
+    How fast the row decodes (the depth policy, the batch's k, the cost ratio, the prefill
+    budget) is its batch's: BatchOptions.
 
-    num_draft_tokens: speculation depth k (1 to 32); the starting k when ``adaptive`` is set.
+    num_draft_tokens: the most draft tokens this row takes a round (1 to 32), a cap on its
+        batch's depth; None: no cap. A run of its own (SpeculativeDecoder.generate without
+        ``options``) takes it as the run's k.
     stop_token_ids: generation ends at the first of these (it is emitted, nothing after it).
     min_new_tokens: no stop token is generated before this many new tokens: the target's
         distribution at those positions is renormalised without them (vLLM's min_tokens).
     seed: seeds the generation's own torch.Generator; None draws a fresh seed from the OS.
-    adaptive: an adaptive-depth policy config (ThresholdPolicyConfig, GoodputPolicyConfig) or None.
-    cost_ratio: c = time of one draft step / time of one target step, for the modelled speedup;
-        None uses the ratio measured during the generation.
     penalty: presence, frequency and repetition penalties and logit_bias (PenaltyConfig).
     logprobs: None, or how many alternatives (0 to 20) each emitted token's logprob comes with
         (engine/rows.py TokenLogprob: of the distribution the token was drawn from).
@@ -231,33 +232,39 @@ class GenerationConfig:
         or "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
         (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a draft
         token while it is the target's own sample at its position (spec/seeded.py).
+    adaptive, cost_ratio: options of the batch, not of a row: given here, a ConfigError names
+        where they go (BatchOptions).
     """
 
     max_new_tokens: int = 64
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
     seed: int | None = None
-    adaptive: DepthPolicyConfig | None = None
-    cost_ratio: float | None = None
+    adaptive: InitVar[object] = None
+    cost_ratio: InitVar[object] = None
     verification: str = "block"
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
     logprobs: int | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, adaptive: object, cost_ratio: object) -> None:
+        for name, value in (("adaptive", adaptive), ("cost_ratio", cost_ratio)):
+            if value is not None:
+                raise ConfigError(
+                    f"{name}={value!r:.60} is an option of the batch, not of a row: pass "
+                    f"options=BatchOptions({name}=...) to SpeculativeDecoder.generate, stream "
+                    "or batch (Decoder.generate takes adaptive= itself).", field=name)
         _make_plain(self, "max_new_tokens", "num_draft_tokens", "min_new_tokens", "seed",
-                    "cost_ratio", "logprobs")
+                    "logprobs")
         if isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids",
                                tuple(plain_number(t) for t in self.stop_token_ids))
         require(is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
                 self.max_new_tokens, "an integer >= 1")
-        require(
-            is_int(self.num_draft_tokens) and 1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS,
-            "num_draft_tokens", self.num_draft_tokens,
-            f"an integer from 1 to {MAX_NUM_DRAFT_TOKENS}",
-        )
+        if self.num_draft_tokens is not None:
+            check_int("num_draft_tokens", self.num_draft_tokens, 1, MAX_NUM_DRAFT_TOKENS,
+                      ", or None for the batch's depth")
         require(isinstance(self.sampling, SamplingConfig), "sampling", self.sampling,
                 "a verispec.SamplingConfig")
         stops = self.stop_token_ids
@@ -267,12 +274,6 @@ class GenerationConfig:
                 "min_new_tokens", self.min_new_tokens,
                 f"an integer from 0 to max_new_tokens ({self.max_new_tokens})")
         check_seed(self.seed)
-        if self.adaptive is not None:
-            require(isinstance(self.adaptive, DepthPolicyConfig), "adaptive", self.adaptive,
-                    "ThresholdPolicyConfig(...), GoodputPolicyConfig(...) or None")
-        if self.cost_ratio is not None:
-            require(is_number(self.cost_ratio) and 0 < self.cost_ratio < math.inf, "cost_ratio",
-                    self.cost_ratio, "a finite number > 0 (draft step time / target step time)")
         check_verification(self.verification)
         require(isinstance(self.penalty, PenaltyConfig), "penalty", self.penalty,
                 "a verispec.PenaltyConfig")
@@ -282,12 +283,63 @@ class GenerationConfig:
                     f"an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), or None")
 
 
+DEFAULT_PREFILL_BUDGET = 512
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a batch decodes, shared by all its rows and never a part of what they emit (a row's
+    own settings are its GenerationConfig). One object from the CLI's flags to the scheduler:
+    ``--adaptive``, ``--k``, ``--prefill-budget`` and ``--max-batch-size`` set adaptive,
+    num_draft_tokens, prefill_budget and max_batch_size; ``load(adaptive=, num_draft_tokens=)``
+    set a decoder's defaults
+    (Decoder.batch_options), and a Decoder.generate call's ``adaptive`` and
+    ``num_draft_tokens`` set its own batch's.
+
+    adaptive: the depth policy that sets k each round (ThresholdPolicyConfig(),
+        GoodputPolicyConfig(); policy/), one per batch-size bucket; None: a fixed k.
+    num_draft_tokens: the depth k (1 to 32): every round's under a fixed k, the first one's
+        under a policy (a goodput policy given the pair's cost curve starts where the curve
+        prices best). A row's GenerationConfig.num_draft_tokens caps it for that row.
+    cost_ratio: c = time of one draft step / time of one target step, for the modelled speedup
+        in the metrics; None: the ratio measured as rounds go.
+    prefill_budget: the most prompt tokens prefilled in one gap between rounds while rows run
+        (at least one row joins a gap): a burst of joining prompts goes in over several gaps,
+        and a prompt longer than what is left is prefilled apart, a chunk a gap, before its row
+        joins (text/admission.py, engine/prefill.py).
+    max_batch_size: the most rows the batch runs, prefilling ones included (None: no limit);
+        the others wait their turn.
+    """
+
+    adaptive: DepthPolicyConfig | None = None
+    num_draft_tokens: int = 4
+    cost_ratio: float | None = None
+    prefill_budget: int = DEFAULT_PREFILL_BUDGET
+    max_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _make_plain(self, "num_draft_tokens", "cost_ratio", "prefill_budget", "max_batch_size")
+        if self.adaptive is not None:
+            require(isinstance(self.adaptive, DepthPolicyConfig), "adaptive", self.adaptive,
+                    "ThresholdPolicyConfig(...), GoodputPolicyConfig(...), or None for a fixed k")
+        check_int("num_draft_tokens", self.num_draft_tokens, 1, MAX_NUM_DRAFT_TOKENS)
+        if self.cost_ratio is not None:
+            check_number("cost_ratio", self.cost_ratio, 0, math.inf, low_open=True,
+                         note=" (draft step time / target step time)")
+        check_int("prefill_budget", self.prefill_budget, 1, note=" (prompt tokens a gap)")
+        if self.max_batch_size is not None:
+            check_int("max_batch_size", self.max_batch_size, 1, note=", or None")
+
+
 # llama.cpp's weight kernels (LlamaCppConfig.repack, --repack; models/llama_cpp/kernels.py)
 REPACK_MODES = ("auto", "on", "off")
 # the pair's measured pass costs (LlamaCppConfig.cost_curve, --cost-curve; policy/costs.py):
 # measured once and then read from the cache, measured afresh (and cached), or not measured
 COST_CURVE_MODES = ("cached", "measure", "off")
 VERIFICATION_RULES = ("block", "token")  # the first is the default
+# the depth policies the CLI's and the server's --adaptive name (policy.named_policy builds
+# them); "goodput-plain" may also choose plain rounds (k = 0)
+POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 # what a hybrid proposer looks up before its draft model (--hybrid-lookup; proposers/hybrid.py):
 # prompt lookup of the last 2-3 tokens, or the suffix drafter; the first is the default
 HYBRID_LOOKUPS = ("ngram", "suffix")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import verispec
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import BatchOptions, GenerationConfig, SamplingConfig, SpeculativeDecoder
 from verispec.engine.batch import fill_from_the_end
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
@@ -218,7 +218,7 @@ def test_demo_pair_batch_with_a_long_prompt_greedy_text_equals_plain_decoding_al
     alone = alone[:5] + [demo_decoder.generate(long_prompt, max_new_tokens=24,
                                                speculative=False).text] + alone[6:]
     batched = demo_decoder.generate(prompts, max_new_tokens=24, num_draft_tokens=k,
-                                    adaptive=False)
+                                    adaptive=None)
     assert [completion.text for completion in batched] == alone
 
 
@@ -229,7 +229,7 @@ def test_demo_pair_batch_of_twelve_greedy_text_equals_plain_decoding_alone(
     prompts and plain steps the flash kernel; no row's text may change."""
     prompts, alone = twelve_alone
     batched = demo_decoder.generate(prompts, max_new_tokens=24, num_draft_tokens=k,
-                                    adaptive=False)
+                                    adaptive=None)
     assert [completion.text for completion in batched] == alone
     assert all(completion.metrics.num_drafted > 0 for completion in batched)
 
@@ -373,10 +373,9 @@ def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
     target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
     decoder = SpeculativeDecoder.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),
                                                   wrap_model(draft, VOCAB_SIZE, backend))
-    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,
-                              adaptive=verispec.GoodputPolicyConfig(
-                                  min_num_draft_tokens=0))
-    batch = decoder.batch(policy=config.adaptive)
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(
+        adaptive=verispec.GoodputPolicyConfig(min_num_draft_tokens=0), num_draft_tokens=2))
     scripted = _ScriptedPolicy((1,) * 12)
     batch.scheduler.policies[2] = scripted  # the 2-row bucket's
     prompts = [[3, 5, 1, 2], [3, 5], [5, 1, 6, 2, 7]]
@@ -402,9 +401,9 @@ def test_a_proposal_after_plain_rounds_is_timed_on_its_own_steps():
     from verispec.policy.goodput import GoodputPolicyConfig
 
     decoder = _fixture_decoder()
-    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=2,
-                              adaptive=GoodputPolicyConfig(min_num_draft_tokens=0))
-    batch = decoder.batch(policy=config.adaptive)
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(
+        adaptive=GoodputPolicyConfig(min_num_draft_tokens=0), num_draft_tokens=2))
     scripted = _ScriptedPolicy((0, 0, 0, 0, 2, 2, 3, 3, 2, 2, 2, 2, 2, 2))
     batch.scheduler.policies[1] = batch.scheduler.policies[2] = scripted  # buckets of 1 and 2 rows
     (first,) = batch.add([PROMPT], [config], [make_generator(0)])
@@ -437,7 +436,7 @@ def test_a_row_at_the_end_of_its_context_is_not_fed_a_deeper_rows_draft(build):
     decoder = SpeculativeDecoder.from_draft_model(target, draft)
     end = GenerationConfig(max_new_tokens=window - 24 - 1, num_draft_tokens=1, sampling=GREEDY)
     deep = GenerationConfig(max_new_tokens=20, num_draft_tokens=8, sampling=GREEDY)
-    batch = decoder.batch()
+    batch = decoder.batch(options=BatchOptions(num_draft_tokens=8))
     rows = batch.add([[1] * 24, [2, 3]], [end, deep], [make_generator(0)] * 2)
     _run(batch, rows)
     alone = _alone(decoder, [1] * 24, end, seed=0)
@@ -462,9 +461,9 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
     target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
     decoder = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, step_graphs="static"),
                                                   FastLlamaLM(draft, step_graphs="static"))
-    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=1,
-                              adaptive=verispec.GoodputPolicyConfig(min_num_draft_tokens=0))
-    batch = decoder.batch(policy=config.adaptive)
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(
+        adaptive=verispec.GoodputPolicyConfig(min_num_draft_tokens=0), num_draft_tokens=1))
     scripted = _ScriptedPolicy((1,) * 12)
     batch.scheduler.policies[1] = scripted  # the 1-row bucket's
     (row,) = batch.add([[3, 5, 1, 2]], [config], [make_generator(0)])
@@ -494,9 +493,8 @@ def test_a_lookup_round_reaches_the_policy_at_the_depth_it_asked():
     target = MarkovLM.random(VOCAB_SIZE, torch.Generator().manual_seed(5), order=2)
     decoder = SpeculativeDecoder(target, NgramProposer(VOCAB_SIZE))
     adaptive = verispec.GoodputPolicyConfig(min_num_draft_tokens=0)
-    config = GenerationConfig(max_new_tokens=6, sampling=GREEDY, num_draft_tokens=3,
-                              adaptive=adaptive)
-    batch = decoder.batch(policy=adaptive)
+    config = GenerationConfig(max_new_tokens=6, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(adaptive=adaptive, num_draft_tokens=3))
     scripted = _ScriptedPolicy((3,) * 8)
     batch.scheduler.policies[4] = scripted  # the 3-4-row bucket's
     repeating = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]

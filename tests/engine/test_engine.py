@@ -11,7 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder
+from verispec import (
+    BatchOptions,
+    GenerationConfig,
+    MarkovLM,
+    SamplingConfig,
+    SpeculativeDecoder,
+)
 from verispec.engine.metrics import GenerationMetrics
 from verispec.errors import TokenOutOfRangeError
 from verispec.models.fixtures import FixedDistributionLM
@@ -280,9 +286,9 @@ def test_token_acceptance_estimates_the_per_token_acceptance_probability():
     decoder = SpeculativeDecoder.from_draft_model(FixedDistributionLM.from_probs(target_probs),
                                                   FixedDistributionLM.from_probs(draft_probs))
     # unseeded rows (rejection sampling, token-wise) drawing from a generator seeded here
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=8, verification="token",
+    config = GenerationConfig(max_new_tokens=40, verification="token",
                               sampling=SamplingConfig(temperature=1.0))
-    batch = decoder.batch()
+    batch = decoder.batch(options=BatchOptions(num_draft_tokens=8))
     batch.add([[0]] * 400, [config] * 400, [torch.Generator().manual_seed(3)] * 400)
     while batch.rows:
         batch.step()
@@ -315,9 +321,10 @@ def test_decoder_without_proposer_decodes_plainly():
 
 def test_metrics_addition_sums_counters():
     decoder, _ = _decoder()
-    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=4, seed=1, cost_ratio=0.1)
-    a = decoder.generate(PROMPTS, config).metrics
-    b = decoder.generate(PROMPTS[:1], replace(config, num_draft_tokens=2)).metrics
+    config = GenerationConfig(max_new_tokens=20, seed=1)
+    options = BatchOptions(num_draft_tokens=4, cost_ratio=0.1)
+    a = decoder.generate(PROMPTS, config, options=options).metrics
+    b = decoder.generate(PROMPTS[:1], config, options=replace(options, num_draft_tokens=2)).metrics
     total = a + b
     for name in ("num_rounds", "num_row_rounds", "num_drafted", "num_accepted", "num_emitted",
                  "num_draft_steps", "num_target_calls"):
@@ -341,8 +348,9 @@ def test_empty_metrics_is_the_identity_of_addition():
     # the sum once dropped m's fixed_cost_ratio (None != 0.1 -> None), silently switching
     # modelled_speedup from the configured ratio to the measured one.
     decoder, _ = _decoder()
-    config = GenerationConfig(max_new_tokens=10, num_draft_tokens=3, seed=1, cost_ratio=0.1)
-    m = decoder.generate(PROMPTS, config).metrics
+    config = GenerationConfig(max_new_tokens=10, seed=1)
+    m = decoder.generate(PROMPTS, config,
+                         options=BatchOptions(num_draft_tokens=3, cost_ratio=0.1)).metrics
     assert GenerationMetrics() + m == m, "GenerationMetrics() + m lost m.fixed_cost_ratio"
     assert m + GenerationMetrics() == m
     assert m.modelled_speedup == (GenerationMetrics() + m).modelled_speedup

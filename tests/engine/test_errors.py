@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from verispec import (
+    BatchOptions,
     ConfigError,
     EmptyPromptError,
     GenerationConfig,
@@ -74,11 +75,7 @@ def test_hierarchy():
     ({"stop_token_ids": [2]}, "stop_token_ids", "[2]"),
     ({"stop_token_ids": 2}, "stop_token_ids", "2"),
     ({"stop_token_ids": (1.0,)}, "stop_token_ids", "(1.0,)"),
-    ({"cost_ratio": 0}, "cost_ratio", "0"),
-    ({"cost_ratio": -0.5}, "cost_ratio", "-0.5"),
-    ({"cost_ratio": math.inf}, "cost_ratio", "inf"),
     ({"sampling": {"temperature": 1.0}}, "sampling", "{'temperature': 1.0}"),
-    ({"adaptive": "threshold"}, "adaptive", "'threshold'"),
 ])
 def test_bad_generation_config(kwargs, field, value):
     with pytest.raises(ConfigError) as info:
@@ -113,9 +110,38 @@ def test_bad_sampling_config(kwargs, field, value):
 
 def test_valid_configs_are_accepted():
     GenerationConfig(max_new_tokens=1, num_draft_tokens=1, seed=0, stop_token_ids=(0, 7))
-    GenerationConfig(num_draft_tokens=32, seed=2**63 - 1, cost_ratio=0.05,
-                     adaptive=ThresholdPolicyConfig())
+    GenerationConfig(num_draft_tokens=32, seed=2**63 - 1)
+    BatchOptions(num_draft_tokens=32, cost_ratio=0.05, adaptive=ThresholdPolicyConfig(),
+                 prefill_budget=1, max_batch_size=1)
     SamplingConfig(temperature=0, top_k=1, top_p=1.0)
+
+
+@pytest.mark.parametrize("kwargs, field, value", [
+    ({"cost_ratio": 0}, "cost_ratio", "0"),
+    ({"cost_ratio": -0.5}, "cost_ratio", "-0.5"),
+    ({"cost_ratio": math.inf}, "cost_ratio", "inf"),
+    ({"adaptive": "threshold"}, "adaptive", "'threshold'"),
+    ({"adaptive": False}, "adaptive", "False"),  # None is the fixed k: no third state
+    ({"num_draft_tokens": 0}, "num_draft_tokens", "0"),
+    ({"num_draft_tokens": None}, "num_draft_tokens", "None"),
+    ({"prefill_budget": 0}, "prefill_budget", "0"),
+    ({"max_batch_size": 0}, "max_batch_size", "0"),
+])
+def test_bad_batch_options(kwargs, field, value):
+    with pytest.raises(ConfigError) as info:
+        BatchOptions(**kwargs)
+    assert info.value.field == field
+    assert f"{field}={value}" in str(info.value) and "expected" in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [("adaptive", ThresholdPolicyConfig()),
+                                         ("cost_ratio", 0.05)])
+def test_a_rows_config_refuses_an_option_of_the_batch(name, value):
+    # how fast a batch decodes is its options' (BatchOptions), never a row's: a row that names
+    # one gets a ConfigError saying where it goes, not a value read as a flag or ignored
+    with pytest.raises(ConfigError, match=f"{name}=.*option of the batch.*BatchOptions") as info:
+        GenerationConfig(**{name: value})
+    assert info.value.field == name
 
 
 # --- adaptive configs ------------------------------------------------------------------------

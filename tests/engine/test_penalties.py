@@ -190,7 +190,7 @@ def test_stop_token_ban_alone_leaves_the_draft_logits_untouched():
     on the server): the ban must not write into it."""
     target = _chain()
     row = verispec.engine.rows.Row(PROMPT, GenerationConfig(
-        max_new_tokens=4, stop_token_ids=(2,), min_new_tokens=3), make_generator(0), False)
+        max_new_tokens=4, stop_token_ids=(2,), min_new_tokens=3), make_generator(0))
     with torch.inference_mode():
         logits = target.next_logits(PROMPT)
     shaped = row.shape_draft(logits, [])

@@ -14,9 +14,10 @@ seeded text equals seeded plain decoding (speculative=False) token for token, wh
 
 Design (a minute on one core in all). The plain reference is decoded once per backend, all
 SEEDS in one batch. A (backend, proposer) then runs seeds through open batches of at most
-BATCH_WIDTH rows, by segments of 25 seeds: one segment with fixed depths, one under each depth
-policy, which two seeds in three follow (starting from their k) while the third keeps its fixed
-k. The fast path runs all four segments (every seed) for each proposer; the transformers
+BATCH_WIDTH rows, by segments of 25 seeds: one segment at a fixed depth, one under each depth
+policy (the batch's, config.BatchOptions), which two seeds in three follow while the third caps
+its depth at its k (a fixed segment's rows each draft their own k: the batch's is the largest).
+The fast path runs all four segments (every seed) for each proposer; the transformers
 backend, twice as slow and sharing everything but the forward, the fixed one and one policy's
 (another for each proposer). Seed i's settings rotate with i on coprime cycles (_cases, _depth),
 so every (k, temperature, top-p) combination recurs every 16 seeds: each (proposer, k) sees
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ import torch
 import verispec
 import verispec.spec.seeded
 from verispec import (
+    BatchOptions,
     GenerationConfig,
     GoodputPolicyConfig,
     MarkovLM,
@@ -161,7 +163,7 @@ CANCEL_AFTER = 2  # rounds; every third mate is removed then, before it is compl
 
 def _depth(index: int) -> tuple[int, bool]:
     """Case index's k (K[(i // 4) % 4]: each k meets all four (temperature, top-p) settings)
-    and whether it follows a segment's policy (i % 3 != 0)."""
+    and whether it follows a segment's policy uncapped (i % 3 != 0)."""
     return K_VALUES[(index // 4) % len(K_VALUES)], index % 3 != 0
 
 
@@ -185,13 +187,11 @@ def _segment_rows(segment: int) -> list[Join]:
         case = CASES[index]
         k, follows = _depth(index)
         joins.append(Join(index, case.prompt, dict(
-            case.settings(), num_draft_tokens=k,
-            adaptive=POLICIES[policy] if policy and follows else False)))
+            case.settings(), num_draft_tokens=None if policy and follows else k)))
         if index % MATE_EVERY == MATE_EVERY - 1:
             number = index // MATE_EVERY
             mate = MATES[number % len(MATES)]
-            joins.append(Join(("mate", number), CASES[-1 - index].prompt,
-                              dict(mate, adaptive=POLICIES[policy] if policy else False),
+            joins.append(Join(("mate", number), CASES[-1 - index].prompt, dict(mate),
                               CANCEL_AFTER if number % 3 == 0 else None))
     return joins
 
@@ -201,7 +201,9 @@ def _run_open_batch(decoder, joins: list[Join], policy: str | None
     """Rows join an open batch in order, at most BATCH_WIDTH at a time: on even rounds as many
     as there is room for (joining together), on odd ones one. -> ({tag: token ids} of the rows
     that completed, the number of rounds)."""
-    batch = decoder.open_batch(adaptive=POLICIES[policy] if policy else False)
+    batch = decoder.open_batch(options=replace(
+        decoder.batch_options, adaptive=POLICIES[policy] if policy else None,
+        num_draft_tokens=max(K_VALUES)))
     pending, live, rounds_in = deque(joins), {}, {}
     token_ids: dict[object, list[int]] = {}
     num_rounds = 0
@@ -273,7 +275,7 @@ def test_seeded_rows_alone_stream_the_text_of_plain_decoding(decoders, plain_ref
     for index, k, policy in _alone_cases(backend, proposer):
         case = CASES[index]
         stream = decoder.stream(case.prompt, num_draft_tokens=k,
-                                adaptive=POLICIES[policy] if policy else False, **case.settings())
+                                adaptive=POLICIES[policy] if policy else None, **case.settings())
         deltas = list(stream)
         out = stream.completion
         assert out.token_ids == expected[index], (backend, proposer, case, k, policy)
@@ -354,8 +356,9 @@ def _keyed_tokens(k: int, sampling: SamplingConfig, num_samples: int = NUM_SAMPL
     ``pair``: (target, draft), _markov_pair's by default; ``penalty``: none by default."""
     target, draft = _markov_pair() if pair is None else pair
     penalty = PenaltyConfig() if penalty is None else penalty
-    batch = SpeculativeDecoder.from_draft_model(target, draft).batch()
-    configs = [GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
+    batch = SpeculativeDecoder.from_draft_model(target, draft).batch(
+        options=BatchOptions(num_draft_tokens=k))
+    configs = [GenerationConfig(max_new_tokens=k + 1, sampling=sampling,
                                 seed=first_seed + i, penalty=penalty)
                for i in range(num_samples)]
     rows = batch.add([PROMPT] * num_samples, configs, [make_generator(0)] * num_samples)

@@ -81,7 +81,7 @@ def assert_each_agrees_with_plain(decoder, plain_replies, **settings) -> None:
     calls: the suite's time; rows of a batch are decoded as they would be alone)."""
     prompts = [decoder.chat_prompt_ids(messages(prompt)) for prompt in PROMPTS.values()]
     replies = decoder.generate(prompts, max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True,
-                               adaptive=False, logprobs=5, **settings)
+                               adaptive=None, logprobs=5, **settings)
     for name, reply in zip(PROMPTS, replies):
         plain = plain_replies[name]
         assert reply.metrics.num_accepted > 0  # drafts were accepted: verification ran
@@ -103,7 +103,7 @@ def test_a_seeded_request_gives_the_same_text_with_and_without_the_draft(coder):
     settings = {"max_new_tokens": 48, "temperature": 0.7, "seed": 7, "ignore_eos": True}
     plain = coder.chat(messages(PROMPTS["fibonacci"]), speculative=False, **settings)
     speculative = coder.chat(messages(PROMPTS["fibonacci"]), num_draft_tokens=3,
-                             adaptive=False, **settings)
+                             adaptive=None, **settings)
     assert speculative.metrics.num_drafted > 0
     assert speculative.token_ids == plain.token_ids
 

@@ -307,7 +307,7 @@ def demo_bf16():
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_graphed_greedy_speculative_equals_plain_on_the_demo_pair(demo_bf16, rows, k):
     prompts = heldout_prompts()[:rows]
-    settings = {"max_new_tokens": 48, "ignore_eos": True, "adaptive": False}
+    settings = {"max_new_tokens": 48, "ignore_eos": True, "adaptive": None}
     plain = demo_bf16.generate(prompts, speculative=False, **settings)
     speculative = demo_bf16.generate(prompts, num_draft_tokens=k, **settings)
     assert [c.token_ids for c in speculative] == [c.token_ids for c in plain]

@@ -647,7 +647,7 @@ def test_greedy_penalties_speculative_equals_plain(demo_decoder, settings):
                                   **settings)
     for k in (1, 4):
         spec = demo_decoder.generate(prompts, max_new_tokens=32, temperature=0,
-                                     num_draft_tokens=k, adaptive=False, **settings)
+                                     num_draft_tokens=k, adaptive=None, **settings)
         assert [c.token_ids for c in spec] == [c.token_ids for c in plain], k
 
 
@@ -655,7 +655,7 @@ def test_greedy_penalties_speculative_equals_plain(demo_decoder, settings):
                                       {"temperature": 1.0, "seed": 4, "frequency_penalty": 0.8}])
 def test_logprobs_under_speculation_match_plain(demo_decoder, settings):
     spec = demo_decoder.generate("def fibonacci(n):", max_new_tokens=32, num_draft_tokens=4,
-                                 adaptive=False, logprobs=5, **settings)
+                                 adaptive=None, logprobs=5, **settings)
     plain = demo_decoder.generate("def fibonacci(n):", max_new_tokens=32, speculative=False,
                                   logprobs=5, **settings)
     assert spec.token_ids == plain.token_ids

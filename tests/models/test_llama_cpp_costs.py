@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 import verispec
-from verispec import GenerationConfig, GoodputPolicyConfig, SamplingConfig, cli
+from verispec import BatchOptions, GenerationConfig, GoodputPolicyConfig, SamplingConfig, cli
 from verispec.bench.run import BenchSettings
 from verispec.cli.bench import _print_header
 from verispec.cli.options import llama_cpp_config
@@ -167,11 +167,12 @@ def test_greedy_output_is_the_targets_with_and_without_the_curve(curve_decoders,
     plain = curve_decoders["off"].engine.generate(
         PROMPTS, GenerationConfig(max_new_tokens=40, sampling=GREEDY), speculative=False)
     for mode, decoder in curve_decoders.items():
-        config = GenerationConfig(max_new_tokens=40, sampling=GREEDY, adaptive=adaptive,
-                                  num_draft_tokens=decoder.num_draft_tokens)
-        assert decoder.engine.generate(PROMPTS, config).token_ids == plain.token_ids, mode
+        config = GenerationConfig(max_new_tokens=40, sampling=GREEDY)
+        options = BatchOptions(adaptive=adaptive, num_draft_tokens=decoder.num_draft_tokens)
+        assert decoder.engine.generate(PROMPTS, config,
+                                       options=options).token_ids == plain.token_ids, mode
         for prompt, expected in zip(PROMPTS, plain.token_ids):  # one row: the curve's bucket
-            run = decoder.engine.stream([prompt], config)
+            run = decoder.engine.stream([prompt], config, options=options)
             for _ in run:
                 pass
             assert run.result().token_ids == [expected], mode

@@ -283,6 +283,6 @@ def plain_completions(smollm2, gemma):
 def test_greedy_speculative_equals_plain(plain_completions, model, prompt, k):
     decoder, plain = plain_completions(model, prompt)
     speculative = decoder.generate(PROMPTS[prompt], max_new_tokens=NUM_NEW_TOKENS,
-                                   ignore_eos=True, num_draft_tokens=k, adaptive=False)
+                                   ignore_eos=True, num_draft_tokens=k, adaptive=None)
     assert speculative.metrics.num_accepted > 0  # drafts were accepted: verification ran
     assert speculative.token_ids == plain.token_ids and len(plain.token_ids) == NUM_NEW_TOKENS

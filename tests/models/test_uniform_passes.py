@@ -253,6 +253,6 @@ def test_coder_greedy_hybrid_equals_plain_with_uniform_passes(coder):
 def assert_equals_plain(coder, decoder, k: int) -> None:
     for ids, plain in zip(coder["prompts"], coder["plain"]):
         speculative = decoder.generate(ids, max_new_tokens=MAX_NEW_TOKENS, temperature=0,
-                                       ignore_eos=True, num_draft_tokens=k, adaptive=False)
+                                       ignore_eos=True, num_draft_tokens=k, adaptive=None)
         assert speculative.token_ids == plain
         assert speculative.metrics.num_accepted > 0  # the draft was verified, not bypassed

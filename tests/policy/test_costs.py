@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from verispec import GoodputPolicyConfig
+from verispec import BatchOptions, GoodputPolicyConfig
 from verispec.errors import ConfigError
 from verispec.policy import default_num_draft_tokens
 from verispec.policy.base import RoundStats
@@ -138,10 +138,11 @@ def test_measured_rounds_move_a_policy_off_its_curve():
 
 
 def test_the_scheduler_prices_a_one_row_bucket_from_the_curve_only():
-    scheduler = Scheduler(PLAIN, 4, None, True, None, costs=LINEAR)
+    options = BatchOptions(adaptive=PLAIN, num_draft_tokens=4)
+    scheduler = Scheduler(options, None, True, None, costs=LINEAR)
     assert scheduler._policy([_Row()]).costs is LINEAR
     assert scheduler._policy([_Row(), _Row()]).costs is None  # two rows' passes: not measured
-    assert Scheduler(PLAIN, 4, None, True, None)._policy([_Row()]).costs is None
+    assert Scheduler(options, None, True, None)._policy([_Row()]).costs is None
 
 
 def test_the_default_depth_follows_a_measured_curve():
@@ -160,8 +161,7 @@ class _Row:
 
     def __init__(self) -> None:
         self.prompt = [1, 2]
-        self.follows_policy = True
         self.num_generated = 0
 
-    def num_draft_tokens(self, policy_k: int | None) -> int:
-        return 0 if policy_k is None else policy_k
+    def num_draft_tokens(self, batch_k: int) -> int:
+        return batch_k

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from verispec import (
+    BatchOptions,
     GenerationConfig,
     GoodputPolicyConfig,
     MarkovLM,
@@ -77,9 +78,9 @@ def test_threshold_policy_pools_over_its_window():
 
 def _greedy_engine_run(draft_table: torch.Tensor, target: MarkovLM, adaptive):
     decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(draft_table, target.order))
-    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=4, sampling=GREEDY, seed=0,
-                              adaptive=adaptive)
-    run = decoder.stream(PROMPTS, config)
+    config = GenerationConfig(max_new_tokens=60, sampling=GREEDY, seed=0)
+    run = decoder.stream(PROMPTS, config, options=BatchOptions(adaptive=adaptive,
+                                                               num_draft_tokens=4))
     for _ in run:
         pass
     return run
@@ -184,9 +185,9 @@ def test_goodput_policy_never_prices_a_depth_below_a_measured_call():
 
 def test_engine_starts_an_adaptive_run_within_the_policys_bounds():
     decoder, _ = _decoder()
-    config = GenerationConfig(max_new_tokens=30, num_draft_tokens=24, seed=0, sampling=GREEDY,
-                              adaptive=GoodputPolicyConfig(max_num_draft_tokens=6))
-    run = decoder.stream(PROMPTS, config)
+    config = GenerationConfig(max_new_tokens=30, seed=0, sampling=GREEDY)
+    run = decoder.stream(PROMPTS, config, options=BatchOptions(
+        adaptive=GoodputPolicyConfig(max_num_draft_tokens=6), num_draft_tokens=24))
     next(run)  # the first round
     assert run.metrics.num_drafted <= 6 * len(PROMPTS)
     assert len(run.metrics.per_position_acceptance) <= 6
@@ -496,9 +497,8 @@ def test_a_batch_runs_the_depth_its_policy_returns():
             return policy
 
     decoder, _ = _decoder()
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=Alternating())
-    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    config = GenerationConfig(max_new_tokens=40, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(adaptive=Alternating(), num_draft_tokens=2))
     batch.add([PROMPTS[0]], [config], [make_generator(0)])
     widths = []
     while batch.rows and len(widths) < 6:
@@ -534,9 +534,9 @@ def _probing_batch(target: MarkovLM, prompts: list[list[int]], choice: int):
     as its own depth (_recording_policy), 12 tokens a row."""
     decoder = SpeculativeDecoder.from_draft_model(target, target)
     seen: list[RoundStats] = []
-    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_recording_policy(seen, itertools.repeat(2), choice))
-    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(
+        adaptive=_recording_policy(seen, itertools.repeat(2), choice), num_draft_tokens=2))
     rows = batch.add(prompts, [config] * len(prompts),
                      [make_generator(i) for i in range(len(prompts))])
     return batch, rows, seen
@@ -597,9 +597,9 @@ def test_a_batch_hands_its_policy_the_drafts_prefill_of_joining_rows():
     # round's); a row joining after a plain round defers its draft work, and nothing is priced
     seen: list[RoundStats] = []
     decoder, _ = _decoder()
-    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_recording_policy(seen, iter([0] * 10)))
-    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    config = GenerationConfig(max_new_tokens=20, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(adaptive=_recording_policy(seen, iter([0] * 10)),
+                                               num_draft_tokens=2))
     batch.add([PROMPTS[0]], [config], [make_generator(0)])
     batch.step()  # drafts at k = 2; the policy then returns 0
     batch.step()  # plain
@@ -616,9 +616,9 @@ def test_a_batch_marks_the_first_round_of_each_shape_untimed():
     # so the policy is told not to price it; later ones are timed
     seen: list[RoundStats] = []
     decoder, _ = _decoder()
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, sampling=GREEDY,
-                              adaptive=_recording_policy(seen, iter([2, 3, 3, 2, 0, 0, 2, 2, 2])))
-    batch = decoder.batch(policy=config.adaptive, initial_num_draft_tokens=2)
+    config = GenerationConfig(max_new_tokens=40, sampling=GREEDY)
+    batch = decoder.batch(options=BatchOptions(
+        adaptive=_recording_policy(seen, iter([2, 3, 3, 2, 0, 0, 2, 2, 2])), num_draft_tokens=2))
     batch.add([PROMPTS[0]], [config], [make_generator(0)])
     for _ in range(6):
         batch.step()
@@ -704,10 +704,10 @@ def test_goodput_policy_with_min_zero_through_the_engine():
 def test_adaptive_runs_respect_max_new_tokens_and_metrics(temperature):
     decoder, _ = _decoder(order=2)
     for adaptive in (ThresholdPolicyConfig(max_num_draft_tokens=8), GoodputPolicyConfig()):
-        config = GenerationConfig(max_new_tokens=33, num_draft_tokens=2, seed=4,
-                                  adaptive=adaptive,
+        config = GenerationConfig(max_new_tokens=33, seed=4,
                                   sampling=SamplingConfig(temperature=temperature))
-        result = decoder.generate(PROMPTS, config)
+        result = decoder.generate(PROMPTS, config, options=BatchOptions(adaptive=adaptive,
+                                                                        num_draft_tokens=2))
         assert [len(row) for row in result.token_ids] == [33] * len(PROMPTS)
         assert len(result.metrics.per_position_acceptance) <= adaptive.max_num_draft_tokens
         assert result.metrics.num_emitted == 33 * len(PROMPTS)
@@ -741,9 +741,9 @@ def test_carry_over_through_the_engine_starts_where_the_last_generation_ended():
     plain = [_plain_greedy(target, p, 40) for p in PROMPTS]
 
     def first_round_k(adaptive):
-        config = GenerationConfig(max_new_tokens=40, num_draft_tokens=1, sampling=GREEDY,
-                                  seed=0, adaptive=adaptive)
-        run = decoder.stream(PROMPTS, config)
+        config = GenerationConfig(max_new_tokens=40, sampling=GREEDY, seed=0)
+        run = decoder.stream(PROMPTS, config, options=BatchOptions(adaptive=adaptive,
+                                                                   num_draft_tokens=1))
         chunks = list(run)
         assert run.result().token_ids == plain  # any k: the target's greedy output
         return max(len(row) for row in chunks[0].token_ids), run.num_draft_tokens
@@ -765,11 +765,12 @@ def test_a_seed_fixes_sampled_output_under_policies_that_depend_on_the_request_a
     # seeded sampled request is reproducible; with carry-over its k, and so the random numbers
     # it uses, depend on earlier requests (goodput with measured costs: on wall-clock timings)
     decoder, _ = _decoder(order=2)
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=2, seed=11, adaptive=adaptive,
-                              sampling=SamplingConfig(temperature=1.0))
-    first = decoder.generate(PROMPTS, config)
-    assert decoder.generate(PROMPTS, config).token_ids == first.token_ids
-    assert decoder.generate(PROMPTS, replace(config, seed=12)).token_ids != first.token_ids
+    config = GenerationConfig(max_new_tokens=40, seed=11, sampling=SamplingConfig(temperature=1.0))
+    options = BatchOptions(adaptive=adaptive, num_draft_tokens=2)
+    first = decoder.generate(PROMPTS, config, options=options)
+    assert decoder.generate(PROMPTS, config, options=options).token_ids == first.token_ids
+    assert decoder.generate(PROMPTS, replace(config, seed=12),
+                            options=options).token_ids != first.token_ids
 
 
 def test_goodput_policy_leaves_plain_rounds_only_for_a_clear_gain():

@@ -17,6 +17,7 @@ import torch
 
 import verispec
 from verispec import (
+    BatchOptions,
     GenerationConfig,
     GoodputPolicyConfig,
     MarkovLM,
@@ -120,9 +121,9 @@ def test_greedy_output_under_an_adaptive_policy(adaptive):
     proposer = _CountingHybrid(DraftModelProposer(_markov(5, order=1)), NgramDraft(min_ngram=2))
     decoder = SpeculativeDecoder(_markov(3), proposer)
     prompts = [[3, 5, 3, 5, 2], [7, 7, 2, 0, 7, 7]]
-    config = GenerationConfig(max_new_tokens=50, num_draft_tokens=2, sampling=GREEDY, seed=0,
-                              adaptive=adaptive)
-    speculative = decoder.generate(prompts, config)
+    config = GenerationConfig(max_new_tokens=50, sampling=GREEDY, seed=0)
+    speculative = decoder.generate(prompts, config,
+                                   options=BatchOptions(adaptive=adaptive, num_draft_tokens=2))
     assert speculative.token_ids == decoder.generate(prompts, config, speculative=False).token_ids
     session = proposer.sessions[0]
     proposed = session.num_ngram_rounds + session.num_draft_rounds

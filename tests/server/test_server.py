@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -572,6 +573,43 @@ def test_queue_overflow_gets_503_and_the_queue_drains(server, http, client):
 
 
 # --- settings and the serve command ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "seed": 3, "temperature": 0.5,
+                         "logit_bias": {"7": 1.5}, "num_draft_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),  # max_tokens:
+])  # what fits
+def test_a_requests_settings_are_built_once_at_the_http_boundary(model_dirs, monkeypatch, path,
+                                                                 body):
+    # one RequestSettings a request, built on the event loop's side before the request is
+    # queued (schemas: the library's own checks, a 400 before any work), and the very object
+    # the decoder prepares the row from on the worker thread: no keyword list copied between
+    # layers, no second construction
+    from verispec.text.inputs import RequestSettings
+
+    built, prepared = [], []
+    post_init = RequestSettings.__post_init__
+
+    def counted(self):
+        built.append((self, threading.current_thread().name))
+        post_init(self)
+
+    monkeypatch.setattr(RequestSettings, "__post_init__", counted)
+    decoder = verispec.load(*model_dirs, chat_template="plain")
+    prepare = decoder.prepare
+
+    def recorded(prompt, settings, *rest):
+        prepared.append(settings)
+        return prepare(prompt, settings, *rest)
+
+    monkeypatch.setattr(decoder, "prepare", recorded)
+    settings = ServerSettings(model_name=MODEL, chat_template="plain", max_tokens_limit=16)
+    with ServerThread(create_app(decoder, settings)) as running:
+        out = httpx.post(running.url + path, json=dict(body, model=MODEL), timeout=60)
+    assert out.status_code == 200, out.text
+    assert len(built) == 1 and built[0][1] != "verispec-generation"
+    assert len(prepared) == 1 and prepared[0] is built[0][0]
 
 
 def test_serve_flags_come_from_the_settings():

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import openai
@@ -276,7 +277,8 @@ class _RecordedWorker:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.worker = GenerationWorker(
-            decoder, max_queue=8, max_batch_size=4, prefill_budget=8,
+            decoder, max_queue=8,
+            options=replace(decoder.batch_options, max_batch_size=4, prefill_budget=8),
             on_finish=lambda row, outcome: self.order.append((None, "finished", row.completion)))
 
     def __enter__(self):

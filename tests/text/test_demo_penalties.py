@@ -47,11 +47,11 @@ def test_speculative_equals_plain_with_penalties(decoders, proposer, settings):
     plain = _plain(decoder, PROMPTS, settings)
     for k in (1, 2, 4, 8):
         batch = decoder.generate(PROMPTS, max_new_tokens=NUM_NEW, num_draft_tokens=k,
-                                 adaptive=False, **_greedy(settings))
+                                 adaptive=None, **_greedy(settings))
         assert [c.token_ids for c in batch] == plain, k
     # alone: row 0 (a seed shared by a batch's rows tells them apart by their place)
     alone = decoder.generate(PROMPTS[0], max_new_tokens=NUM_NEW, num_draft_tokens=4,
-                             adaptive=False, **_greedy(settings))
+                             adaptive=None, **_greedy(settings))
     assert alone.token_ids == plain[0]
 
 
@@ -68,13 +68,13 @@ def test_draft_shaped_like_the_target_keeps_acceptance(demo_decoder):
     penalises)."""
     def acceptance(**settings):
         out = demo_decoder.generate(PROMPTS, max_new_tokens=64, temperature=0, num_draft_tokens=4,
-                                    adaptive=False, **settings)
+                                    adaptive=None, **settings)
         return sum(c.metrics.num_accepted for c in out) / sum(c.metrics.num_drafted for c in out)
     assert acceptance(frequency_penalty=0.5) > 0.6 * acceptance()
 
 
 def _logprobs_pair(decoder, **settings):
-    spec = decoder.generate(PROMPTS[0], max_new_tokens=24, num_draft_tokens=4, adaptive=False,
+    spec = decoder.generate(PROMPTS[0], max_new_tokens=24, num_draft_tokens=4, adaptive=None,
                             logprobs=5, **settings)
     plain = decoder.generate(PROMPTS[0], max_new_tokens=24, speculative=False, logprobs=5,
                              **settings)

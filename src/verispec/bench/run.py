@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import BENCH_RULES, GenerationConfig, SamplingConfig
+from ..config import BENCH_RULES, BatchOptions, GenerationConfig, SamplingConfig
 from ..engine.decoder import SpeculativeDecoder
 from ..engine.metrics import GenerationMetrics
 from ..models.fast_llama.matmul import cpuinfo
@@ -152,12 +152,13 @@ def _verispec_method(decoder: Decoder, name: str, kind: str, k: int, speculative
     def run(prompt_ids: list[int], seed: int) -> tuple[list[int], GenerationMetrics]:
         keyed = rule == "seeded"
         config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens, num_draft_tokens=k,
+            max_new_tokens=settings.max_new_tokens,
             sampling=SamplingConfig(temperature=temperature), seed=seed if keyed else None,
-            adaptive=adaptive, verification="token" if rule == "token" else "block")
+            verification="token" if rule == "token" else "block")
         generator = None if keyed else make_generator(seed, decoder.target.device)
         result = engine.generate([prompt_ids], config, speculative=speculative,
-                                 generator=generator)
+                                 generator=generator,
+                                 options=BatchOptions(adaptive=adaptive, num_draft_tokens=k))
         return result.token_ids[0], result.metrics
 
     return _Method(name, kind, k if speculative else None, run)

@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import COST_CURVE_MODES, HYBRID_LOOKUPS, REPACK_MODES, VERIFICATION_RULES
-from ..policy import POLICY_NAMES
+from ..config import (
+    COST_CURVE_MODES,
+    HYBRID_LOOKUPS,
+    POLICY_NAMES,
+    REPACK_MODES,
+    VERIFICATION_RULES,
+)
 
 COST_CURVE_HELP = ("llama.cpp backend: the target's pass costs over 1 to 9 tokens and the "
                    "draft's step, which price the depth policy from the first round. cached: "

@@ -36,10 +36,11 @@ numbers, so its output law is the target's whatever the other rows do. A seeded 
 are the target's samples at their positions on clocks keyed by its seed, so they are the same
 whatever k, proposer, policy or batch mates (they could differ only where batched arithmetic
 rounds its logits differently enough to flip a race).
-Depth: before each round the scheduler (policy/scheduler.py) plans each row's k, from the batch's
-adaptive policy (policy/; one per batch-size bucket, and it may choose k = 0: a plain
-round for the whole batch) or the row's own fixed k (rows.Row); after it, the round is
-reported back to it, with its seconds by step from a clock.RoundClock.
+Depth: before each round the scheduler (policy/scheduler.py) plans each row's k from the batch's
+options (config.BatchOptions): its depth policy (policy/; one per batch-size bucket, and it may
+choose k = 0: a plain round for the whole batch) or its fixed k, under each row's own cap
+(rows.Row); after it, the round is reported back to it, with its seconds by step from a
+clock.RoundClock.
 
 The loop knows nothing about tokenisers, HTTP or printing; it sees token ids and the protocols
 in models/base.py and proposers/base.py.
@@ -53,10 +54,10 @@ from dataclasses import replace
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import BatchOptions, GenerationConfig
 from ..errors import EmptyPromptError, InputError, TokenOutOfRangeError
 from ..models.base import LanguageModel
-from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
+from ..policy.base import AdaptivePolicy
 from ..policy.costs import CostCurve
 from ..policy.scheduler import RoundReport, Scheduler
 from ..proposers.base import DraftPlan, Proposer
@@ -80,28 +81,28 @@ from .verification import (
 class Batch:
     """Rows decoded together, round by round; see the module docstring.
 
-    ``policy``: the adaptive depth policy rows with an ``adaptive`` config follow (built per
-    batch-size bucket, starting at ``initial_num_draft_tokens``); ``carried``: where policies
+    ``options``: how it decodes (config.BatchOptions: the depth policy, built per batch-size
+    bucket, its k, its metrics' cost ratio; None: the defaults); ``carried``: where policies
     with carry_over are kept between batches (SpeculativeDecoder.carried_policies);
     ``cost_curve``: the pair's measured pass costs, which price a one-row bucket's policy.
-    ``metrics``: the whole batch's rounds; each row has its own.
+    ``recorder``: the whole batch's rounds; each row has its own.
     """
 
     def __init__(self, target: LanguageModel, proposer: Proposer | None,
-                 policy: AdaptivePolicyConfig | None = None, initial_num_draft_tokens: int = 1,
+                 options: BatchOptions | None = None,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None = None,
-                 cost_ratio: float | None = None, cost_curve: CostCurve | None = None) -> None:
+                 cost_curve: CostCurve | None = None) -> None:
         self._target_model = target  # where the target's logits, and verification, live
         self.target = TargetScorer(target.new_session(), [])
         self.proposer = None if proposer is None else proposer.start([])
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
-        self.recorder = MetricsRecorder(cost_ratio)
+        options = BatchOptions() if options is None else options
+        self.recorder = MetricsRecorder(options.cost_ratio)
         windows = [lm.max_positions for lm in (target, proposer) if lm is not None
                    and lm.max_positions is not None]
-        self.scheduler = Scheduler(policy, initial_num_draft_tokens, carried,
-                                   proposer is not None, min(windows) if windows else None,
-                                   cost_curve)
+        self.scheduler = Scheduler(options, carried, proposer is not None,
+                                   min(windows) if windows else None, cost_curve)
         self._capturers = step_capturers(target, proposer)  # a capture makes a first use
 
     @property
@@ -113,8 +114,12 @@ class Batch:
         return self._target_model.vocab_size
 
     @property
+    def options(self) -> BatchOptions:
+        return self.scheduler.options
+
+    @property
     def last_policy(self) -> AdaptivePolicy | None:
-        """The depth policy of the latest round (None: the rows' own k)."""
+        """The depth policy of the latest round (None: the batch's fixed k)."""
         return self.scheduler.last_policy
 
     @property
@@ -130,21 +135,21 @@ class Batch:
             generators: Sequence[torch.Generator],
             constraints: ConstraintSet | None = None,
             prefilled: Sequence[ChunkedPrefill] | None = None,
-            lanes: Sequence[int] | None = None) -> list[Row]:
+            lanes: Sequence[int] | None = None, checked: bool = False) -> list[Row]:
         """Rows joining between rounds: one prompt (token ids), config and generator each;
         ``constraints``: their grammars (a ConstraintSet over these rows) or None. The joining
         rows are prefilled in one pass, or with ``prefilled`` (one finished chunked prefill of
         each prompt, :meth:`start_prefill`) their target caches are copied in; the rows already
         here are not touched. ``lanes``: with a seed shared by several rows, what tells their
-        clocks apart (rows.Row; default 0 each: rows seeded one by one)."""
-        prompts = check_prompts(prompts, self.vocab_size)
+        clocks apart (rows.Row; default 0 each: rows seeded one by one). ``checked``: the
+        prompts passed check_prompts already (SpeculativeDecoder.stream, Decoder.encode)."""
+        if not checked:  # else lists of ints already
+            prompts = check_prompts(prompts, self.vocab_size)
         assert len(configs) == len(prompts) == len(generators)
         for config in configs:
             check_stop_token_ids(config.stop_token_ids, self.vocab_size)
         lanes = [0] * len(prompts) if lanes is None else list(lanes)
-        rows = [Row(prompt, config, generator,
-                    follows_policy=self.scheduler.follows_policy(config),
-                    lane=lane)
+        rows = [Row(prompt, config, generator, lane, self.options.cost_ratio)
                 for prompt, config, generator, lane in zip(prompts, configs, generators, lanes)]
         if prefilled is None:
             self.scheduler.target_joined(self.target.add_rows(prompts))
@@ -153,7 +158,7 @@ class Batch:
                 p.done and p.prompt_ids == list(prompt) for p, prompt in zip(prefilled, prompts))
             self.target.adopt_rows([p.session for p in prefilled], prompts)
         if self.proposer is not None:
-            defer = self.scheduler.defers_draft(rows)
+            defer = self.scheduler.defers_draft()
             started = time.perf_counter()
             self.proposer.add_rows(prompts, defer=defer)
             if not defer:  # the policy prices it as a cost of drafting
@@ -169,14 +174,16 @@ class Batch:
         self.rows += rows
         return rows
 
-    def start_prefill(self, prompt: Sequence[int]) -> ChunkedPrefill | None:
+    def start_prefill(self, prompt: Sequence[int], checked: bool = False
+                      ) -> ChunkedPrefill | None:
         """A long prompt's target prefill to run apart, a chunk between rounds, before it joins
         with :meth:`add`'s ``prefilled``; None where the target's backend cannot take a row
         prefilled apart. The batch's own session is asked: a backend that holds one live
-        session a model (llama.cpp) must not be asked for another."""
+        session a model (llama.cpp) must not be asked for another. ``checked``: as add's."""
         if not self.target.adopts_rows:
             return None
-        return ChunkedPrefill(self._target_model, check_prompts([prompt], self.vocab_size)[0])
+        return ChunkedPrefill(self._target_model,
+                              prompt if checked else check_prompts([prompt], self.vocab_size)[0])
 
     def remove(self, rows: Sequence[Row]) -> None:
         """Rows leaving between rounds (a cancelled request): they end as "cancelled"."""

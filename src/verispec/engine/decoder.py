@@ -3,9 +3,10 @@
 Legend: B batch, K draft tokens, V vocabulary.
 
 :class:`SpeculativeDecoder` holds a target and a proposer; ``stream``/``generate`` run a batch of
-prompts under one GenerationConfig as a :class:`DecodingRun`, and ``batch`` opens a
-:class:`verispec.engine.batch.Batch` that rows join and leave with configs of their own (what the
-server's continuous batching and ``Decoder.generate`` over a list use). The round itself,
+prompts under one GenerationConfig as a :class:`DecodingRun` (a batch of its own), and ``batch``
+opens a :class:`verispec.engine.batch.Batch` that rows join and leave with configs of their own
+(what the text layer's TextBatch, and so ``Decoder.generate`` and the server, run on). How a
+batch decodes (its depth policy, k, cost ratio) is its config.BatchOptions. The round itself,
 propose -> score -> verify -> commit -> emit (Leviathan et al. 2023, Algorithm 1), is
 batch.Batch.step; plain decoding is the same loop with k = 0 and no proposer.
 Under a grammar (constraints.py) every distribution of the round, the draft's k and the
@@ -23,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import BatchOptions, GenerationConfig
 from ..errors import ConfigError, IncompatibleModelsError
 from ..models.base import LanguageModel
-from ..policy.base import AdaptivePolicy, AdaptivePolicyConfig
+from ..policy.base import AdaptivePolicy
 from ..policy.costs import CostCurve
 from ..proposers.base import Proposer
 from ..proposers.draft_model import DraftModelProposer
@@ -90,33 +91,45 @@ class SpeculativeDecoder:
 
     def stream(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                speculative: bool = True, constraints: ConstraintSet | None = None,
-               generator: torch.Generator | None = None) -> DecodingRun:
+               generator: torch.Generator | None = None,
+               options: BatchOptions | None = None) -> DecodingRun:
         """An iterator of per-round :class:`Chunk` s; ``.metrics`` and ``.token_ids`` grow.
         ``constraints``: a grammar per row (constraints.py), applied to draft and target alike.
         ``generator``: what an unseeded run's rows draw from (rejection sampling; default: one
-        seeded by the OS); a run with ``config.seed`` races on keyed clocks instead."""
+        seeded by the OS); a run with ``config.seed`` races on keyed clocks instead.
+        ``options``: the run's batch options (its depth policy, k, cost ratio); None: a fixed
+        k, config's num_draft_tokens (default 4)."""
         if not isinstance(config, GenerationConfig):
             raise ConfigError(f"config={config!r:.60} is invalid: expected a verispec."
                               "GenerationConfig, e.g. GenerationConfig(max_new_tokens=32).")
+        if options is None:
+            options = (BatchOptions() if config.num_draft_tokens is None
+                       else BatchOptions(num_draft_tokens=config.num_draft_tokens))
         return DecodingRun(self, check_prompts(prompts, self.target.vocab_size), config,
-                           speculative and self.proposer is not None, constraints, generator)
+                           speculative and self.proposer is not None, constraints, generator,
+                           options)
 
-    def batch(self, speculative: bool = True, policy: AdaptivePolicyConfig | None = None,
-              initial_num_draft_tokens: int = 1, cost_ratio: float | None = None) -> Batch:
+    def batch(self, speculative: bool = True, options: BatchOptions | None = None) -> Batch:
         """An empty :class:`verispec.engine.batch.Batch`: rows join with ``add`` (configs,
         generators and grammars of their own) and leave between rounds; ``step`` runs one round.
-        ``policy``: the adaptive depth policy of rows whose config has ``adaptive`` set."""
-        return Batch(self.target, self.proposer if speculative else None, policy,
-                     initial_num_draft_tokens, self.carried_policies, cost_ratio,
-                     self.cost_curve)
+        ``options``: how it decodes (its depth policy, k, cost ratio: config.BatchOptions;
+        None: BatchOptions())."""
+        options = BatchOptions() if options is None else options
+        if not isinstance(options, BatchOptions):
+            raise ConfigError(f"options={options!r:.60} is invalid: expected a verispec."
+                              "BatchOptions, e.g. BatchOptions(num_draft_tokens=4).",
+                              field="options")
+        return Batch(self.target, self.proposer if speculative else None, options,
+                     self.carried_policies, self.cost_curve)
 
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  speculative: bool = True, constraints: ConstraintSet | None = None,
-                 generator: torch.Generator | None = None) -> GenerationResult:
+                 generator: torch.Generator | None = None,
+                 options: BatchOptions | None = None) -> GenerationResult:
         """:meth:`stream` run to the end. A row that failed on a fault of its own
         (NonFiniteError, ...) raises its error once every row has ended; ``stream``'s
         DecodingRun.result() gives each row's outcome instead."""
-        run = self.stream(prompts, config, speculative, constraints, generator)
+        run = self.stream(prompts, config, speculative, constraints, generator, options)
         for _ in run:
             pass
         result = run.result()
@@ -136,15 +149,15 @@ class DecodingRun:
     def __init__(self, decoder: SpeculativeDecoder, prompts: list[list[int]],
                  config: GenerationConfig, speculative: bool,
                  constraints: ConstraintSet | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 options: BatchOptions | None = None) -> None:
         self.config = config
-        self.batch = decoder.batch(speculative, config.adaptive, config.num_draft_tokens,
-                                   config.cost_ratio)
+        self.batch = decoder.batch(speculative, options)
         if generator is None:
             generator = make_generator(config.seed, decoder.target.device)
         self.rows = self.batch.add(prompts, [config] * len(prompts),
                                    [generator] * len(prompts), constraints,
-                                   lanes=range(len(prompts)))
+                                   lanes=range(len(prompts)), checked=True)
         self.token_ids = [row.token_ids for row in self.rows]  # grow as rounds emit
         self._position = {row.id: index for index, row in enumerate(self.rows)}
 
@@ -162,11 +175,13 @@ class DecodingRun:
     @property
     def num_draft_tokens(self) -> int:
         """The depth the next round would draft: the policy's latest choice under one, the
-        config's k otherwise, 0 for plain decoding."""
+        batch's k otherwise (each under the config's cap), 0 for plain decoding."""
         if not self.batch.speculative:
             return 0
         policy = self.batch.last_policy
-        return self.config.num_draft_tokens if policy is None else policy.num_draft_tokens
+        k = self.batch.options.num_draft_tokens if policy is None else policy.num_draft_tokens
+        cap = self.config.num_draft_tokens
+        return k if cap is None else min(k, cap)
 
     @property
     def finished(self) -> list[bool]:

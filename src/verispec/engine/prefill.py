@@ -1,15 +1,15 @@
 """A long prompt's prefill spread over several rounds (chunked prefill), so that a batch's
 running rows do not wait for all of it at once.
 
-Between two rounds the server prefills at most a budget of prompt tokens (``--prefill-budget``).
-A prompt longer than that must not be prefilled whole in one gap: that stalls every running row
-for the whole prompt's pass (on a large model, for seconds). A :class:`ChunkedPrefill` feeds
-the prompt into a cache of its own, a budget's worth of tokens per gap (:meth:`advance`), while
-the batch goes on running rounds; once all of it is in, the row joins
-(``Batch.add(prefilled=...)``) and the batch's target session copies that cache into a free slot
-(``AdoptsRows.adopt_rows``), a copy rather than a pass. The draft, when there is one, prefills
-the prompt at the join as for any row (it is the small model, and a batch running plain rounds
-defers even that).
+Between two rounds a batch prefills at most a budget of prompt tokens
+(BatchOptions.prefill_budget, ``--prefill-budget``; text/admission.py decides what joins). A
+prompt longer than that must not be prefilled whole in one gap: that stalls every running row for
+the whole prompt's pass (on a large model, for seconds). A :class:`ChunkedPrefill` feeds the
+prompt into a cache of its own, a budget's worth of tokens per gap (:meth:`advance`), while the
+batch goes on running rounds; once all of it is in, the row joins (``Batch.add(prefilled=...)``)
+and the batch's target session copies that cache into a free slot (``AdoptsRows.adopt_rows``), a
+copy rather than a pass. The draft, when there is one, prefills the prompt at the join as for any
+row (it is the small model, and a batch running plain rounds defers even that).
 
 What it is not: a way to start decoding before the prompt is in, or a split of the prompt's
 attention. Feeding a prompt in pieces leaves exactly the cache one pass would have (the

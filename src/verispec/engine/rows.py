@@ -2,9 +2,9 @@
 
 A :class:`Row` is what the engine's :class:`verispec.engine.batch.Batch` keeps per sequence, and
 what a caller holds to read a generation's progress: rows join a batch with their own
-GenerationConfig (sampling, stop tokens, max_new_tokens, min_new_tokens, depth) and their own
-torch.Generator, and leave it when they finish or are removed. What this is not: the round
-(batch.py) or text (text/stream.py).
+GenerationConfig (sampling, stop tokens, max_new_tokens, min_new_tokens, a cap on its depth) and
+their own torch.Generator, and leave it when they finish or are removed. What this is not: the
+round (batch.py) or text (text/stream.py).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class Row:
     logits, a verification fault, its grammar's dead end; its batch mates go on);
     ``metrics``: the rounds it took part in.
 
-    ``follows_policy``: its depth is the batch's adaptive policy's choice each round; else it
-    is its config's num_draft_tokens.
+    Its depth each round is its batch's (the depth policy's choice, or the batch's fixed k),
+    capped by its config's num_draft_tokens; ``cost_ratio``: its batch's (BatchOptions).
 
     A seeded sampled row (``keyed``) draws each token from the clocks of its position
     (spec/seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
@@ -68,12 +68,11 @@ class Row:
     draw from ``generator`` (rejection sampling)."""
 
     def __init__(self, prompt: list[int], config: GenerationConfig, generator: torch.Generator,
-                 follows_policy: bool, lane: int = 0) -> None:
+                 lane: int = 0, cost_ratio: float | None = None) -> None:
         self.id = next(_ids)
         self.prompt = prompt
         self.config = config
         self.generator = generator
-        self.follows_policy = follows_policy
         keyed = config.seed is not None and not config.sampling.is_greedy
         self.key = stream_key(config.seed, lane) if keyed else None
         self._clocks: dict[int, RaceClocks] = {}  # position -> its clocks, until emitted
@@ -85,7 +84,7 @@ class Row:
         self.finished = False
         self.finish_reason: str | None = None
         self.error: Exception | None = None  # what it failed with (finish_reason "error")
-        self.recorder = MetricsRecorder(config.cost_ratio)
+        self.recorder = MetricsRecorder(cost_ratio)
 
     @property
     def metrics(self) -> GenerationMetrics:
@@ -110,11 +109,11 @@ class Row:
             clocks = self._clocks[position] = RaceClocks(self.key, position, vocab_size)
         return clocks
 
-    def num_draft_tokens(self, policy_k: int | None) -> int:
-        """This round's k: the policy's (or its fixed) depth, never drafting past
+    def num_draft_tokens(self, batch_k: int) -> int:
+        """This round's k: the batch's depth ``batch_k`` under the row's cap, never drafting past
         max_new_tokens (the last token of a row always comes from the target)."""
-        k = policy_k if self.follows_policy and policy_k is not None else (
-            self.config.num_draft_tokens)
+        cap = self.config.num_draft_tokens
+        k = batch_k if cap is None else min(batch_k, cap)
         return max(0, min(k, self.config.max_new_tokens - self.num_generated - 1))
 
     def num_banned_positions(self) -> int:

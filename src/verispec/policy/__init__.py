@@ -8,14 +8,12 @@ decoder starts from when the caller names none.
 
 from __future__ import annotations
 
+from ..config import POLICY_NAMES
 from ..errors import ConfigError
 from .base import AdaptivePolicyConfig
 from .costs import CostCurve
 from .goodput import GoodputPolicyConfig
 from .threshold import ThresholdPolicyConfig
-
-# the names the CLI and the server accept; "goodput-plain" may also choose plain rounds (k = 0)
-POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 
 
 def named_policy(name: str | None, carry_over: bool = False) -> AdaptivePolicyConfig | None:

@@ -10,8 +10,9 @@ itself stays the five steps of the algorithm:
     policy of the same config and bucket (carry-over, SpeculativeDecoder.carried_policies);
     the bucket of one row is priced from the pair's cost curve where one was measured (the
     curve times one row's passes; larger buckets measure their own);
-  * each row's depth: the policy's k for rows that follow it, the row's own otherwise, capped by
-    the room left in the shortest window;
+  * each row's depth: the policy's k, or the batch's fixed k where there is no policy (or the
+    batch has fewer rows than its min_rows), under the row's own cap and the room left in the
+    shortest window;
   * first uses: the first round at a (bucket, depth), a round whose target pass also prefilled
     joining rows, and a round in which a model captured a CUDA graph reach the policy untimed;
   * joins: the draft's prefill of joining rows, priced as a cost of drafting, or deferred while
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config import GenerationConfig
+from ..config import BatchOptions
 from .base import AdaptivePolicy, AdaptivePolicyConfig, RoundStats
 from .costs import CostCurve
 
@@ -38,12 +39,11 @@ class ScheduledRow(Protocol):
     """What the scheduler reads of a row (engine.rows.Row)."""
 
     prompt: list[int]
-    follows_policy: bool
 
     @property
     def num_generated(self) -> int: ...
 
-    def num_draft_tokens(self, policy_k: int | None) -> int: ...
+    def num_draft_tokens(self, batch_k: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -103,20 +103,21 @@ class RoundReport:
 class Scheduler:
     """The batch's depth bookkeeping; see the module docstring.
 
-    ``policy``: the config rows with an ``adaptive`` config follow (None: every row keeps its
-    own k); ``carried``: where policies with carry_over are kept between batches;
-    ``speculative``: a proposer drafts (else every round is plain); ``max_positions``: the
-    longest sequence every model takes (None: no limit), so k is capped by the room of the row
-    nearest its end; ``costs``: the pair's measured cost curve (None: not measured).
+    ``options``: the batch's (its depth policy ``adaptive``, None for a fixed k, and its k
+    ``num_draft_tokens``, where a policy starts); ``carried``: where policies with carry_over
+    are kept between batches; ``speculative``: a proposer drafts (else every round is plain);
+    ``max_positions``: the longest sequence every model takes (None: no limit), so k is capped
+    by the room of the row nearest its end; ``costs``: the pair's measured cost curve (None:
+    not measured).
     """
 
-    def __init__(self, policy: AdaptivePolicyConfig | None, initial_num_draft_tokens: int,
+    def __init__(self, options: BatchOptions,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None, speculative: bool,
                  max_positions: int | None, costs: CostCurve | None = None) -> None:
+        self.options = options
         self.speculative = speculative
         self.costs = costs
-        self.config = policy if speculative else None
-        self.initial_num_draft_tokens = initial_num_draft_tokens
+        self.adaptive: AdaptivePolicyConfig | None = options.adaptive if speculative else None
         self.carried = carried
         self.policies: dict[int, AdaptivePolicy] = {}  # batch-size bucket -> its policy
         self._policy_k: dict[int, int] = {}  # bucket -> the k its policy returned for next round
@@ -140,19 +141,14 @@ class Scheduler:
 
     # --- rows joining -----------------------------------------------------------------------
 
-    def follows_policy(self, config: GenerationConfig) -> bool:
-        """Whether a row with this config takes its depth from the policy."""
-        return self.config is not None and config.adaptive is not None
-
     def target_joined(self, riding: bool) -> None:
         """Rows joined the target; ``riding``: their prefill rides the next round's pass."""
         self._joins_ride |= riding
 
-    def defers_draft(self, rows: Sequence[ScheduledRow]) -> bool:
+    def defers_draft(self) -> bool:
         """Whether joining rows leave their draft work for the next proposal: in a batch that
-        runs plain rounds, where a row with a fixed k would draft in the next round anyway
-        (proposers.base.ProposerSession.add_rows)."""
-        return self._draft_lags and all(row.follows_policy for row in rows)
+        runs plain rounds (proposers.base.ProposerSession.add_rows)."""
+        return self._draft_lags
 
     def draft_joined(self, seconds: float, num_tokens: int) -> None:
         """The draft prefilled joining rows in ``seconds``, rows that may emit ``num_tokens``
@@ -174,7 +170,8 @@ class Scheduler:
         # the k the policy returned last (a probe of a neighbouring depth included), else its own
         policy_k = None if policy is None else self._policy_k.get(_bucket(len(rows)),
                                                                   policy.num_draft_tokens)
-        wanted = [row.num_draft_tokens(policy_k) if self.speculative else 0 for row in rows]
+        batch_k = self.options.num_draft_tokens if policy_k is None else policy_k
+        wanted = [row.num_draft_tokens(batch_k) if self.speculative else 0 for row in rows]
         if self.max_positions is not None and max(wanted) > 0:
             room = min(self.max_positions - len(row.prompt) - row.num_generated for row in rows)
             wanted = [min(k, max(room, 0)) for k in wanted]
@@ -208,7 +205,7 @@ class Scheduler:
                                times.target_time, times.other_time, draft_timed, num_rows,
                                self._join_time, self._join_tokens, timed, self._catch_up_time)
             self._policy_k[bucket] = policy.next_num_draft_tokens(stats)
-            if self.config is not None and self.config.carry_over and self.carried is not None:
+            if self.adaptive is not None and self.adaptive.carry_over and self.carried is not None:
                 self.carried[self._carry_key(bucket)] = policy
         self._join_time, self._join_tokens, self._catch_up_time = 0.0, 0, 0.0
 
@@ -226,20 +223,19 @@ class Scheduler:
 
     def _policy(self, rows: Sequence[ScheduledRow]) -> AdaptivePolicy | None:
         """The policy of the current batch size's bucket, built on first use; None below the
-        config's min_rows (the rows' own k then)."""
-        if self.config is None or len(rows) < self.config.min_rows or not any(
-                row.follows_policy for row in rows):
+        config's min_rows (the batch's fixed k then)."""
+        if self.adaptive is None or len(rows) < self.adaptive.min_rows:
             return None
         bucket = _bucket(len(rows))
         if bucket not in self.policies:
-            previous = None if not self.config.carry_over or self.carried is None else (
+            previous = None if not self.adaptive.carry_over or self.carried is None else (
                 self.carried.get(self._carry_key(bucket)))
-            self.policies[bucket] = self.config.build(
-                self.initial_num_draft_tokens, previous, self.costs if bucket == 1 else None)
+            self.policies[bucket] = self.adaptive.build(
+                self.options.num_draft_tokens, previous, self.costs if bucket == 1 else None)
         return self.policies[bucket]
 
     def _carry_key(self, bucket: int) -> tuple[object, ...]:
-        return (self.config, bucket)
+        return (self.adaptive, bucket)
 
 
 def _bucket(num_rows: int) -> int:

@@ -52,7 +52,7 @@ def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     """A FastAPI app serving ``decoder`` under ``settings.model_name``."""
     metrics = ServerMetrics()
     worker = GenerationWorker(decoder, settings.max_queue, metrics.record_generation,
-                              settings.max_batch_size, settings.prefill_budget,
+                              settings.batch_options(decoder.batch_options),
                               num_threads=settings.threads, on_round=metrics.record_round)
     metrics.track_queue(lambda: worker.queue_depth)
     metrics.track_running(lambda: worker.num_running + worker.num_prefilling)

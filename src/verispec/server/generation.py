@@ -19,10 +19,9 @@ from functools import partial
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.metrics import GenerationMetrics
-from ..text.batch import PendingRow, TextBatch
+from ..text.batch import GenerationMetrics, PendingRow, TextBatch
 from ..text.decoder import Completion, Decoder
-from ..text.prompts import check_prompt_ids
+from ..text.inputs import RequestSettings
 from .errors import ClientDisconnected, PromptTooLarge, ServerShuttingDown, error_body, log_error
 from .logprobs import Echo, TextOffsets, TokenTexts
 from .metrics import ServerMetrics
@@ -57,7 +56,13 @@ class GenerationService:
         self.settings = settings
         self.worker = worker
         self.metrics = metrics
-        self.speculative = decoder.engine.proposer is not None  # a draft model or n-grams
+        self.speculative = decoder.speculative  # a draft model or n-grams
+        options = worker.options  # the batch's: every request runs under its depth policy
+        # the depth policy the responses name (None: fixed k); a seeded request follows it
+        # like any other: its text does not depend on the depths (spec/seeded.py)
+        self.depth_policy = (settings.depth_policy if self.speculative
+                             and options.adaptive is not None else None)
+        self.num_draft_tokens = options.num_draft_tokens if self.speculative else 0
         self.draining = False
         self.token_texts = TokenTexts(decoder.tokenizer)  # logprobs' token texts, cached
 
@@ -73,25 +78,18 @@ class GenerationService:
         asyncio.get_running_loop().call_later(self.settings.drain_timeout,
                                               self.worker.fail_all, error)
 
-    def depth_policy(self, params: GenerationParams) -> str | None:
-        """The adaptive policy a request runs under: None for a fixed k. A seeded request
-        follows it like any other: its text does not depend on the depths (spec/seeded.py)."""
-        if not self.speculative or self.decoder.adaptive is None:
-            return None
-        return self.settings.depth_policy
-
-    def num_draft_tokens(self, params: GenerationParams) -> int:
-        """The k a request runs with; 0 when the server decodes without a draft."""
-        if not self.speculative:
-            return 0
-        return params.num_draft_tokens or self.decoder.num_draft_tokens
+    def first_depth(self, settings: RequestSettings) -> int:
+        """The k a request starts at: the batch's under the request's cap; 0 when the server
+        decodes without a draft."""
+        cap = settings.num_draft_tokens
+        return self.num_draft_tokens if cap is None else min(self.num_draft_tokens, cap)
 
     async def respond(self, request: Request, params: GenerationParams,
                       response_format: type[CompletionFormat | ChatFormat]) -> Response:
         if self.draining:
             raise ServerShuttingDown("the server is shutting down; retry later.")
-        fmt = response_format(self.settings.model_name, self.num_draft_tokens(params),
-                              self.depth_policy(params), params.tool_names, params.n,
+        fmt = response_format(self.settings.model_name, self.first_depth(params.settings),
+                              self.depth_policy, params.tool_names, params.n,
                               None if params.logprobs is None else self.token_texts)
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
         loop = asyncio.get_running_loop()
@@ -111,42 +109,32 @@ class GenerationService:
         finally:
             watcher.cancel()
 
-    def _prepare_row(self, params: GenerationParams, prompt: Prompt, seed: int | None,
-                     batch: TextBatch) -> PendingRow | Finished:
-        """Runs on the worker thread: encode and check sizes, score an echoed prompt (the
-        worker then joins the batch's pending rows together; with max_tokens 0 none joins)."""
+    def _prepare_row(self, params: GenerationParams, prompt: Prompt,
+                     settings: RequestSettings, batch: TextBatch) -> PendingRow | Finished:
+        """Runs on the worker thread: encode and check sizes (the prompt's ids once, by the
+        batch), score an echoed prompt (the worker then hands the row to the batch; with
+        max_tokens 0 none joins)."""
         prompt_ids = prompt.encode(self.decoder)
         if len(prompt_ids) > self.settings.max_prompt_tokens:
             raise PromptTooLarge(f"the prompt has {len(prompt_ids)} tokens, more than this "
                                  f"server's --max-prompt-tokens={self.settings.max_prompt_tokens};"
                                  " shorten it.", prompt.param)
-        echo = self._echo(params, prompt, prompt_ids)
         if params.max_tokens == 0:  # echo only: the prompt scored, nothing generated
-            return Finished(echo, Completion("", [], "length", GenerationMetrics(),
-                                             len(prompt_ids),
-                                             None if params.logprobs is None else []))
-        max_tokens = params.max_tokens or self._room(len(prompt_ids), params)
-        return batch.prepare(
-            prompt_ids, echo, max_new_tokens=max_tokens, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, seed=seed, stop=params.stop,
-            num_draft_tokens=params.num_draft_tokens,
-            adaptive=None if self.depth_policy(params) else False, ignore_eos=params.ignore_eos,
-            response_format=params.grammar,
-            min_new_tokens=min(params.min_tokens, max_tokens),
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            logit_bias=dict(params.logit_bias) or None, min_p=params.min_p,
-            logprobs=params.logprobs)
+            prompt_ids = self.decoder.encode(prompt_ids)
+            return Finished(self._echo(params, prompt, prompt_ids),
+                            Completion("", [], "length", GenerationMetrics(), len(prompt_ids),
+                                       None if params.logprobs is None else []))
+        pending = batch.prepare(prompt_ids, settings=settings)
+        prompt_ids = pending.prepared.prompt_ids
+        return pending._replace(tag=self._echo(params, prompt, prompt_ids))
 
     def _echo(self, params: GenerationParams, prompt: Prompt, prompt_ids: list[int]
               ) -> Echo | None:
         """What a completions choice with echo puts first: the prompt's text, and with
         logprobs its tokens scored by the target (one pass, Decoder.prompt_logprobs) and their
-        offsets in that text."""
+        offsets in that text; ``prompt_ids``: checked already."""
         if not params.echo:
             return None
-        check_prompt_ids(prompt_ids, self.decoder.target.vocab_size)
         text = prompt.echo_text(self.decoder, prompt_ids)
         if params.logprobs is None:
             return Echo(text, prompt_ids, None)
@@ -154,18 +142,6 @@ class GenerationService:
                               skip_special_tokens=not prompt.echo_shows_special_tokens)
         return Echo(text, prompt_ids, self.decoder.prompt_logprobs(prompt_ids, params.logprobs),
                     offsets(prompt_ids))
-
-    def _room(self, num_prompt_tokens: int, params: GenerationParams) -> int:
-        """max_tokens when the request omits it: what fits after the prompt (and k draft
-        positions), at most --max-tokens-limit; at least 1, so an overlong prompt still gets
-        the library's ContextLengthExceeded."""
-        models = [self.decoder.target] + (
-            [self.decoder.draft] if self.decoder.draft is not None else [])
-        windows = [lm.max_positions for lm in models if lm.max_positions is not None]
-        limit = self.settings.max_tokens_limit
-        if windows:
-            limit = min(limit, min(windows) - num_prompt_tokens - self.num_draft_tokens(params))
-        return max(1, limit)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

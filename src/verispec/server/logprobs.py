@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.rows import TokenLogprob
+from ..text.batch import TokenLogprob
 from ..text.detokenize import REPLACEMENT, IncrementalDetokenizer
 
 EXCLUDED_LOGPROB = -9999.0  # -inf as JSON

@@ -26,8 +26,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..engine.metrics import GenerationMetrics
-from ..text.batch import TextRow
+from ..text.batch import GenerationMetrics, TextRow
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 UNMATCHED = "unmatched"  # endpoint label of requests no route matched (keeps labels bounded)

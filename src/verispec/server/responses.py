@@ -21,10 +21,10 @@ stop string may still cut waits; the finishing chunk brings any left), so a stre
 put together are the body's. With ``echo`` (completions) the prompt's text leads the choice's
 text (in a stream: its own first chunk per choice) and its tokens lead the logprobs.
 
-num_draft_tokens is the k the request ran with (0 for plain decoding), or where its policy
-started; depth_policy is "fixed", or the --adaptive policy that moved k between rounds (a
-seeded request's text does not depend on it); mean_accepted_length is the tokens produced per
-target call (see verispec.metrics).
+num_draft_tokens is the depth the request started at: the server's k (--k), under the request's
+own num_draft_tokens, a cap (0 for plain decoding); depth_policy is "fixed", or the --adaptive
+policy that moved k between rounds (a seeded request's text does not depend on it);
+mean_accepted_length is the tokens produced per target call (see verispec.metrics).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import json
 import time
 import uuid
 
-from ..engine.rows import TokenLogprob
+from ..text.batch import TokenLogprob
 from ..text.decoder import Completion
 from .logprobs import Echo, TextOffsets, TokenTexts
 from .worker import Delta

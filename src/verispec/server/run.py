@@ -11,8 +11,7 @@ import socket
 from dataclasses import replace
 
 from ..errors import ConfigError, UnsupportedFeatureError
-from ..policy import named_policy
-from ..policy.base import AdaptivePolicyConfig
+from ..text.named import AdaptivePolicyConfig, named_policy
 from .settings import ServerSettings
 
 
@@ -31,20 +30,19 @@ def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
 def load_decoder(settings: ServerSettings):
     """The decoder the settings describe: the demo pair when no --target is given."""
     from ..models.llama_cpp.model import LlamaCppConfig
-    from ..proposers.hybrid import lookup_named
-    from ..proposers.suffix import SuffixDraft
     from ..text.demo import demo_pair
     from ..text.load import load
+    from ..text.named import hybrid_lookup, ngram_draft
 
     target, draft = settings.target, settings.draft
     if target is None:
         pair = demo_pair()
         target, draft = pair.target, pair.draft
-    draft = SuffixDraft() if settings.ngram else None if settings.no_draft else draft
+    draft = ngram_draft() if settings.ngram else None if settings.no_draft else draft
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings), verification=settings.verification,
-                hybrid=lookup_named(settings.hybrid_lookup) if settings.hybrid else False,
+                hybrid=hybrid_lookup(settings.hybrid_lookup) if settings.hybrid else False,
                 hybrid_chain=settings.hybrid_chain, draft_p_min=settings.draft_p_min,
                 backend=settings.backend,
                 chat_template=settings.chat_template, cuda_graphs=not settings.no_cuda_graphs,

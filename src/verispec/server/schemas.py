@@ -10,9 +10,10 @@ Two layers of checks, two status codes:
        (ParameterError here), and the library's own range checks (temperature in [0, 1e4],
        top_p in (0, 1], top_k >= 1, min_p in [0, 1], penalties in [-2, 2],
        repetition_penalty in [0.01, 100], a bias in [-100, 100], each token id once, seed,
-       num_draft_tokens), run here by building the library's configs, before the request is
-       queued (a logit_bias id beyond the vocabulary, prompt ids, the context window: when
-       the row is prepared, also a 400). Every 400 names its field in the error's param
+       num_draft_tokens), run here by building the request's one RequestSettings, before the
+       request is queued (a logit_bias id beyond the vocabulary, prompt ids, the context
+       window: when the row is prepared, also a 400). Every 400 names its field in the error's
+       param
        (the library's ConfigError.field, errors.py); the JSON schema shows these ranges.
 Choices: a request may carry several prompts (/v1/completions: a list of texts or of token-id
 lists) and ask for ``n`` choices of each, as OpenAI's API does; choice i (prompt i // n) is a
@@ -41,7 +42,7 @@ window after the prompt, at most --max-tokens-limit.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
@@ -54,12 +55,10 @@ from ..config import (
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
     MIN_REPETITION_PENALTY,
-    GenerationConfig,
-    PenaltyConfig,
-    SamplingConfig,
 )
 from ..errors import EmptyPromptError
 from ..text.grammar import Grammar, InvalidConstraintError, compile_response_format
+from ..text.inputs import RequestSettings
 from .errors import ParameterError, UnsupportedParameter
 from .prompts import ChatMessage, ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
@@ -140,7 +139,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
     num_draft_tokens: StrictInt | None = _ranged(  # extension
-        "the speculation depth k of this request", minimum=1, maximum=MAX_NUM_DRAFT_TOKENS)
+        "the most draft tokens a round for this request, a cap on the server's depth k",
+        minimum=1, maximum=MAX_NUM_DRAFT_TOKENS)
     ignore_eos: StrictBool = False  # extension (vLLM, llama.cpp): do not stop at EOS tokens
     min_tokens: StrictInt = 0  # extension (vLLM): no EOS token before this many tokens
     presence_penalty: Number | None = _ranged("OpenAI's", minimum=-MAX_PENALTY,
@@ -191,28 +191,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """One request's generation settings, checked; free of pydantic and HTTP."""
+    """One request, checked; free of pydantic and HTTP. ``settings``: what each of its rows
+    runs under, built once; the rest is the request's shape and how it is answered."""
 
     prompts: tuple[Prompt, ...]  # one per prompt, in order
+    settings: RequestSettings
     max_tokens: int | None  # None: as many as fit in the context, at most --max-tokens-limit
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    seed: int | None
-    stop: tuple[str, ...]
-    num_draft_tokens: int | None  # None: the server's --k
     stream: bool
-    ignore_eos: bool = False
-    min_tokens: int = 0
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
-    grammar: Grammar | None = None  # response_format or tools, compiled (text/grammar.py)
     tool_names: tuple[str, ...] = ()  # tools: the output is a call of one of these functions
     n: int = 1  # choices per prompt
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
-    min_p: float | None = None
     logprobs: int | None = None  # None: no logprobs; N: each token's with N alternatives
     echo: bool = False  # completions: the prompt before the text (and its logprobs first)
 
@@ -220,9 +208,13 @@ class GenerationParams:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
-    def choice(self, index: int) -> tuple[Prompt, int | None]:
-        """Choice ``index``'s prompt (prompt index // n) and seed (seed + index, or None)."""
-        return self.prompts[index // self.n], None if self.seed is None else self.seed + index
+    def choice(self, index: int) -> tuple[Prompt, RequestSettings]:
+        """Choice ``index``'s prompt (prompt index // n) and settings, seeded with seed + index
+        when the request has a seed (choice 0's are the request's own)."""
+        settings = self.settings
+        if index and settings.seed is not None:
+            settings = replace(settings, seed=settings.seed + index)
+        return self.prompts[index // self.n], settings
 
 
 # fields other servers take that would change the output, which verispec does not implement:
@@ -319,20 +311,6 @@ def _params(body: _SamplingFields, prompts: tuple[Prompt, ...],
                              f"0 to max_tokens ({most}).", "min_tokens")
     _check_logprobs(logprobs, "logprobs" if isinstance(body, CompletionRequest)
                     else "top_logprobs")
-    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    sampling = SamplingConfig(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
-                              min_p=body.min_p)
-    penalty = PenaltyConfig(
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=_logit_bias(body.logit_bias))
-    # the library's own range checks, before the request is queued (ConfigError -> 400, its
-    # field the error's param)
-    GenerationConfig(max_new_tokens=max_tokens or 1,
-                     num_draft_tokens=(1 if body.num_draft_tokens is None
-                                       else body.num_draft_tokens),
-                     sampling=sampling, seed=body.seed, penalty=penalty, logprobs=logprobs)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if not all(stop):
         raise ParameterError(f"stop={body.stop!r} is invalid: expected a non-empty string or a "
@@ -341,12 +319,21 @@ def _params(body: _SamplingFields, prompts: tuple[Prompt, ...],
         raise ParameterError("stream_options is only allowed with stream: true.",
                              "stream_options")
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return GenerationParams(prompts, max_tokens, temperature, body.top_k, body.top_p, body.seed,
-                            stop, body.num_draft_tokens, body.stream, body.ignore_eos,
-                            body.min_tokens, include_usage, grammar, tool_names, n,
-                            penalty.presence_penalty, penalty.frequency_penalty,
-                            penalty.repetition_penalty, penalty.logit_bias, body.min_p, logprobs,
-                            echo)
+    # the request's one RequestSettings, checked by the library's own configs (ConfigError ->
+    # 400, its field the error's param); without max_tokens, what fits after the prompt (with
+    # max_tokens 0, an echo, nothing is generated: it is checked all the same)
+    settings = RequestSettings(
+        max_new_tokens=max_tokens or max_tokens_limit, fit_to_context=max_tokens is None,
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, seed=body.seed, stop=stop,
+        num_draft_tokens=body.num_draft_tokens, ignore_eos=body.ignore_eos,
+        min_new_tokens=body.min_tokens, response_format=grammar,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias) or None, logprobs=logprobs)
+    return GenerationParams(prompts, settings, max_tokens, body.stream, include_usage,
+                            tool_names, n, logprobs, echo)
 
 
 def _check_max_tokens(max_tokens: int | None, max_tokens_limit: int, echo: bool) -> None:
@@ -364,11 +351,11 @@ def _check_logprobs(logprobs: int | None, param: str) -> None:
                              f"{MAX_TOP_LOGPROBS} (the alternatives listed per token).", param)
 
 
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} as sorted (id, bias) pairs; a key that is not a token id
-    (a decimal integer) is a ParameterError. The ids' range is the model's: checked when the
-    row is prepared (RequestSettings)."""
-    pairs = []
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} as {id: bias}; a key that is not a token id (a decimal
+    integer), or one id twice ("5" and "05"), is a ParameterError. The ids' range is the
+    model's: checked when the row is prepared (Decoder.prepare)."""
+    pairs = {}
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()):
             raise ParameterError(f"logit_bias key {key!r:.40} is invalid: expected a token id "
@@ -376,8 +363,11 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ParameterError(f"logit_bias[{key!r}]={value!r} is invalid: expected a number "
                                  f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}].", "logit_bias")
-        pairs.append((int(key), float(value)))
-    return tuple(sorted(pairs))
+        if int(key) in pairs:
+            raise ParameterError(f"logit_bias names token id {int(key)} twice ({key!r} and "
+                                 "another spelling); give each token id once.", "logit_bias")
+        pairs[int(key)] = float(value)
+    return pairs
 
 
 def _checked_n(body: _SamplingFields, num_prompts: int, max_choices: int) -> int:

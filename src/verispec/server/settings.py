@@ -12,21 +12,22 @@ stays fast and works without the ``serve`` extra.
 from __future__ import annotations
 
 import argparse
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from os import PathLike
 
 from ..config import (
     COST_CURVE_MODES,
     HYBRID_LOOKUPS,
     MAX_NUM_DRAFT_TOKENS,
+    POLICY_NAMES,
     REPACK_MODES,
     VERIFICATION_RULES,
+    BatchOptions,
     check_draft_p_min,
     check_int,
     require,
 )
 from ..errors import ConfigError
-from ..policy import POLICY_NAMES
 
 # the server's depth policy without --adaptive: speculation where it pays, plain rounds where a
 # batch is so large that a verification pass costs more than it saves
@@ -152,11 +153,11 @@ class ServerSettings:
                                     "speculative decoding equals plain decoding token for token "
                                     "on quantized files; a 1-token pass then costs a 4-token one")
     num_draft_tokens: int | None = _setting(
-        None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may override it "
-        "with num_draft_tokens (default: on llama.cpp the depth its measured cost curve prices "
-        "best, see --cost-curve; else 4 on a GPU and on CPUs where the target runs on packed "
-        "oneDNN weights, e.g. AMD; 2 on other CPUs, where verifying more costs more than it "
-        "saves)", flag="--k", metavar="N", value_type=int)
+        None, f"draft tokens per round, 1 to {MAX_NUM_DRAFT_TOKENS}; a request may cap it for "
+        "itself with num_draft_tokens (default: on llama.cpp the depth its measured cost curve "
+        "prices best, see --cost-curve; else 4 on a GPU and on CPUs where the target runs on "
+        "packed oneDNN weights, e.g. AMD; 2 on other CPUs, where verifying more costs more than "
+        "it saves)", flag="--k", metavar="N", value_type=int)
     adaptive: str | None = _setting(None, "how k moves between rounds, starting at --k: "
                                     "goodput measures which depth is fastest here at each batch "
                                     "size, goodput-plain may also choose plain rounds (k = 0), "
@@ -229,12 +230,18 @@ class ServerSettings:
 
     @property
     def depth_policy(self) -> str | None:
-        """The depth policy requests follow: --adaptive's, goodput-plain when it is not given
-        and there is a draft (with --ngram only in rounds of 2 rows or more:
-        run.adaptive_policy), None for a fixed k (--adaptive fixed, or --no-draft)."""
+        """The name of the depth policy requests follow: --adaptive's, goodput-plain when it
+        is not given and there is a draft (with --ngram only in rounds of 2 rows or more:
+        run.adaptive_policy builds it), None for a fixed k (--adaptive fixed, or --no-draft)."""
         if self.no_draft or self.adaptive == "fixed":
             return None
         return self.adaptive or DEFAULT_DEPTH_POLICY
+
+    def batch_options(self, loaded: BatchOptions) -> BatchOptions:
+        """The options of the server's batch: the loaded decoder's (``loaded``: its depth
+        policy and k, from --adaptive and --k) with --prefill-budget and --max-batch-size."""
+        return replace(loaded, prefill_budget=self.prefill_budget,
+                       max_batch_size=self.max_batch_size)
 
     def __post_init__(self) -> None:
         check_kinds(self)  # kinds first, so the range checks below compare like with like

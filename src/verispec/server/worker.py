@@ -1,15 +1,14 @@
 """The one thread that runs every generation: continuous batching over a TextBatch.
 
 The event loop never touches a model: a request becomes a :class:`Job` whose ``prepare``
-callable (run on the worker thread) encodes and checks the prompt; between rounds the worker
-admits waiting jobs (up to ``max_batch_size`` rows, and ``prefill_budget`` prompt tokens per
-round: a burst of joining prompts is prefilled over several rounds instead of stalling the
-running rows, and a single prompt longer than the budget is prefilled apart, a budget's worth
-a gap, before its row joins: engine/prefill.py) as rows of the running
-:class:`verispec.text.batch.TextBatch`, prefilled together in one pass, runs one round for all
-rows, and hands every row's verified text delta to its
-request's event loop queue in one ``loop.call_soon_threadsafe`` per round, so every row's text
-goes out as soon as its round is verified.
+callable (run on the worker thread) encodes and checks the prompt. Between rounds the worker
+hands the jobs it takes off its queue to the running :class:`verispec.text.batch.TextBatch`
+(``submit``, while the batch has room: BatchOptions.max_batch_size) and lets the batch admit
+them (``admit``: the batch's prefill budget a gap, long prompts prefilled in chunks while the
+others decode; text/admission.py), runs one round for all rows, and hands every row's verified
+text delta to its request's event loop queue in one ``loop.call_soon_threadsafe`` per round, so
+every row's text goes out as soon as its round is verified. The worker keeps threads, queues
+and events; what joins when is the batch's.
 
 Faults: a row's own fault (its grammar's dead end, non-finite logits, a verification fault, its
 text's tokenizer) fails that row's request alone with its typed error (TextBatch: a Completion
@@ -35,9 +34,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..engine.prefill import ChunkedPrefill
-from ..engine.rows import TokenLogprob
-from ..text.batch import PendingRow, TextBatch, TextRow
+from ..config import BatchOptions
+from ..text.batch import PendingRow, TextBatch, TextRow, TokenLogprob
 from ..text.decoder import Decoder
 from ..text.stream import Completion
 from .errors import BatchFailed, ServerOverloaded, ServerShuttingDown
@@ -46,7 +44,7 @@ logger = logging.getLogger("verispec.server")
 
 
 class Event(enum.Enum):
-    STARTED = "started"  # value: the row's tag (TextBatch.prepare's: the request's)
+    STARTED = "started"  # value: the row's tag (its PendingRow's: the request's)
     DELTA = "delta"  # value: a Delta
     DONE = "done"  # value: the Completion
     ERROR = "error"  # value: the exception (raised while checking or generating)
@@ -89,6 +87,7 @@ class Job:
     def __init__(self, prepare: Callable[[TextBatch], PendingRow | Finished],
                  loop: asyncio.AbstractEventLoop) -> None:
         self.prepare = prepare
+        self.tag: object = None  # its PendingRow's tag, posted with STARTED (worker thread)
         self.events: asyncio.Queue[tuple[Event, object]] = asyncio.Queue()
         self.num_logprobs_sent = 0  # the row's logprobs posted so far (worker thread)
         self._loop = loop
@@ -142,25 +141,25 @@ def _deliver(posts: list[tuple[Job, Event, object]]) -> None:
 
 class GenerationWorker:
     """Continuous batching on one thread; see the module docstring. ``decoder`` opens the
-    batch (speculative when it has a draft and ``speculative``)."""
+    batch (speculative when it has a draft and ``speculative``) under ``options`` (default:
+    the decoder's batch_options; the server's set its prefill budget and batch size)."""
 
     def __init__(self, decoder: Decoder, max_queue: int, on_finish: FinishHook,
-                 max_batch_size: int = 16, prefill_budget: int = 512,
-                 speculative: bool = True, num_threads: int | None = None,
-                 on_round: RoundHook | None = None) -> None:
+                 options: BatchOptions | None = None, speculative: bool = True,
+                 num_threads: int | None = None, on_round: RoundHook | None = None) -> None:
         self._decoder = decoder
+        self.options = decoder.batch_options if options is None else options
         self._num_threads = num_threads  # torch's intra-op threads, set on the worker thread
-        self._speculative = speculative and decoder.engine.proposer is not None
+        self._speculative = speculative and decoder.speculative
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_finish = on_finish
         self._on_round = on_round
-        self.max_batch_size = max_batch_size
-        self.prefill_budget = prefill_budget
         self._thread: threading.Thread | None = None
         self._running: dict[int, tuple[Job, TextRow]] = {}  # row id -> its job; worker thread
-        # jobs whose long prompts are being prefilled apart (engine/prefill.py), oldest first
-        self._prefilling: list[tuple[Job, PendingRow, ChunkedPrefill]] = []
-        self._lock = threading.Lock()  # guards _running's and _prefilling's membership
+        # jobs handed to the batch that have not joined yet (waiting, or prefilled apart)
+        self._waiting: list[tuple[Job, PendingRow]] = []
+        self._num_prefilling = 0  # of those, being prefilled apart (after the latest gap)
+        self._lock = threading.Lock()  # guards _running's and _waiting's membership
         self._stopping = False
         self.num_rounds = 0  # rounds run, and rows over them: the mean batch size
         self.num_row_rounds = 0
@@ -186,8 +185,7 @@ class GenerationWorker:
         a status, or an error event and [DONE] once streaming). Any thread."""
         with self._lock:
             running = [job for job, _ in self._running.values()]
-            running += [job for job, _, _ in self._prefilling]
-            self._prefilling.clear()
+            running += [job for job, _ in self._waiting]
         for job in running:
             job.cancel()
             job.post(Event.ERROR, error)
@@ -207,11 +205,13 @@ class GenerationWorker:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for a place: queued, or handed to the batch and not yet in (those
+        being prefilled apart are counted by num_prefilling)."""
+        return self._queue.qsize() + max(0, len(self._waiting) - self._num_prefilling)
 
     @property
     def busy(self) -> bool:
-        return bool(self._running or self._prefilling)
+        return bool(self._running or self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -220,7 +220,7 @@ class GenerationWorker:
     @property
     def num_prefilling(self) -> int:
         """Requests whose long prompts are being prefilled apart before they join."""
-        return len(self._prefilling)
+        return self._num_prefilling
 
     def submit_all(self, jobs: list[Job]) -> None:
         """Queue a request's jobs (one per choice) all or none: ServerOverloaded when the queue
@@ -240,10 +240,9 @@ class GenerationWorker:
         batch = self._new_batch()
         while not self._stopping:
             try:
-                self._admit(batch)
-                if not self._running:
-                    continue
+                self._take_jobs(batch)
                 self._drop_cancelled(batch)
+                self._join(batch)
                 if len(batch):
                     self._round(batch)
             except Exception as exc:  # a fault mid-round: its rows get it, the batch restarts
@@ -252,22 +251,15 @@ class GenerationWorker:
                 batch = self._new_batch()
 
     def _new_batch(self) -> TextBatch:
-        return self._decoder.open_batch(self._speculative)
+        return self._decoder.open_batch(self._speculative, self.options)
 
-    def _admit(self, batch: TextBatch) -> None:
-        """Jobs join between rounds: block for one when the batch is empty; else take the
-        waiting ones while there is room and prefill budget (at least one per round). Each is
-        checked on its own (a bad request gets its error, the others go on); those that pass
-        join together, in one prefill pass. A prompt longer than the budget left, while rows
-        are running, is prefilled apart a budget's worth a gap (engine/prefill.py), ahead of
-        later jobs, and joins once all of it is in."""
-        prefilled, ready = self._advance_prefills()
-        joining: list[tuple[Job, PendingRow]] = []
-        while (len(self._running) + len(self._prefilling) + len(ready) + len(joining)
-               < self.max_batch_size and prefilled < self.prefill_budget):
+    def _take_jobs(self, batch: TextBatch) -> None:
+        """Hand queued jobs to the batch while it has room: block for one when it has nothing
+        to run or admit. Each is checked on its own (a bad request gets its error, the others
+        go on); the batch admits those that pass in their turn (:meth:`_join`)."""
+        while batch.has_room():
             try:
-                job = self._queue.get(block=not (self._running or self._prefilling or ready
-                                                 or joining))
+                job = self._queue.get(block=batch.idle)
             except queue.Empty:
                 break
             if job is None:  # stop() was called
@@ -284,65 +276,38 @@ class GenerationWorker:
                 post_all([(job, Event.STARTED, pending.tag), (job, Event.DONE,
                                                                pending.completion)])
                 continue
-            num_tokens = len(pending.prepared.prompt_ids)
-            left = self.prefill_budget - prefilled
-            waiting = self._running or ready or joining  # rows the next round runs
-            chunked = batch.start_prefill(pending) if waiting and num_tokens > left else None
-            if chunked is None:
-                joining.append((job, pending))
-                prefilled += num_tokens
-                continue
+            job.tag, pending = pending.tag, pending._replace(tag=job)
             with self._lock:
-                self._prefilling.append((job, pending, chunked))
-            prefilled += chunked.advance(left)
-        self._join(batch, [job for job, _, _ in ready], [pending for _, pending, _ in ready],
-                   [chunked for _, _, chunked in ready])
-        self._join(batch, [job for job, _ in joining], [pending for _, pending in joining])
+                self._waiting.append((job, pending))
+            batch.submit(pending)
 
-    def _advance_prefills(self) -> tuple[int, list[tuple[Job, PendingRow, ChunkedPrefill]]]:
-        """Feed the prompts being prefilled apart, oldest first, up to the prefill budget (all of
-        it when no row is running: nobody waits); a cancelled one is dropped. Returns the
-        tokens fed and the prefills that join now (taken off the list): while rows run, a
-        prefill joins in the gap after its last chunk, a gap of its own, since its join grows
-        every slot of the batch's cache to hold it, a pause of its own."""
-        fed, ready = 0, []
-        for entry in list(self._prefilling):
-            job, _, chunked = entry
-            was_done = chunked.done
-            if not job.cancelled:
-                budget = self.prefill_budget - fed if self._running else chunked.num_remaining
-                fed += chunked.advance(budget)
-            if job.cancelled or (chunked.done and (was_done or not self._running)):
-                with self._lock:  # fail_all (another thread) may have emptied the list
-                    taken = entry in self._prefilling
-                    if taken:
-                        self._prefilling.remove(entry)
-                if taken and not job.cancelled:
-                    ready.append(entry)
-        return fed, ready
-
-    def _join(self, batch: TextBatch, jobs: list[Job], pending: list[PendingRow],
-              prefills: list[ChunkedPrefill] | None = None) -> None:
-        """These jobs' rows join the batch together, prefilled in one pass, or with
-        ``prefills`` (one finished chunked prefill each) copied in."""
-        if not jobs:
+    def _join(self, batch: TextBatch) -> None:
+        """A gap: the rows whose turn it is join (TextBatch.admit), and their requests hear
+        it. A fault there (checks passed) raises: the batch restarts, see _serve."""
+        rows = batch.admit()
+        self._num_prefilling = batch.num_prefilling
+        if not rows:
             return
-        try:
-            rows = batch.add_rows(pending, prefills)
-        except Exception as exc:  # a fault (checks passed): the batch restarts, see _serve
-            post_all([(job, Event.ERROR, exc) for job in jobs])
-            raise
         with self._lock:
-            for job, row in zip(jobs, rows):
-                self._running[row.row.id] = (job, row)
-        post_all([(job, Event.STARTED, row.tag) for job, row in zip(jobs, rows)])
+            joined = {id(row.tag) for row in rows}
+            self._waiting = [entry for entry in self._waiting if id(entry[0]) not in joined]
+            for row in rows:
+                self._running[row.row.id] = (row.tag, row)
+        post_all([(row.tag, Event.STARTED, row.tag.tag) for row in rows])
 
     def _drop_cancelled(self, batch: TextBatch) -> None:
-        """Rows whose client went away leave the batch before the next round."""
+        """Rows whose client went away leave the batch before the next round, and jobs that
+        have not joined yet leave it before they do."""
         for row_id, (job, row) in list(self._running.items()):
             if job.cancelled:
                 batch.remove(row)
                 self._finish(row_id, "cancelled")
+        with self._lock:
+            cancelled = [entry for entry in self._waiting if entry[0].cancelled]
+            self._waiting = [entry for entry in self._waiting if not entry[0].cancelled]
+        for _, pending in cancelled:
+            batch.withdraw(pending)
+        self._num_prefilling = batch.num_prefilling
 
     def _round(self, batch: TextBatch) -> None:
         num_rows = len(batch)
@@ -366,7 +331,7 @@ class GenerationWorker:
             self._finish(row_id, outcome)
         if self._on_round is not None:
             try:
-                self._on_round(num_rows, batch.batch.last_num_draft_tokens)
+                self._on_round(num_rows, batch.num_draft_tokens)
             except Exception:  # a bug in a hook must not kill the only worker thread
                 logger.exception("the generation worker's round hook failed")
         post_all(posts)
@@ -380,9 +345,10 @@ class GenerationWorker:
             logger.exception("the generation worker's finish hook failed")
 
     def _fail_running(self, cause: Exception) -> None:
-        """A round failed in work its rows share (a model's pass, its cache): every running
-        request gets BatchFailed naming ``cause``, and so does every one being prefilled apart
-        (its cache belonged to the failed batch's model state as much as the rows')."""
+        """A round or a join failed in work its rows share (a model's pass, its cache): every
+        running request gets BatchFailed naming ``cause``, and so does every one that had not
+        joined yet (its prefill belonged to the failed batch's model state as much as the
+        rows')."""
         error = BatchFailed(f"the generation batch running this request failed in a step its "
                             f"requests share ({type(cause).__name__}; see the server log), and "
                             "every request in it was ended; the server goes on serving: retry "
@@ -392,6 +358,7 @@ class GenerationWorker:
             self._finish(row_id, "failed")
             job.post(Event.ERROR, error)
         with self._lock:
-            prefilling, self._prefilling = self._prefilling, []
-        for job, _, _ in prefilling:
+            waiting, self._waiting = self._waiting, []
+        self._num_prefilling = 0
+        for job, _ in waiting:
             job.post(Event.ERROR, error)

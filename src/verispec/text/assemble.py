@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from ..config import VERIFICATION_RULES, GenerationConfig, check_draft_p_min, check_verification
+from ..config import VERIFICATION_RULES, BatchOptions, check_draft_p_min, check_verification
 from ..engine.decoder import SpeculativeDecoder
 from ..errors import ConfigError
 from ..models.base import LanguageModel
@@ -98,8 +98,8 @@ class DecoderOptions:
         if not isinstance(self.hybrid_chain, bool):
             raise ConfigError(f"hybrid_chain={self.hybrid_chain!r} is invalid: expected True or "
                               "False.")
-        GenerationConfig(num_draft_tokens=1 if self.num_draft_tokens is None else
-                         self.num_draft_tokens, adaptive=self.adaptive)  # checks k and adaptive
+        BatchOptions(adaptive=self.adaptive, num_draft_tokens=1 if self.num_draft_tokens is None
+                     else self.num_draft_tokens)  # checks k and adaptive
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is invalid: expected one of "
                               f"{', '.join(BACKENDS)}.")
@@ -109,9 +109,10 @@ class DecoderOptions:
 class DecoderParts:
     """What a Decoder holds: the adapters, the model-free draft's settings (``ngram``, None
     with a draft model or none), the hybrid's lookup settings (None: not hybrid), the engine
-    over the proposer, the chat template, the tokens generation ends at, the defaults of
-    calls that name none (k, depth policy, verification rule), and the pair's measured cost
-    curve (None: not measured; the engine prices the depth policy with it)."""
+    over the proposer, the chat template, the tokens generation ends at, the options of the
+    batches it opens (batch_options: depth policy and k; a call may name its own), the
+    verification rule of rows that name none, and the pair's measured cost curve (None: not
+    measured; the engine prices the depth policy with it)."""
 
     target: LanguageModel
     draft: LanguageModel | None
@@ -120,8 +121,7 @@ class DecoderParts:
     engine: SpeculativeDecoder
     chat_template: ChatTemplate | None
     stop_token_ids: tuple[int, ...]
-    num_draft_tokens: int
-    adaptive: AdaptivePolicyConfig | None
+    batch_options: BatchOptions
     verification: str
     cost_curve: CostCurve | None = None
 
@@ -148,9 +148,10 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
     cost_curve = measure_cost_curve(target, draft)
     engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid, options),
                                 cost_curve)
+    batch_options = BatchOptions(adaptive=options.adaptive, num_draft_tokens=_num_draft_tokens(
+        options.num_draft_tokens, target, ngram, cost_curve))
     return DecoderParts(target, draft, ngram, hybrid, engine, chat_template, stop_token_ids,
-                        _num_draft_tokens(options.num_draft_tokens, target, ngram, cost_curve),
-                        options.adaptive, options.verification, cost_curve)
+                        batch_options, options.verification, cost_curve)
 
 
 def measure_cost_curve(target: LanguageModel, draft: LanguageModel | None) -> CostCurve | None:

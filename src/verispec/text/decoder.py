@@ -13,23 +13,23 @@ adapters, proposer and defaults the Decoder holds are built by assemble.py.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from dataclasses import replace
 
 import torch
 
-from ..config import GenerationConfig, SamplingConfig
+from ..config import BatchOptions, DepthPolicyConfig, GenerationConfig
 from ..engine.constraints import ConstraintSet
 from ..engine.rows import TokenLogprob
 from ..engine.scoring import score_prompt
 from ..errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
-from ..policy.base import AdaptivePolicyConfig
 from ..proposers import ModelFreeDraft
 from ..spec.checks import as_index
 from .assemble import DecoderOptions, LoadedModel, assemble
-from .batch import BatchStream, TextBatch, is_batch, row_settings
+from .batch import BatchStream, TextBatch, TextStream, is_batch, row_settings
 from .chat import check_messages, require_chat_template, special_token_text
 from .grammar import Grammar, InvalidConstraintError, TokenizerIndex, compile_response_format
 from .inputs import (
+    CALL_OPTIONS,
     PreparedRow,
     RequestSettings,
     check_flag,
@@ -38,7 +38,7 @@ from .inputs import (
     settings_of,
 )
 from .prompts import check_prompt_ids, check_text
-from .stream import Completion, TextStream, check_stop
+from .stream import Completion, check_stop
 
 
 class Decoder:
@@ -47,6 +47,11 @@ class Decoder:
     ``Decoder(target_model, tokenizer, draft_model=None, **options)`` builds one from models
     already loaded; ``options`` are DecoderOptions' fields (assemble.py, where each is
     documented), the keywords of ``verispec.load()`` of the same names.
+
+    One path: a call on one prompt, on a list of prompts, and the server's continuous batching
+    all run on a :class:`verispec.text.batch.TextBatch` (:meth:`open_batch`); a call opens one
+    of its own, under ``batch_options`` (the decoder's depth policy and k: config.BatchOptions)
+    with the call's ``speculative``, ``adaptive`` and ``num_draft_tokens`` in their place.
     """
 
     def __init__(self, target_model: LoadedModel, tokenizer,
@@ -56,15 +61,33 @@ class Decoder:
         self.tokenizer, self.chat_template = tokenizer, parts.chat_template
         self.target, self.draft, self.engine = parts.target, parts.draft, parts.engine
         self.ngram, self.hybrid = parts.ngram, parts.hybrid
-        self.stop_token_ids, self.num_draft_tokens = parts.stop_token_ids, parts.num_draft_tokens
-        self.adaptive, self.verification = parts.adaptive, parts.verification  # calls' defaults
+        self.stop_token_ids = parts.stop_token_ids
+        self.batch_options = parts.batch_options  # the batches it opens, unless a call says
+        self.verification = parts.verification  # of rows that name none
         self.cost_curve = parts.cost_curve  # the pair's measured pass costs (None: not measured)
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
+
+    @property
+    def speculative(self) -> bool:
+        """Whether it drafts (a draft model, or a model-free draft): else every batch is
+        plain."""
+        return self.engine.proposer is not None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """The depth k of the batches it opens (batch_options.num_draft_tokens)."""
+        return self.batch_options.num_draft_tokens
+
+    @property
+    def adaptive(self) -> DepthPolicyConfig | None:
+        """The depth policy of the batches it opens (batch_options.adaptive; None: fixed k)."""
+        return self.batch_options.adaptive
 
     def generate(self, prompt: str | Sequence[int] | Sequence[str | Sequence[int]],
                  **settings) -> Completion | list[Completion]:
         """Generate a completion of ``prompt`` (text, or token ids); ``settings``:
-        RequestSettings' fields (text/inputs.py, which documents each); see :meth:`stream`.
+        RequestSettings' fields and the call's ``speculative`` and ``adaptive`` (text/inputs.py,
+        which documents each); see :meth:`stream`.
 
         A list of prompts (texts, or token-id lists) is decoded as one batch and gives one
         Completion per prompt, each with its own metrics. Any of max_new_tokens, temperature,
@@ -72,7 +95,8 @@ class Decoder:
         one value per prompt (``stop``: one list of strings, or None, per prompt); an int
         ``seed`` seeds prompt i with seed + i. A seeded prompt's text is a function of the
         prompt, its seed and its settings alone: the same whatever else is in the batch, k,
-        the draft or the depth policy, and the same as with ``speculative=False``.
+        the draft or the depth policy, and the same as with ``speculative=False``. One prompt
+        and a list of that one prompt run the same code: the same tokens, metrics and depths.
 
         Errors: one prompt raises its typed error (a bad setting before any work; a fault of
         its own during generation: its grammar's dead end, ConstraintDeadEnd, or non-finite
@@ -82,7 +106,7 @@ class Decoder:
         exactly what they would have been without it. A fault of what the prompts share (the
         model's forward pass) raises for the call.
         """
-        check_keywords(RequestSettings, "generate", settings)
+        check_keywords(RequestSettings, "generate", settings, CALL_OPTIONS)
         if is_batch(prompt):
             stream = self.stream_batch(prompt, **settings)
             for _ in stream:
@@ -131,7 +155,7 @@ class Decoder:
 
             [lp.logprob for lp in dec.prompt_logprobs("The cat sat")[1:]]
         """
-        prompt_ids = self._encode(prompt)
+        prompt_ids = self.encode(prompt)
         window = self.target.max_positions
         if window is not None and len(prompt_ids) > window:
             raise ContextLengthExceeded(
@@ -139,74 +163,90 @@ class Decoder:
                 f"of {window}; shorten it.", field="prompt")
         return score_prompt(self.target, prompt_ids, num_top)
 
-    def stream_batch(self, prompts: Sequence[str | Sequence[int]], speculative: bool = True,
-                     adaptive: AdaptivePolicyConfig | Literal[False] | None = None,
-                     **settings) -> BatchStream:
+    def stream_batch(self, prompts: Sequence[str | Sequence[int]], **settings) -> BatchStream:
         """Decode several prompts as one batch: an iterator of (prompt index, text delta) as
         each round is verified; ``.completions`` holds one Completion per prompt at the end.
         ``settings``: :meth:`generate`'s, one value for all prompts or a list of one each.
-        A prompt that fails on a fault of its own ends in that round: its Completion has
-        finish_reason "error" and ``error``; the others go on (see :meth:`generate`)."""
-        check_keywords(RequestSettings, "stream_batch", settings)
+        The prompts join as the server's requests do (TextBatch.submit): at most
+        BatchOptions.prefill_budget prompt tokens a gap, a longer prompt prefilled in chunks
+        while the rows already in decode. A prompt that fails on a fault of its own ends in
+        that round: its Completion has finish_reason "error" and ``error``; the others go on
+        (see :meth:`generate`)."""
         if not is_batch(prompts):
             raise InputError(f"prompts must be a non-empty list of texts or token-id lists; got "
                              f"{prompts!r:.80}.", field="prompts")
-        text_batch = self.open_batch(speculative, adaptive)
-        text_batch.add_rows([text_batch.prepare(prompts[index], index, adaptive=adaptive, **row)
-                             for index, row in enumerate(row_settings(settings, len(prompts)))])
+        text_batch, row = self._call_batch("stream_batch", settings)
+        pending = [text_batch.prepare(prompts[index], index, **one)
+                   for index, one in enumerate(row_settings(row, len(prompts)))]
+        for item in pending:
+            text_batch.submit(item)
         return BatchStream(text_batch, len(prompts))
 
     def open_batch(self, speculative: bool = True,
-                   adaptive: AdaptivePolicyConfig | Literal[False] | None = None) -> TextBatch:
+                   options: BatchOptions | None = None) -> TextBatch:
         """An empty :class:`verispec.text.batch.TextBatch` (continuous batching): rows join with
-        ``add(prompt, **settings)`` and leave between rounds; ``step()`` runs one round.
-        ``adaptive``: the depth policy of rows that follow one (default: the decoder's)."""
+        ``add(prompt, **settings)`` or ``submit`` and leave between rounds; ``step()`` runs one
+        round. ``options``: how it decodes (config.BatchOptions; default: ``batch_options``,
+        the decoder's; ``dataclasses.replace(decoder.batch_options, adaptive=None)`` for a
+        fixed k)."""
         self._check_speculative(speculative)
-        policy = self.adaptive if adaptive is None else (adaptive or None)
-        return TextBatch(self, self.engine.batch(speculative, policy, self.num_draft_tokens))
+        options = self.batch_options if options is None else options
+        return TextBatch(self, self.engine.batch(speculative, options))
 
     def stream(self, prompt: str | Sequence[int], **settings) -> TextStream:
         """Iterate text chunks as each round is verified; ``.completion`` is set at the end.
         ``settings``: RequestSettings' fields (text/inputs.py, which documents each), one value
-        each.
+        each, and the call's ``speculative`` and ``adaptive``.
 
         Generation stops at the tokenizer's end-of-generation tokens, at a stop string
         (excluded from the text), or after max_new_tokens. For several prompts at once see
         :meth:`stream_batch`.
         """
-        request = settings_of(RequestSettings, "stream", settings)
-        self._check_speculative(request.speculative)
-        prepared = self.prepare(prompt, request)
-        run = self.engine.stream([prepared.prompt_ids], prepared.config, request.speculative,
-                                 prepared.constraints)
-        return TextStream(run, self.tokenizer, prepared.stop, len(prepared.prompt_ids))
+        text_batch, row = self._call_batch("stream", settings)
+        pending = text_batch.prepare(prompt, **row)
+        text_batch.submit(pending)
+        return TextStream(text_batch, text_batch.admit()[0])
 
-    def prepare(self, prompt: str | Sequence[int], settings: RequestSettings) -> PreparedRow:
+    def _call_batch(self, caller: str, settings: dict[str, object]
+                    ) -> tuple[TextBatch, dict[str, object]]:
+        """The batch a call runs on its own, and its rows' settings: the call's ``speculative``
+        and batch options (CALL_OPTIONS: ``adaptive``, ...), and its ``num_draft_tokens`` as the
+        batch's k, in place of batch_options' (BatchOptions checks them)."""
+        check_keywords(RequestSettings, caller, settings, CALL_OPTIONS)
+        row = dict(settings)
+        speculative = row.pop("speculative", True)
+        changes = {name: row.pop(name) for name in CALL_OPTIONS[1:] if name in row}
+        if row.get("num_draft_tokens") is not None:
+            changes["num_draft_tokens"] = row.pop("num_draft_tokens")
+        return self.open_batch(speculative, replace(self.batch_options, **changes)), row
+
+    def prepare(self, prompt: str | Sequence[int], settings: RequestSettings,
+                depth: int) -> PreparedRow:
         """One prompt and its settings checked and turned into what the engine takes: its token
-        ids, GenerationConfig, stop strings and grammar. Raises typed errors: ConfigError for a bad
-        setting, InputError for a bad prompt, ContextLengthExceeded, InvalidConstraintError."""
-        k = settings.num_draft_tokens
+        ids, GenerationConfig, stop strings and grammar; ``depth``: its first k in its batch (0
+        without drafts), which must fit the context with it. Raises typed errors: ConfigError
+        for a bad setting, InputError for a bad prompt, ContextLengthExceeded,
+        InvalidConstraintError."""
         config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens,
-            num_draft_tokens=self.num_draft_tokens if k is None else k,
-            sampling=SamplingConfig(temperature=settings.temperature, top_k=settings.top_k,
-                                    top_p=settings.top_p, min_p=settings.min_p),
+            max_new_tokens=settings.max_new_tokens, num_draft_tokens=settings.num_draft_tokens,
+            sampling=settings.sampling,
             stop_token_ids=() if settings.ignore_eos else self.stop_token_ids,
             min_new_tokens=settings.min_new_tokens, seed=settings.seed,
-            adaptive=self.adaptive if settings.adaptive is None else (settings.adaptive or None),
             verification=(self.verification if settings.verification is None
                           else settings.verification),
             penalty=penalty_config(settings, self.target.vocab_size), logprobs=settings.logprobs)
-        stop_strings = check_stop(settings.stop)
-        prompt_ids = self._encode(prompt)
-        self._check_context(len(prompt_ids), config, settings.speculative)
-        constraints = self._constraints(settings.response_format, settings.min_new_tokens,
-                                        settings.max_new_tokens)
-        return PreparedRow(prompt_ids, config, stop_strings, constraints)
+        prompt_ids = self.encode(prompt)
+        k = depth if config.num_draft_tokens is None else min(depth, config.num_draft_tokens)
+        if settings.fit_to_context:
+            config = self._fitted(config, len(prompt_ids), k)
+        self._check_context(len(prompt_ids), config.max_new_tokens, k)
+        constraints = self._constraints(settings.response_format, config.min_new_tokens,
+                                        config.max_new_tokens)
+        return PreparedRow(prompt_ids, config, check_stop(settings.stop), constraints)
 
     def _check_speculative(self, speculative: object) -> None:
         check_flag("speculative", speculative)
-        if speculative and self.engine.proposer is None:
+        if speculative and not self.speculative:
             raise ConfigError("speculative=True needs a draft, and none is loaded; pass draft=... "
                               "(a model, or NgramDraft()) to verispec.load, or speculative=False.",
                               field="speculative")
@@ -233,8 +273,10 @@ class Decoder:
                 field="max_new_tokens")
         return constraints
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """A prompt's token ids, each in the target's vocabulary."""
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids (text encoded as :meth:`generate` encodes it; token ids as
+        given), each checked to be in the target's vocabulary: InputError, EmptyPromptError or
+        TokenOutOfRangeError otherwise."""
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPromptError("prompt is empty; pass some text or token ids.",
@@ -249,19 +291,33 @@ class Decoder:
         check_prompt_ids(ids, self.target.vocab_size)
         return ids
 
-    def _check_context(self, num_prompt_tokens: int, config: GenerationConfig,
-                       speculative: bool) -> None:
-        """prompt + max_new_tokens (+ k when drafting) must fit every model's window."""
-        k = config.num_draft_tokens if speculative else 0
-        needed = num_prompt_tokens + config.max_new_tokens + k
+    def _windows(self, k: int) -> list[tuple[str, int]]:
+        """The context windows a row drafting ``k`` tokens must fit: (role, positions)."""
         models = [("target", self.target)] + (
-            [("draft", self.draft)] if speculative and self.draft is not None else [])
-        for role, lm in models:
-            if lm.max_positions is not None and needed > lm.max_positions:
+            [("draft", self.draft)] if k and self.draft is not None else [])
+        return [(role, lm.max_positions) for role, lm in models if lm.max_positions is not None]
+
+    def _fitted(self, config: GenerationConfig, num_prompt_tokens: int,
+                k: int) -> GenerationConfig:
+        """RequestSettings.fit_to_context: max_new_tokens lowered to the room left after the
+        prompt and k draft positions, at least 1 (so that an overlong prompt still gets
+        ContextLengthExceeded), and min_new_tokens with it."""
+        room = min((window for _, window in self._windows(k)), default=None)
+        if room is None:
+            return config
+        max_new_tokens = max(1, min(config.max_new_tokens, room - num_prompt_tokens - k))
+        return replace(config, max_new_tokens=max_new_tokens,
+                       min_new_tokens=min(config.min_new_tokens, max_new_tokens))
+
+    def _check_context(self, num_prompt_tokens: int, max_new_tokens: int, k: int) -> None:
+        """prompt + max_new_tokens (+ k when drafting) must fit every model's window."""
+        needed = num_prompt_tokens + max_new_tokens + k
+        for role, window in self._windows(k):
+            if needed > window:
                 raise ContextLengthExceeded(
                     f"prompt ({num_prompt_tokens} tokens) + max_new_tokens "
-                    f"({config.max_new_tokens}) + draft depth ({k}) = {needed} exceeds the "
-                    f"{role}'s context window of {lm.max_positions} tokens; shorten the prompt or "
+                    f"({max_new_tokens}) + draft depth ({k}) = {needed} exceeds the "
+                    f"{role}'s context window of {window} tokens; shorten the prompt or "
                     "lower max_new_tokens.", field="prompt")
 
 

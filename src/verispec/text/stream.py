@@ -1,19 +1,18 @@
-"""Text out of a decoding run: stop strings, incremental detokenisation, the Completion.
+"""Text out of a row's tokens: stop strings, incremental detokenisation, the Completion.
 
-A :class:`TextStream` turns the token chunks of one row of a
-:class:`verispec.engine.decoder.DecodingRun` into text deltas: never a split multi-byte character,
-never text that may turn out to be the start of a stop string; at the end, a :class:`Completion`
-whose text and token ids stop where the client's text stops. What this is not: the decoding
-(engine/decoder.py) or the tokenizer's loading (load.py).
+A :class:`RowText` turns the token chunks of one row into text deltas: never a split multi-byte
+character, never text that may turn out to be the start of a stop string; at the end, a
+:class:`Completion` whose text and token ids stop where the client's text stops. What this is
+not: the decoding (batch.py's TextBatch over engine/batch.py) or the tokenizer's loading
+(load.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine.constraints import ConstraintSet
-from ..engine.decoder import DecodingRun
 from ..engine.metrics import GenerationMetrics
 from ..engine.rows import TokenLogprob
 from ..errors import ConfigError
@@ -68,8 +67,7 @@ class RowText:
     """One row's text: its token chunks in, text deltas out, never splitting a multi-byte
     character and never showing text that may turn out to be the start of a stop string. Each
     chunk is detokenised incrementally (detokenize.IncrementalDetokenizer), not the whole
-    output. Used by :class:`TextStream` (one row of a run) and by batched text
-    (batch.py, one per row).
+    output. One per row of a TextBatch (batch.py).
 
     ``end_token_ids``: tokens after which the text is complete even where the engine goes on
     (a grammar's end tokens under ignore_eos: ConstraintSet.end_token_ids); the first one is
@@ -177,47 +175,3 @@ class RowText:
         self._shown = self._tokens_covering(list(self.token_ids), self.text[: self._emitted],
                                             low=self._shown)
         return self._shown
-
-
-class TextStream:
-    """Text deltas of one row of a :class:`DecodingRun` (a one-prompt generation), through
-    :class:`RowText`; ``.completion`` is set when the text is complete (the run is then
-    dropped: a grammar's end token under ignore_eos ends it early, as a stop string does).
-    A row that fails (engine.rows.Row.fail) raises its typed error from the iteration."""
-
-    def __init__(self, run: DecodingRun, tokenizer, stop: tuple[str, ...],
-                 num_prompt_tokens: int) -> None:
-        self.run = run
-        self.num_prompt_tokens = num_prompt_tokens
-        self._text = RowText(tokenizer, stop, num_prompt_tokens,
-                             row_end_token_ids(run.batch.constraints, 0))
-        self.token_ids = self._text.token_ids  # the new tokens so far
-        self.completion: Completion | None = None
-
-    @property
-    def text(self) -> str:
-        return self._text.text
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        """The new tokens' logprobs so far (one per token the engine emitted), or None when
-        the request did not ask for them."""
-        row = self.run.rows[0]
-        return None if row.config.logprobs is None else row.logprobs
-
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        while self.completion is None:
-            chunk = next(self.run, None)
-            if self.run.rows[0].error is not None:  # the one prompt failed: its error is ours
-                raise self.run.rows[0].error
-            delta, done = self._text.feed(chunk.token_ids[0] if chunk else (),
-                                          final=chunk is None or chunk.finished[0])
-            if done:
-                self.completion = self._text.completion(self.run.result().finish_reasons[0],
-                                                        self.run.metrics, self.logprobs)
-            if delta:
-                return delta
-        raise StopIteration

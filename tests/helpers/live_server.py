@@ -22,6 +22,12 @@ from verispec.server.http import VerispecServer, uvicorn_config
 
 from tiny_models import build_tokenizer, save_model, tiny_llama
 
+# The environment of a Ray a test starts: a proxy gets 30 s, not Ray's 5-10, to answer its
+# readiness and health checks. The suite's other worker may hold both cores while a proxy
+# starts, and Ray then kills the proxy and the command exits before serving.
+RAY_PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+                      "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
 
 class ServerThread:
     """uvicorn serving ``app`` on an ephemeral 127.0.0.1 port from a background thread."""

@@ -38,7 +38,7 @@ from verispec.server.ray.settings import RAY_LOOK_BACK_PERIOD
 from verispec.server.run import load_decoder
 from verispec.text.demo import heldout_prompts
 
-from live_server import ServerThread, serving_command, wait_for
+from live_server import RAY_PROXY_PATIENCE, ServerThread, serving_command, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "ray-key"
@@ -54,10 +54,11 @@ SERVER_FLAGS = ["--api-key", API_KEY, "--model-name", MODEL, "--threads", "1",
 RAY_FLAGS = ["--min-replicas", "2", "--max-replicas", "3", "--target-ongoing-requests", "2",
              "--upscale-delay", "0", "--downscale-delay", "1", "--autoscaling-window", "10.5",
              "--replica-cpus", "0.5"]
-# Ray's own tunables for a test: replicas and proxies report load every half second, not 10.
+# Ray's own tunables for a test: replicas and proxies report load every half second, not 10;
+# proxies get live_server.RAY_PROXY_PATIENCE
 RAY_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", **RAY_PROXY_PATIENCE}
 
 
 def server_settings(port: int = 8000) -> ServerSettings:

@@ -25,7 +25,7 @@ from verispec.server.ray import RaySettings
 from verispec.server.run import load_decoder
 from verispec.text.demo import heldout_prompts
 
-from live_server import ServerThread, serving_command
+from live_server import RAY_PROXY_PATIENCE, ServerThread, serving_command
 
 FLAGS = ["--model-name", "demo", "--threads", "1", "--max-tokens-limit", "256"]
 
@@ -39,7 +39,8 @@ def command(tmp_path_factory):
     log = tmp_path_factory.mktemp("ray_haproxy") / "serve.log"
     with serving_command(["serve", *FLAGS, "--port", str(port), "--ray", "--ray-ingress",
                           "haproxy", "--replica-cpus", "1", "--drain-timeout", "2"], log,
-                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}) as process:
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+                              **RAY_PROXY_PATIENCE}) as process:
         yield process, f"http://127.0.0.1:{port}", log
 
 

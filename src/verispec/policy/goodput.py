@@ -392,11 +392,12 @@ class GoodputPolicy(AdaptivePolicy):
         self._num_drafting = self._num_drafting + 1 if best_k > 0 else 0
         if self._num_drafting >= every:  # drafting held: plain rounds are probed afresh
             self._probe_interval = every
+        if self._since_probe < self._probe_interval:
+            return best_k
         thin = (best_k == 0 and sum(self._reached) < self.config.thin_evidence
                 and self._thin_probes_left > 0)
-        interval = self._probe_interval if best_k > 0 or thin else max(
-            self._probe_interval, self._priced_plain_interval())
-        if self._since_probe < interval:
+        # the catch-up's price is read only once a probe is otherwise due: not every round
+        if best_k == 0 and not thin and self._since_probe < self._priced_plain_interval():
             return best_k
         self._since_probe = 0
         if thin:

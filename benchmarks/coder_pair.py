@@ -19,7 +19,7 @@ Servers, all up together, 2 threads each (an idle one waits and takes no CPU):
     verispec-hybrid    the same with --hybrid (the suffix drafter where it matches, else the draft)
     verispec-chain     --hybrid --hybrid-lookup suffix --hybrid-chain: the suffix drafter's span,
                        continued by the draft model in the same round
-    verispec-ngram     verispec serve --ngram (the suffix drafter, no draft model)
+    verispec-ngram     verispec serve --suffix (the suffix drafter, no draft model)
     verispec-uniform   verispec-draft with --uniform-passes (docs/exactness.md): every target
                        pass in one kernel family, greedy speculative == plain by construction
 
@@ -69,7 +69,7 @@ VERISPEC = {"verispec-plain": ["--no-draft"], "verispec-draft": ["--draft", "{dr
             "verispec-hybrid": ["--draft", "{draft}", "--hybrid"],
             "verispec-chain": ["--draft", "{draft}", "--hybrid", "--hybrid-lookup", "suffix",
                                "--hybrid-chain"],
-            "verispec-ngram": ["--ngram"],
+            "verispec-ngram": ["--suffix"],
             "verispec-uniform": ["--draft", "{draft}", "--uniform-passes"]}
 SERVERS = (*LLAMA, *VERISPEC)
 CODER_TASKS = {

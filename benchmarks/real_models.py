@@ -13,7 +13,7 @@ Servers, all up together on one model, 2 threads each (an idle one waits and tak
     llama-ngram-mod     the same with --spec-type ngram-mod (rolling hash of the last 24 tokens,
                         up to 64 drafted, one pool shared by all requests)
     verispec-plain      verispec serve --no-draft
-    verispec-ngram      verispec serve --ngram (the suffix drafter at its default depth policy)
+    verispec-ngram      verispec serve --suffix (the suffix drafter at its default depth policy)
 
 Tasks, one chat turn each, rendered in the model's template and sent as token ids to
 /v1/completions (both servers see the same tokens): ``edits`` (code edits that quote the code),
@@ -88,7 +88,7 @@ def start(server: str, gguf: str, args) -> tuple[object, str]:
     command = [sys.executable, "-m", "verispec.server", "--host", "127.0.0.1", "--port",
                str(port), "--target", gguf, "--threads", str(args.threads),
                "--max-tokens-limit", "1024", "--max-batch-size", "8",
-               "--no-draft" if server == "verispec-plain" else "--ngram", *args.server_arg]
+               "--no-draft" if server == "verispec-plain" else "--suffix", *args.server_arg]
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
                                stderr=subprocess.STDOUT, text=True)

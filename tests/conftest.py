@@ -1,6 +1,6 @@
 """Shared pytest fixtures, and the crash policy of the suite.
 
-The tests mirror src/verispec (tests/spec, tests/engine, tests/policy, ...); what they share lives
+The tests mirror src/verispec (tests/sample, tests/engine, tests/policy, ...); what they share lives
 in tests/helpers, the one folder on the tests' import path (pytest's ``pythonpath`` in
 pyproject.toml): the models and statistics (tiny_models, arch_specs, helpers_stats,
 markov_chains), the law harnesses (law_checks, injected_rules, real_law), a live server

@@ -31,13 +31,13 @@ def test_cycles_and_levels_of_a_small_graph():
 
 
 # the one-way order of the top-level units: a unit imports only units of a lower rank (policy
-# beside spec; models below both engine and proposers, reached through models/base.py)
+# beside sample; models below both engine and proposers, reached through models/base.py)
 RANKS = {"__main__": 9, "server.__main__": 9, "cli": 8, "server": 7, "bench": 7, "text": 6,
-         "engine": 5, "proposers": 4, "policy": 3, "spec": 3, "models": 2, "config": 1,
+         "engine": 5, "proposers": 4, "policy": 3, "sample": 3, "models": 2, "config": 1,
          "errors": 0}
 TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "config.py"}
-PACKAGES = {"spec", "engine", "policy", "proposers", "models", "text", "cli", "bench", "server",
-            "assets"}
+PACKAGES = {"sample", "engine", "policy", "proposers", "models", "text", "cli", "bench", "server",
+            "assets", "spec"}  # spec: the deprecated name of sample, nothing but aliases
 
 
 def _graphs():

@@ -29,7 +29,7 @@ EXPORTED_BEFORE = (
     "NonFiniteError", "ShapeError", "TokenOutOfRangeError", "UnsupportedFeatureError",
     "UnsupportedModelError", "VerispecError", "GenerationConfig", "SamplingConfig",
     "PenaltyConfig", "TokenLogprob", "ThresholdPolicyConfig", "GoodputPolicyConfig",
-    "SpeculativeDecoder", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
+    "Engine", "DecodingRun", "GenerationResult", "Chunk", "GenerationMetrics",
     "FixedDistributionLM", "MarkovLM", "DraftModelProposer", "HybridProposer", "NgramDraft",
     "NgramProposer", "Proposal", "SuffixDraft", "SuffixProposer", "ChatTemplateMissing",
     "make_generator", "sample", "to_probs", "to_logprobs", "greedy_tokens", "verify",
@@ -37,7 +37,15 @@ EXPORTED_BEFORE = (
     "verify_greedy_tokens", "VerifyResult", "expected_tokens_per_step", "theoretical_speedup",
     "optimal_num_draft_tokens",
 )
-LEFT = sorted(set(EXPORTED_BEFORE) - set(verispec.__all__))
+RENAMED = {"SpeculativeDecoder": "Engine"}
+# `sample` was a function; verispec.sample is now the package of the rules (vLLM's name), and the
+# function lives on in it: verispec.sample.sampling.sample
+LEFT = sorted(set(EXPORTED_BEFORE) - set(verispec.__all__) - set(RENAMED) - {"sample"})
+# modules renamed -> their new names: the old import still works, with a DeprecationWarning
+MOVED_MODULES = {"verispec.spec.sampling": "verispec.sample.sampling",
+                 "verispec.spec.rejection": "verispec.sample.rejection",
+                 "verispec.spec.theory": "verispec.sample.theory",
+                 "verispec.engine.decoder": "verispec.engine.engine"}
 DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
                     *(ROOT / "examples").glob("*.py")])
 # `verispec.name` in prose or code; a logger's name (logger `verispec.llama_cpp`) is no import
@@ -59,6 +67,44 @@ def test_a_public_name_imports_without_a_warning(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         getattr(verispec, name)
+
+
+@pytest.mark.parametrize("old, new", sorted(RENAMED.items()))
+def test_a_renamed_name_imports_with_a_warning_naming_the_new_one(old, new):
+    with pytest.warns(DeprecationWarning, match=rf"\b{old}\b.*\bnow {new}\b"):
+        value = getattr(verispec, old)
+    assert value is getattr(verispec, new)
+
+
+def test_the_former_sample_function_lives_in_the_sample_package():
+    from verispec.sample.sampling import sample
+
+    assert verispec.sample.__name__ == "verispec.sample" and callable(sample)
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED_MODULES.items()))
+def test_a_moved_module_imports_under_its_old_name_with_a_warning(old, new, monkeypatch):
+    import sys
+
+    package = old.rsplit(".", 1)[0]
+    for name in (old, package if package.endswith(".spec") else old):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # the warning is issued again
+    with pytest.warns(DeprecationWarning, match=re.escape(new.rsplit(".", 1)[0])):
+        module = importlib.import_module(old)
+    new_module = importlib.import_module(new)
+    names = getattr(module, "__all__", None) or [name for name in vars(new_module)
+                                                 if not name.startswith("_")]
+    assert names and all(getattr(module, name) is getattr(new_module, name) for name in names
+                         if name != "SpeculativeDecoder")
+
+
+def test_the_old_engine_name_stays_the_same_class(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "verispec.engine.decoder", raising=False)
+    with pytest.warns(DeprecationWarning):
+        from verispec.engine.decoder import SpeculativeDecoder
+    assert SpeculativeDecoder is verispec.Engine
 
 
 def test_an_unknown_name_is_an_attribute_error():

@@ -7,7 +7,7 @@ still import from ``verispec``, with a DeprecationWarning naming the module they
 """
 
 from .config import BatchOptions, GenerationConfig, PenaltyConfig, SamplingConfig
-from .engine.decoder import SpeculativeDecoder
+from .engine.engine import Engine
 from .errors import (
     BackendError,
     ConfigError,
@@ -33,9 +33,9 @@ from .policy.goodput import GoodputPolicyConfig
 from .policy.threshold import ThresholdPolicyConfig
 from .proposers.ngram import NgramDraft
 from .proposers.suffix import SuffixDraft
-from .spec.block import verify_block_rows
-from .spec.rejection import verify
-from .spec.theory import (
+from .sample.block import verify_block_rows
+from .sample.rejection import verify
+from .sample.theory import (
     expected_tokens_per_step,
     optimal_num_draft_tokens,
     theoretical_speedup,
@@ -52,25 +52,37 @@ _LAZY = {  # these pull in transformers; imported on first use so `import verisp
 # import from verispec, with a DeprecationWarning that names that module.
 _MOVED = {
     "demo_pair": "verispec.text.demo",
-    "Chunk": "verispec.engine.decoder", "DecodingRun": "verispec.engine.decoder",
-    "GenerationResult": "verispec.engine.decoder",
+    "Chunk": "verispec.engine.engine", "DecodingRun": "verispec.engine.engine",
+    "GenerationResult": "verispec.engine.engine",
     "GenerationMetrics": "verispec.engine.metrics", "TokenLogprob": "verispec.engine.rows",
     "FixedDistributionLM": "verispec.models.fixtures",
     "DraftModelProposer": "verispec.proposers", "HybridProposer": "verispec.proposers",
     "NgramProposer": "verispec.proposers", "Proposal": "verispec.proposers",
     "SuffixProposer": "verispec.proposers",
-    "make_generator": "verispec.spec.sampling", "sample": "verispec.spec.sampling",
-    "to_probs": "verispec.spec.sampling", "to_logprobs": "verispec.spec.sampling",
-    "greedy_tokens": "verispec.spec.sampling",
-    "verify_rows": "verispec.spec.rejection", "VerifyResult": "verispec.spec.result",
-    "verify_greedy": "verispec.spec.greedy", "verify_greedy_rows": "verispec.spec.greedy",
-    "verify_greedy_tokens": "verispec.spec.greedy",
+    "make_generator": "verispec.sample.sampling",
+    "to_probs": "verispec.sample.sampling", "to_logprobs": "verispec.sample.sampling",
+    "greedy_tokens": "verispec.sample.sampling",
+    "verify_rows": "verispec.sample.rejection", "VerifyResult": "verispec.sample.result",
+    "verify_greedy": "verispec.sample.greedy", "verify_greedy_rows": "verispec.sample.greedy",
+    "verify_greedy_tokens": "verispec.sample.greedy",
 }
+
+
+# Names renamed -> (the new name, the module that has it). The old name still imports, with a
+# DeprecationWarning naming the new one.
+_RENAMED = {"SpeculativeDecoder": ("Engine", "verispec")}
 
 
 def __getattr__(name: str) -> object:
     import importlib
 
+    if name in _RENAMED:
+        import warnings
+
+        new_name, module = _RENAMED[name]
+        warnings.warn(f"{name} is deprecated: it is now {new_name} (from {module} import "
+                      f"{new_name}), the same class.", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), new_name)
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _MOVED:
@@ -95,6 +107,7 @@ __all__ = [
     "Decoder",
     "DraftContractError",
     "EmptyPromptError",
+    "Engine",
     "GenerationConfig",
     "GoodputPolicyConfig",
     "IncompatibleModelsError",
@@ -107,7 +120,6 @@ __all__ = [
     "PenaltyConfig",
     "SamplingConfig",
     "ShapeError",
-    "SpeculativeDecoder",
     "SuffixDraft",
     "ThresholdPolicyConfig",
     "TokenOutOfRangeError",

@@ -98,7 +98,7 @@ def check_seed(seed: object) -> None:
 # the highest temperature: logits are divided by it in fp32, where a value past 3.4e38 is inf
 # and turns a masked token's -inf into NaN; long before this bound the distribution is uniform
 # over the tokens left for any logits a model gives (the lowest end is the argmax's limit,
-# taken exactly by spec/sampling.py)
+# taken exactly by sample/sampling.py)
 MAX_TEMPERATURE = 1e4
 
 
@@ -138,7 +138,7 @@ class SamplingConfig:
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's API takes them
 # a repetition penalty lies in [1/100, 100]: far past the values in use (1.1 to 1.5; below 1
 # rewards repeats), and a seen token's logit divided or multiplied by it stays finite in fp32
-# for any logit below 3e36 in magnitude (spec/penalties.py saturates the rest)
+# for any logit below 3e36 in magnitude (sample/penalties.py saturates the rest)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as OpenAI's API takes it
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list, as OpenAI's API
@@ -146,7 +146,7 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list, as OpenA
 
 @dataclass(frozen=True)
 class PenaltyConfig:
-    """What reshapes a row's logits from its own history, before temperature (spec/penalties.py
+    """What reshapes a row's logits from its own history, before temperature (sample/penalties.py
     applies it, at every verified position counting the block's earlier draft tokens).
 
     presence_penalty: subtracted once from each token generated so far (OpenAI's).
@@ -191,7 +191,7 @@ class PenaltyConfig:
 
     @property
     def uses_history(self) -> bool:
-        """Whether a token's shaped logit depends on the tokens before it."""
+        """Whether a token's processed logit depends on the tokens before it."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
 
@@ -218,7 +218,7 @@ class GenerationConfig:
     budget) is its batch's: BatchOptions.
 
     num_draft_tokens: the most draft tokens this row takes a round (1 to 32), a cap on its
-        batch's depth; None: no cap. A run of its own (SpeculativeDecoder.generate without
+        batch's depth; None: no cap. A run of its own (Engine.generate without
         ``options``) takes it as the run's k.
     stop_token_ids: generation ends at the first of these (it is emitted, nothing after it).
     min_new_tokens: no stop token is generated before this many new tokens: the target's
@@ -231,7 +231,7 @@ class GenerationConfig:
         verification, Sun et al. 2025: exact, and keeps at least as many tokens a round on average)
         or "token" (token-wise rejection sampling, Leviathan et al. 2023). Deterministic drafts
         (n-gram lookup) and greedy rows compare tokens either way, and a seeded row keeps a draft
-        token while it is the target's own sample at its position (spec/seeded.py).
+        token while it is the target's own sample at its position (sample/seeded.py).
     adaptive, cost_ratio: options of the batch, not of a row: given here, a ConfigError names
         where they go (BatchOptions).
     """
@@ -253,7 +253,7 @@ class GenerationConfig:
             if value is not None:
                 raise ConfigError(
                     f"{name}={value!r:.60} is an option of the batch, not of a row: pass "
-                    f"options=BatchOptions({name}=...) to SpeculativeDecoder.generate, stream "
+                    f"options=BatchOptions({name}=...) to Engine.generate, stream "
                     "or batch (Decoder.generate takes adaptive= itself).", field=name)
         _make_plain(self, "max_new_tokens", "num_draft_tokens", "min_new_tokens", "seed",
                     "logprobs")
@@ -345,7 +345,7 @@ POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 HYBRID_LOOKUPS = ("ngram", "suffix")
 # the rules a sampled `verispec bench` row can run under: block and token verification of
 # unseeded rows (their generator seeded by the bench), and "seeded": a row with a seed, whose
-# tokens are races on keyed clocks (spec/seeded.py), which couples the draft to the target instead
+# tokens are races on keyed clocks (sample/seeded.py), which couples the draft to the target instead
 BENCH_RULES = VERIFICATION_RULES + ("seeded",)
 
 

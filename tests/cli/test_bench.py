@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from verispec import cli
-from verispec.spec.theory import theoretical_speedup
+from verispec.sample.theory import theoretical_speedup
 
 from tiny_models import save_untied_pair
 

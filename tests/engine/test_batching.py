@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import verispec
-from verispec import BatchOptions, GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import BatchOptions, Engine, GenerationConfig, SamplingConfig
 from verispec.engine.batch import fill_from_the_end
 from verispec.errors import ConfigError
 from verispec.models.fixtures import MarkovLM
 from verispec.models.hf.adapter import TransformersLM
 from verispec.policy.base import AdaptivePolicy
 from verispec.policy.scheduler import policy_evidence
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 from verispec.text.demo import heldout_prompts
 
 from injected_rules import _accept_all, _residual, _rule_verify, inject_verify
@@ -42,11 +42,11 @@ GREEDY = SamplingConfig(temperature=0.0)
 HOT, COOL = SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.6)
 
 
-def _fixture_decoder(seed: int = 3) -> SpeculativeDecoder:
+def _fixture_decoder(seed: int = 3) -> Engine:
     generator = torch.Generator().manual_seed(seed)
     target = MarkovLM.random(VOCAB_SIZE, generator, order=2)
     noisy = target.table + 0.8 * torch.randn(target.table.shape, generator=generator)
-    return SpeculativeDecoder.from_draft_model(target, MarkovLM(noisy, order=2))
+    return Engine.from_draft_model(target, MarkovLM(noisy, order=2))
 
 
 def _run(batch, rows, until=None):
@@ -133,7 +133,7 @@ NUM_ROWS = 12_000  # per temperature
 def _mixed_temperature_tokens(k: int, seed: int, verification: str = "block"):
     """Tokens [N, k+1] per temperature of one batch of 2 N interleaved rows; samplings; pair."""
     pair = _pair("reversed")
-    decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
+    decoder = Engine.from_draft_model(pair.target, pair.draft)
     generators = {"hot": make_generator(seed), "cool": make_generator(seed + 1)}
     samplings = {"hot": pair.sampling(1.0), "cool": pair.sampling(0.6)}
     names = ["hot", "cool"] * NUM_ROWS  # interleaved: every round mixes both
@@ -371,7 +371,7 @@ def test_a_round_whose_target_pass_carried_a_join_is_not_timed(backend):
     from verispec.text.assemble import wrap_model
 
     target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
-    decoder = SpeculativeDecoder.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),
+    decoder = Engine.from_draft_model(wrap_model(target, VOCAB_SIZE, backend),
                                                   wrap_model(draft, VOCAB_SIZE, backend))
     config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
     batch = decoder.batch(options=BatchOptions(
@@ -433,7 +433,7 @@ def test_a_row_at_the_end_of_its_context_is_not_fed_a_deeper_rows_draft(build):
     window = 32
     target = TransformersLM(build(VOCAB_SIZE, seed=31, max_positions=window))
     draft = TransformersLM(build(VOCAB_SIZE, seed=32, layers=1, max_positions=window))
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     end = GenerationConfig(max_new_tokens=window - 24 - 1, num_draft_tokens=1, sampling=GREEDY)
     deep = GenerationConfig(max_new_tokens=20, num_draft_tokens=8, sampling=GREEDY)
     batch = decoder.batch(options=BatchOptions(num_draft_tokens=8))
@@ -459,7 +459,7 @@ def test_a_round_that_captured_a_step_graph_is_not_timed(monkeypatch):
 
     monkeypatch.setattr(StepGraphs, "_new_step", counted)
     target, draft = tiny_llama(VOCAB_SIZE, seed=21), tiny_llama(VOCAB_SIZE, seed=22, layers=1)
-    decoder = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, step_graphs="static"),
+    decoder = Engine.from_draft_model(FastLlamaLM(target, step_graphs="static"),
                                                   FastLlamaLM(draft, step_graphs="static"))
     config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
     batch = decoder.batch(options=BatchOptions(
@@ -491,7 +491,7 @@ def test_a_lookup_round_reaches_the_policy_at_the_depth_it_asked():
     from verispec.proposers.ngram import NgramProposer
 
     target = MarkovLM.random(VOCAB_SIZE, torch.Generator().manual_seed(5), order=2)
-    decoder = SpeculativeDecoder(target, NgramProposer(VOCAB_SIZE))
+    decoder = Engine(target, NgramProposer(VOCAB_SIZE))
     adaptive = verispec.GoodputPolicyConfig(min_num_draft_tokens=0)
     config = GenerationConfig(max_new_tokens=6, sampling=GREEDY)
     batch = decoder.batch(options=BatchOptions(adaptive=adaptive, num_draft_tokens=3))

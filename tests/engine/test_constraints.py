@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import torch
 
-from verispec import GenerationConfig, NgramDraft, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, NgramDraft, SamplingConfig
 from verispec.engine.constraints import ConstraintSet
 from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
-from verispec.spec.sampling import make_generator, to_probs
+from verispec.sample.sampling import make_generator, to_probs
 from verispec.text.grammar import TokenizerIndex, compile_response_format
 
 from helpers_stats import g_test, pair_counts
@@ -77,7 +77,7 @@ def test_greedy_constrained_speculative_equals_plain_on_tiny_models(tiny, propos
     tokenizer, target, draft, index = tiny
     formats = [REGEX, SMALL_SCHEMA, None]  # one grammar per row, one row unconstrained
     prompts = [tokenizer.encode(p) for p in ("def add(a, b):", "for i in", "class Point:")]
-    engine = SpeculativeDecoder(TransformersLM(target), proposer_of(proposer, draft,
+    engine = Engine(TransformersLM(target), proposer_of(proposer, draft,
                                                                     len(tokenizer)))
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k, sampling=GREEDY,
                               stop_token_ids=(tokenizer.eos_token_id,))
@@ -94,7 +94,7 @@ def test_greedy_constrained_speculative_equals_plain_on_tiny_models(tiny, propos
 
 def test_a_grammar_changes_the_output_and_the_output_obeys_it(tiny):
     tokenizer, target, draft, index = tiny
-    engine = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    engine = Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
     prompt = [tokenizer.encode("import os")]
     config = GenerationConfig(max_new_tokens=30, num_draft_tokens=3, sampling=GREEDY,
                               stop_token_ids=(tokenizer.eos_token_id,))
@@ -146,7 +146,7 @@ def exact_constrained_law(tokenizer, target, index, prompt, sampling) -> np.ndar
 
 
 def first_two_constrained(tokenizer, target, draft, index, prompt, sampling, seed):
-    engine = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    engine = Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
     # unseeded rows (rejection sampling, the default block rule) from a generator seeded here
     config = GenerationConfig(max_new_tokens=4, num_draft_tokens=3, sampling=sampling)
     run = engine.stream([prompt] * NUM_SAMPLES, config,
@@ -178,7 +178,7 @@ def test_negative_control_a_mask_on_the_target_side_only_is_rejected(law_setup, 
     acceptance test then compares the masked target with a distribution the token was not
     drawn from, and the output leaves the constrained law."""
     import verispec.proposers.draws as draws_module
-    from verispec.spec.sampling import sample_from_logits
+    from verispec.sample.sampling import sample_from_logits
 
     def masked_draw_unmasked_report(logits, sampling, uniforms, allowed=None):
         _, tokens = sample_from_logits(logits, sampling, uniforms, allowed)

@@ -13,17 +13,17 @@ import torch
 
 from verispec import (
     BatchOptions,
+    Engine,
     GenerationConfig,
     MarkovLM,
     SamplingConfig,
-    SpeculativeDecoder,
 )
 from verispec.engine.metrics import GenerationMetrics
 from verispec.errors import TokenOutOfRangeError
 from verispec.models.fixtures import FixedDistributionLM
 from verispec.proposers import DraftModelProposer
 from verispec.proposers.base import DraftPlan
-from verispec.spec.sampling import make_generator, sample, to_probs
+from verispec.sample.sampling import make_generator, sample, to_probs
 
 from markov_chains import (
     GREEDY,
@@ -83,7 +83,7 @@ def test_stop_token_in_the_middle_of_an_accepted_chunk():
     # draft == target at temperature 0: every round accepts all k = 8 and emits 9 tokens, so the
     # stop token sits inside a round's accepted chunk, and the tokens after it were accepted too.
     target = _target(order=2, seed=5)
-    decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(target.table.clone(), 2))
+    decoder = Engine.from_draft_model(target, MarkovLM(target.table.clone(), 2))
     prompt = [4, 2]
     plain = _plain_greedy(target, prompt, 60)
     stop_token, position = _mid_chunk_stop(plain, 9)
@@ -136,7 +136,7 @@ def test_stop_tokens_in_a_sampled_batch(k):
 
 def test_stop_token_as_the_first_generated_token():
     target = _target(seed=2)
-    decoder = SpeculativeDecoder.from_draft_model(target, _noisy_draft(target))
+    decoder = Engine.from_draft_model(target, _noisy_draft(target))
     first = _plain_greedy(target, [3, 5], 1)[0]
     config = GenerationConfig(max_new_tokens=10, num_draft_tokens=4, sampling=GREEDY, seed=0,
                               stop_token_ids=(first,))
@@ -205,7 +205,7 @@ def test_same_seed_same_output_different_seed_different_output():
                          ids=["t1", "truncated"])
 def test_a_sampling_draft_draws_each_token_from_the_probs_it_reports(sampling):
     # the draft takes its round's uniforms in one draw; its tokens must be exactly those that
-    # one spec.sampling.sample call per step, on the distributions it reports, gives from the same
+    # one sample.sampling.sample call per step, on the distributions it reports, gives from the same
     # generator, and the generator must end where those calls leave it
     target = _target(order=2)
     draft = _noisy_draft(target)
@@ -283,7 +283,7 @@ def test_token_acceptance_estimates_the_per_token_acceptance_probability():
     target_probs = torch.tensor([0.5, 0.3, 0.1, 0.1])
     draft_probs = torch.tensor([0.3, 0.3, 0.3, 0.1])
     a = float(torch.minimum(target_probs, draft_probs).sum())  # 0.8
-    decoder = SpeculativeDecoder.from_draft_model(FixedDistributionLM.from_probs(target_probs),
+    decoder = Engine.from_draft_model(FixedDistributionLM.from_probs(target_probs),
                                                   FixedDistributionLM.from_probs(draft_probs))
     # unseeded rows (rejection sampling, token-wise) drawing from a generator seeded here
     config = GenerationConfig(max_new_tokens=40, verification="token",
@@ -313,7 +313,7 @@ def test_plain_decoding_metrics():
 
 def test_decoder_without_proposer_decodes_plainly():
     target = _target(order=2)
-    result = SpeculativeDecoder(target).generate(
+    result = Engine(target).generate(
         PROMPTS, GenerationConfig(max_new_tokens=15, sampling=GREEDY, seed=0))
     assert result.token_ids == [_plain_greedy(target, p, 15) for p in PROMPTS]
     assert result.metrics.num_drafted == 0 and result.metrics.mean_accepted_length == 1.0

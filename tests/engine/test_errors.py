@@ -15,6 +15,7 @@ from verispec import (
     BatchOptions,
     ConfigError,
     EmptyPromptError,
+    Engine,
     GenerationConfig,
     GoodputPolicyConfig,
     IncompatibleModelsError,
@@ -23,14 +24,13 @@ from verispec import (
     NonFiniteError,
     SamplingConfig,
     ShapeError,
-    SpeculativeDecoder,
     ThresholdPolicyConfig,
     TokenOutOfRangeError,
     VerispecError,
     verify,
 )
 from verispec.config import check_bool, check_int, check_number
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -41,8 +41,8 @@ def _markov(seed: int = 0, vocab_size: int = VOCAB_SIZE, order: int = 1) -> Mark
     return MarkovLM.random(vocab_size, make_generator(seed), order=order)
 
 
-def _decoder() -> SpeculativeDecoder:
-    return SpeculativeDecoder.from_draft_model(_markov(0), _markov(1))
+def _decoder() -> Engine:
+    return Engine.from_draft_model(_markov(0), _markov(1))
 
 
 def test_hierarchy():
@@ -268,7 +268,7 @@ def test_make_generator_rejects_seeds_torch_would_wrap_or_refuse(seed):
 def test_vocabulary_mismatch_at_construction():
     target, draft = _markov(0, vocab_size=8), _markov(1, vocab_size=6)
     with pytest.raises(IncompatibleModelsError, match="draft vocab_size=6.*target vocab_size=8"):
-        SpeculativeDecoder.from_draft_model(target, draft)
+        Engine.from_draft_model(target, draft)
 
 
 def test_a_draft_on_another_device_is_refused_at_construction():
@@ -277,7 +277,7 @@ def test_a_draft_on_another_device_is_refused_at_construction():
     draft.device = torch.device("meta")
     with pytest.raises(IncompatibleModelsError,
                        match="draft is on meta but the target on cpu.*same device="):
-        SpeculativeDecoder.from_draft_model(target, draft)
+        Engine.from_draft_model(target, draft)
 
 
 @pytest.mark.parametrize("where", ["target", "draft"])
@@ -286,7 +286,7 @@ def test_non_finite_logits_from_a_model(where, bad):
     target, draft = _markov(0), _markov(1)
     bad_model = target if where == "target" else draft
     bad_model.table[5, 2] = bad  # logits after token 5: the prompt's last token below
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     with pytest.raises(NonFiniteError, match="NaN or \\+inf"):
         decoder.generate([[1, 5]], GenerationConfig(max_new_tokens=4, num_draft_tokens=2, seed=0))
 
@@ -294,7 +294,7 @@ def test_non_finite_logits_from_a_model(where, bad):
 def test_non_finite_logits_in_plain_greedy_decoding():
     target = _markov(0)
     target.table[3] = -math.inf  # a context where every token is impossible
-    decoder = SpeculativeDecoder(target)
+    decoder = Engine(target)
     with pytest.raises(NonFiniteError):
         decoder.generate([[3]], GenerationConfig(max_new_tokens=2,
                                                  sampling=SamplingConfig(temperature=0)))

@@ -2,7 +2,7 @@
 
 The claim (Leviathan et al. 2023, Theorem 1; Chen et al. 2023): whatever the draft, the tokens the
 engine emits have exactly the target's law. The test: generate 20,000 rows from one prompt with
-SpeculativeDecoder.generate, and compare the empirical joint law of emitted token pairs with the
+Engine.generate, and compare the empirical joint law of emitted token pairs with the
 target's exact law, enumerated from the fixture (helpers_stats.first_two_law / pair_law), by a
 G-test (helpers_stats.g_test: probability-0 cells must stay empty, cells with expected count < 5
 pooled). A case passes at p > ALPHA.
@@ -28,15 +28,15 @@ import pytest
 import torch
 
 from verispec import (
+    Engine,
     GenerationConfig,
     MarkovLM,
     PenaltyConfig,
     SamplingConfig,
-    SpeculativeDecoder,
 )
 from verispec.config import VERIFICATION_RULES
 from verispec.engine.metrics import GenerationMetrics
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 from helpers_stats import first_two_law, g_test, pair_law
 from injected_rules import (
@@ -87,7 +87,7 @@ def _generate(pair: Pair, k: int, temperature: float, seed: int,
     """Emitted tokens [N, k+1] of N identical prompts in one batch, and the run's metrics.
     Unseeded rows (rejection sampling under ``verification``) drawing from one generator
     seeded by ``seed``; seeded rows race on keyed clocks instead (test_seed_invariance.py)."""
-    decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
+    decoder = Engine.from_draft_model(pair.target, pair.draft)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
                               sampling=pair.sampling(temperature), verification=verification)
     result = decoder.generate([PROMPT] * num_samples, config, generator=make_generator(seed))
@@ -149,7 +149,7 @@ def test_batch_one_calls_have_the_target_law(pair_name, k, temperature):
     # draw from independent streams (a repeated seed would repeat the sample, not add one). The
     # decoder holds no per-request state, so one decoder serves every call.
     pair = _pair(pair_name)
-    decoder = SpeculativeDecoder.from_draft_model(pair.target, pair.draft)
+    decoder = Engine.from_draft_model(pair.target, pair.draft)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
                               sampling=pair.sampling(temperature))
     num_samples = 3_000
@@ -201,7 +201,7 @@ def test_negative_control_is_rejected(monkeypatch, control, accept, recover, pai
 # block rule's arithmetic where the fixture pairs above never go. Each extreme case runs under
 # both rules; the cold ones at k = 2 and 4 (the block rule needs k >= 2 to meet w = 1 with a
 # residual mass near 0). 5,000 rows suffice for the cold laws' ~30 cells, 3,000 for the biased
-# ones (each row's logits shaped on the host: the costlier path).
+# ones (each row's logits processed on the host: the costlier path).
 EXTREME_ENGINE_CASES = [
     pytest.param(name, k, rule, 40_000 + index, id=f"{name}-k{k}-{rule}")
     for index, (name, k, rule) in enumerate([
@@ -220,7 +220,7 @@ def _generate_extreme(name: str, k: int, seed: int, verification: str = "token"
                       ) -> tuple[np.ndarray, GenerationMetrics]:
     """_generate for an extreme case: its temperature and its logit_bias (draft and target)."""
     case = extreme_case(name)
-    decoder = SpeculativeDecoder.from_draft_model(case.pair.target, case.pair.draft)
+    decoder = Engine.from_draft_model(case.pair.target, case.pair.draft)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k,
                               sampling=case.pair.sampling(case.temperature),
                               verification=verification, penalty=case.penalty)
@@ -284,7 +284,7 @@ GREEDY_PROMPTS = {1: [[3, 5]], 3: [[3, 5], [1], [7, 7, 2, 0, 11]]}
 @pytest.mark.parametrize("draft_kind", ["noisy", "independent"])
 def test_greedy_equals_plain_decoding(k, batch_size, order, draft_kind):
     target, draft = _greedy_pair(order, draft_kind)
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0), seed=0)
     prompts = GREEDY_PROMPTS[batch_size]
@@ -307,7 +307,7 @@ def test_greedy_equals_plain_decoding_under_extreme_bias(k, bias):
     biased = torch.zeros(target.vocab_size)
     for token, value in bias:
         biased[token] = value
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0),
                               penalty=PenaltyConfig(logit_bias=bias))
@@ -324,7 +324,7 @@ def test_greedy_equals_plain_decoding_under_extreme_bias(k, bias):
 def test_draft_equal_to_target_accepts_every_draft_token(temperature, order, k):
     target = MarkovLM.random(10, make_generator(100 + order), order=order, zero_fraction=0.2)
     draft = MarkovLM(target.table.clone(), order=order)
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, seed=1,
                               sampling=SamplingConfig(temperature=temperature))
     metrics = decoder.generate([[1, 2], [4], [0, 9, 9]], config).metrics

@@ -16,10 +16,10 @@ import torch
 
 import verispec.engine.batch
 import verispec.engine.rows
-from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig
 from verispec.proposers import DraftModelProposer
-from verispec.spec.penalties import seen_tokens, shape_logits
-from verispec.spec.sampling import make_generator, to_probs
+from verispec.sample.penalties import process_logits, seen_tokens
+from verispec.sample.sampling import make_generator, to_probs
 
 from helpers_stats import g_test, pair_counts
 from markov_chains import PROMPTS, _noisy_draft, _target
@@ -38,37 +38,37 @@ def _chain() -> MarkovLM:
     return MarkovLM.random(VOCAB_SIZE, make_generator(71), order=1, sharpness=1.0)
 
 
-def _shaped_probs(model, context: list[int], output: list[int], penalty) -> np.ndarray:
+def _processed_probs(model, context: list[int], output: list[int], penalty) -> np.ndarray:
     logits = model.next_logits(context)[None]  # [1, V]
-    shaped = shape_logits(logits, penalty, seen_tokens(PROMPT, VOCAB_SIZE), output)
-    return to_probs(shaped[0], SAMPLING).double().numpy()
+    processed = process_logits(logits, penalty, seen_tokens(PROMPT, VOCAB_SIZE), output)
+    return to_probs(processed[0], SAMPLING).double().numpy()
 
 
 def _law(model, penalty) -> np.ndarray:
     """P(x1, x2) of the penalised target: x2's penalty counts x1."""
-    first = _shaped_probs(model, PROMPT, [], penalty)
+    first = _processed_probs(model, PROMPT, [], penalty)
     law = np.zeros((VOCAB_SIZE, VOCAB_SIZE))
     for x1 in range(VOCAB_SIZE):
-        law[x1] = first[x1] * _shaped_probs(model, PROMPT + [x1], [x1], penalty)
+        law[x1] = first[x1] * _processed_probs(model, PROMPT + [x1], [x1], penalty)
     return law
 
 
 def _first_two(target, draft, penalty, k: int, seed: int) -> tuple[np.ndarray, float]:
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=SAMPLING,
                               penalty=penalty)
-    result = SpeculativeDecoder(target, DraftModelProposer(draft)).generate(
+    result = Engine(target, DraftModelProposer(draft)).generate(
         [PROMPT] * NUM_SAMPLES, config, generator=make_generator(seed))
     return np.array(result.token_ids)[:, :2], result.metrics.acceptance_rate
 
 
 def _committed_only(rows, target_logits, draft_tokens, num_draft, faults):
-    """The control: every position of a block shaped from the committed tokens alone."""
-    shaped = target_logits.float().clone()
+    """The control: every position of a block processed from the committed tokens alone."""
+    processed = target_logits.float().clone()
     for b, row in enumerate(rows):
         for j in range(num_draft[b] + 1):
-            shaped[b, j] = shape_logits(target_logits[b, j : j + 1], row.config.penalty,
+            processed[b, j] = process_logits(target_logits[b, j : j + 1], row.config.penalty,
                                         None, row.token_ids)[0]
-    return shaped
+    return processed
 
 
 @pytest.mark.parametrize("penalty", [PENALTY, BIAS], ids=["penalty", "bias"])
@@ -81,7 +81,7 @@ def test_first_two_tokens_follow_the_penalised_law(penalty, draft_kind, k):
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), _law(target, penalty))
     print(f"PVALUE penalties {draft_kind} k={k}: {result} acceptance {acceptance:.3f}")
     assert result.p_value > ALPHA, result
-    if draft_kind == "same_chain":  # the draft shapes its steps as the target: all accepted
+    if draft_kind == "same_chain":  # the draft processes its steps as the target: all accepted
         assert acceptance > 0.99
 
 
@@ -89,13 +89,13 @@ def test_first_two_tokens_follow_the_penalised_law(penalty, draft_kind, k):
 def test_control_ignoring_draft_tokens_inside_the_block_is_rejected(monkeypatch, penalty):
     if penalty is BIAS:  # a bias has no history: the control drops it past the block's start
         def control(rows, target_logits, draft_tokens, num_draft, faults):
-            shaped = target_logits.float().clone()
+            processed = target_logits.float().clone()
             for b, row in enumerate(rows):
-                shaped[b, :1] = row.shape_logits(target_logits[b, :1])
-            return shaped
+                processed[b, :1] = row.process_logits(target_logits[b, :1])
+            return processed
     else:
         control = _committed_only
-    monkeypatch.setattr(verispec.engine.batch, "shape_target_logits", control)
+    monkeypatch.setattr(verispec.engine.batch, "process_target_logits", control)
     target = _chain()
     tokens, _ = _first_two(target, target, penalty, 2, seed=950)
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), _law(target, penalty))
@@ -116,8 +116,8 @@ def _plain_greedy_shaped(model, prompt: list[int], num_new: int, penalty) -> lis
     context, output = list(prompt), []
     seen = seen_tokens(prompt, model.vocab_size)
     for _ in range(num_new):
-        shaped = shape_logits(model.next_logits(context)[None], penalty, seen, output)
-        token = int(shaped[0].argmax())
+        processed = process_logits(model.next_logits(context)[None], penalty, seen, output)
+        token = int(processed[0].argmax())
         context.append(token)
         output.append(token)
     return output
@@ -127,7 +127,7 @@ def _plain_greedy_shaped(model, prompt: list[int], num_new: int, penalty) -> lis
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_with_penalties_equals_plain_decoding(penalty, k):
     target = _target()
-    decoder = SpeculativeDecoder.from_draft_model(target, _noisy_draft(target))
+    decoder = Engine.from_draft_model(target, _noisy_draft(target))
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0), penalty=penalty)
     result = decoder.generate(PROMPTS, config)  # a batch of 3
@@ -147,14 +147,14 @@ def test_penalty_changes_the_greedy_output():
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_under_speculation_equal_plain_decoding(temperature):
     target = _target()
-    decoder = SpeculativeDecoder.from_draft_model(target, _noisy_draft(target))
+    decoder = Engine.from_draft_model(target, _noisy_draft(target))
     config = GenerationConfig(max_new_tokens=16, num_draft_tokens=4, seed=11, logprobs=3,
                               sampling=SamplingConfig(temperature=temperature),
                               penalty=PENALTY)
     speculative = decoder.stream([PROMPTS[0]], config)
     for _ in speculative:
         pass
-    plain = SpeculativeDecoder(target).stream([PROMPTS[0]], config)
+    plain = Engine(target).stream([PROMPTS[0]], config)
     for _ in plain:
         pass
     spec_row, plain_row = speculative.rows[0], plain.rows[0]
@@ -165,7 +165,7 @@ def test_logprobs_under_speculation_equal_plain_decoding(temperature):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert a.logprob <= 0 and len(a.top) == 3 and a.top[0][1] >= a.logprob
     # the chosen token's logprob is the processed distribution's, checked at position 0
-    logits = shape_logits(target.next_logits(PROMPTS[0])[None], PENALTY, None, [])
+    logits = process_logits(target.next_logits(PROMPTS[0])[None], PENALTY, None, [])
     expected = torch.log_softmax(logits[0] / (temperature or 1.0), dim=-1)
     first = spec_row.logprobs[0]
     assert abs(first.logprob - float(expected[first.token_id])) < 1e-5
@@ -173,25 +173,25 @@ def test_logprobs_under_speculation_equal_plain_decoding(temperature):
 
 def test_draft_bans_the_stop_tokens_min_new_tokens_bans():
     """A draft equal to the target, with a likely stop token banned for 6 tokens: the draft
-    shapes its steps as the target does, so nothing it proposes is rejected (an unshaped draft
+    processes its steps as the target does, so nothing it proposes is rejected (an unprocessed draft
     proposes the stop token, which the target rejects)."""
     target = _chain()
     stop = int(target.next_logits(PROMPT).argmax())
     config = GenerationConfig(max_new_tokens=6, num_draft_tokens=5, sampling=SAMPLING,
                               stop_token_ids=(stop,), min_new_tokens=6)
-    result = SpeculativeDecoder(target, DraftModelProposer(target)).generate(
+    result = Engine(target, DraftModelProposer(target)).generate(
         [PROMPT] * 200, config, generator=make_generator(3))
     assert all(stop not in tokens for tokens in result.token_ids)
     assert result.metrics.acceptance_rate == 1.0
 
 
 def test_stop_token_ban_alone_leaves_the_draft_logits_untouched():
-    """With no penalty the shaped logits may be the model's own tensor (an inference tensor
+    """With no penalty the processed logits may be the model's own tensor (an inference tensor
     on the server): the ban must not write into it."""
     target = _chain()
     row = verispec.engine.rows.Row(PROMPT, GenerationConfig(
         max_new_tokens=4, stop_token_ids=(2,), min_new_tokens=3), make_generator(0))
     with torch.inference_mode():
         logits = target.next_logits(PROMPT)
-    shaped = row.shape_draft(logits, [])
-    assert shaped[2] == float("-inf") and logits[2] != float("-inf")
+    processed = row.process_draft(logits, [])
+    assert processed[2] == float("-inf") and logits[2] != float("-inf")

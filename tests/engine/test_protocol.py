@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, SamplingConfig
 from verispec.models.base import AdoptsRows, LMSession
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 VOCAB_SIZE = 11
 GREEDY = SamplingConfig(temperature=0.0)
@@ -92,7 +92,7 @@ def test_the_session_implements_exactly_the_documented_verbs():
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_a_protocol_only_model_decodes_greedy_exactly(k):
     target, draft = BigramLM(1), BigramLM(2)
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     prompts = [[1, 2, 3], [4], [5, 6]]
     config = GenerationConfig(max_new_tokens=12, num_draft_tokens=k, sampling=GREEDY)
     result = decoder.generate(prompts, config)
@@ -100,13 +100,13 @@ def test_a_protocol_only_model_decodes_greedy_exactly(k):
     assert result.token_ids == expected
     assert result.metrics.num_rounds < 3 * 12  # it drafted: fewer rounds than plain decoding
     # control: a draft that is the target keeps every draft token
-    same = SpeculativeDecoder.from_draft_model(target, target).generate(prompts, config)
+    same = Engine.from_draft_model(target, target).generate(prompts, config)
     assert same.token_ids == expected and same.metrics.acceptance_rate == 1.0
 
 
 def test_rows_join_and_leave_a_protocol_only_batch():
     target, draft = BigramLM(3), BigramLM(4)
-    batch = SpeculativeDecoder.from_draft_model(target, draft).batch()
+    batch = Engine.from_draft_model(target, draft).batch()
     config = GenerationConfig(max_new_tokens=8, num_draft_tokens=3, sampling=GREEDY)
     first = batch.add([[1, 2], [3]], [config] * 2, [make_generator(0)] * 2)
     batch.step()

@@ -3,7 +3,7 @@
 On the demo pair (real models), rows of one engine.batch.Batch: greedy, seeded (races on keyed
 clocks) and unseeded sampled rows with generators of their own (block and token-wise
 rejection sampling), next to a row made to fault through a real per-row hook: its logit
-shaping turns NaN (the target's and the draft's: a NonFiniteError of that row's own), or its
+processing turns NaN (the target's and the draft's: a NonFiniteError of that row's own), or its
 proposal breaks the draft contract for it (a DraftContractError raised inside its
 verification group's one call, which draws the group's random numbers first: the others must
 draw the same numbers again). The faulty row ends with finish_reason "error" and its typed
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import verispec
-from verispec import GenerationConfig, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, PenaltyConfig, SamplingConfig
 from verispec.errors import ConstraintDeadEnd, DraftContractError, NonFiniteError
 from verispec.proposers.base import Proposal
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -58,19 +58,19 @@ def _alone(engine, prompt, config, seed) -> list[int]:
 
 
 def _poison_shaping(row, after: int) -> None:
-    """The row's logit shaping (the target's and the draft's) gives NaN once it has ``after``
+    """The row's logit processing (the target's and the draft's) gives NaN once it has ``after``
     tokens: a fault of that row's own, through the per-row hook the engine calls."""
-    shape_logits, shape_draft = row.shape_logits, row.shape_draft
+    process_logits, process_draft = row.process_logits, row.process_draft
 
     def poisoned_logits(logits, drafted=()):
-        shaped = shape_logits(logits, drafted)
-        return shaped if row.num_generated < after else shaped.fill_(float("nan"))
+        processed = process_logits(logits, drafted)
+        return processed if row.num_generated < after else processed.fill_(float("nan"))
 
     def poisoned_draft(logits, drafted):
-        shaped = shape_draft(logits, drafted)
-        return shaped if row.num_generated < after else shaped.fill_(float("nan"))
+        processed = process_draft(logits, drafted)
+        return processed if row.num_generated < after else processed.fill_(float("nan"))
 
-    row.shape_logits, row.shape_draft = poisoned_logits, poisoned_draft
+    row.process_logits, row.process_draft = poisoned_logits, poisoned_draft
 
 
 def _configs(verification: str = "block") -> dict[str, GenerationConfig]:
@@ -147,7 +147,7 @@ def test_a_row_whose_verification_fails_leaves_its_rule_mates_draws_unchanged(de
     alone = [_alone(engine, prompt, config, seed) for prompt, seed in zip(prompts[:2], (21, 22))]
     faulty_generator = make_generator(23)
     breaker = _ContractBreaker(engine.proposer, faulty_generator, after=4)
-    batch = SpeculativeDecoder(engine.target, breaker).batch()
+    batch = Engine(engine.target, breaker).batch()
     rows = batch.add(prompts, [config] * 3, [make_generator(21), make_generator(22),
                                              faulty_generator])
     breaker.rows = batch.rows

@@ -1,7 +1,7 @@
 """Seed invariance: a seeded sampled request's text is a function of (model, prompt, seed,
 sampling settings) alone.
 
-The claim (verispec.spec.seeded): each token of a seeded sampled row is the target's own sample at
+The claim (verispec.sample.seeded): each token of a seeded sampled row is the target's own sample at
 its absolute position, an exponential race on clocks keyed by (seed, lane, position); a draft
 token is kept while it equals the target's race winner. So on the demo pair, on the fast path
 and the transformers backend, at T in {0.7, 1.0}, with top-p 0.9 and under a JSON schema, the
@@ -44,21 +44,21 @@ import pytest
 import torch
 
 import verispec
-import verispec.spec.seeded
+import verispec.sample.seeded
 from verispec import (
     BatchOptions,
+    Engine,
     GenerationConfig,
     GoodputPolicyConfig,
     MarkovLM,
     NgramDraft,
     PenaltyConfig,
     SamplingConfig,
-    SpeculativeDecoder,
     ThresholdPolicyConfig,
     cli,
 )
 from verispec.policy import named_policy
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 from verispec.text.demo import heldout_prompts
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
@@ -309,7 +309,7 @@ def test_a_list_of_prompts_seeds_prompt_i_with_seed_plus_i(decoders):
 
 # --- the command line ------------------------------------------------------------------------
 
-CLI_FLAGS = [["--no-draft"], ["--k", "8"], ["--ngram", "--k", "2"],
+CLI_FLAGS = [["--no-draft"], ["--k", "8"], ["--suffix", "--k", "2"],
              ["--hybrid", "--adaptive", "goodput"]]
 
 
@@ -356,7 +356,7 @@ def _keyed_tokens(k: int, sampling: SamplingConfig, num_samples: int = NUM_SAMPL
     ``pair``: (target, draft), _markov_pair's by default; ``penalty``: none by default."""
     target, draft = _markov_pair() if pair is None else pair
     penalty = PenaltyConfig() if penalty is None else penalty
-    batch = SpeculativeDecoder.from_draft_model(target, draft).batch(
+    batch = Engine.from_draft_model(target, draft).batch(
         options=BatchOptions(num_draft_tokens=k))
     configs = [GenerationConfig(max_new_tokens=k + 1, sampling=sampling,
                                 seed=first_seed + i, penalty=penalty)
@@ -400,8 +400,8 @@ def test_keyed_rows_have_the_target_law(k, sampling):
 def test_the_law_test_rejects_clocks_reused_across_positions(monkeypatch):
     """Negative control: every position keyed as position 0 (the same clocks each time). The
     tokens stay samples of their own distributions one by one, but no longer independent."""
-    original = verispec.spec.seeded.position_key
-    monkeypatch.setattr(verispec.spec.seeded, "position_key",
+    original = verispec.sample.seeded.position_key
+    monkeypatch.setattr(verispec.sample.seeded, "position_key",
                         lambda key, position: original(key, 0))
     sampling = SamplingConfig(temperature=1.0)
     tokens, _ = _keyed_tokens(1, sampling, num_samples=1_000)
@@ -438,8 +438,8 @@ def test_keyed_rows_have_the_target_law_at_low_temperature_and_extreme_bias(name
 
 @pytest.mark.slow
 def test_the_law_test_rejects_clocks_reused_across_positions_at_low_temperature(monkeypatch):
-    original = verispec.spec.seeded.position_key
-    monkeypatch.setattr(verispec.spec.seeded, "position_key",
+    original = verispec.sample.seeded.position_key
+    monkeypatch.setattr(verispec.sample.seeded, "position_key",
                         lambda key, position: original(key, 0))
     case = extreme_case("cold_T0.1")
     tokens = _keyed_extreme_tokens("cold_T0.1", 1, 1_000)
@@ -452,11 +452,11 @@ def test_the_law_test_rejects_clocks_reused_across_positions_at_low_temperature(
 
 
 def test_a_one_seed_run_gives_row_i_the_clocks_of_lane_i_at_any_k():
-    """SpeculativeDecoder.generate with one seed: row i races on (seed, lane i), so it equals
+    """Engine.generate with one seed: row i races on (seed, lane i), so it equals
     plain decoding's row i at every k, and row i joining a batch alone with lane i; rows of
     one prompt differ (their lanes do)."""
     target, draft = _markov_pair()
-    decoder = SpeculativeDecoder.from_draft_model(target, draft)
+    decoder = Engine.from_draft_model(target, draft)
     prompts = [PROMPT] * 3 + [[1], [6, 2, 0]]
     sampling = SamplingConfig(temperature=0.7, top_p=0.9)
 

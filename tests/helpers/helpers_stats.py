@@ -30,7 +30,7 @@ import torch
 from scipy import stats
 
 from verispec import SamplingConfig
-from verispec.spec.sampling import to_probs
+from verispec.sample.sampling import to_probs
 
 MIN_EXPECTED = 5.0  # the usual rule of thumb for the chi-square approximation
 
@@ -129,7 +129,7 @@ def first_two_in_runs(engine, prompt: list[int], config, seed: int, num_samples:
                       rows_per_run: int) -> tuple[np.ndarray, float]:
     """(x1, x2) of num_samples unseeded rows of ``prompt`` under ``config``, rows_per_run a
     generation, run i's generator seeded with seed + i -> ([N, 2], accepted / drafted)."""
-    from verispec.spec.sampling import make_generator
+    from verispec.sample.sampling import make_generator
 
     samples, drafted, accepted = [], 0, 0
     for run_index in range(num_samples // rows_per_run):

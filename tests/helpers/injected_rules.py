@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 import verispec.engine.verification
-from verispec.spec.rejection import point_mass, residual_probs, verify
-from verispec.spec.result import PAD_TOKEN, VerifyResult
-from verispec.spec.sampling import sample_with_uniform
+from verispec.sample.rejection import point_mass, residual_probs, verify
+from verispec.sample.result import PAD_TOKEN, VerifyResult
+from verispec.sample.sampling import sample_with_uniform
 
 
 def _exact_accept(uniforms, target_at_draft, draft_at_draft):
@@ -41,8 +41,9 @@ def _target(draft_row, target_row):
 
 
 def _rule_verify(accept, recover):
-    """A verify() with the same signature and random-number order as verispec.spec.rejection.verify,
-    whose acceptance test and post-rejection distribution are ``accept`` and ``recover``.
+    """A verify() with the same signature and random-number order as
+    verispec.sample.rejection.verify, whose acceptance test and post-rejection distribution are
+    ``accept`` and ``recover``.
 
     Shapes as in verify: draft_tokens [B, K], draft_probs [B, K, V] | None,
     target_probs [B, K+1, V]; uniforms [B, K] then next_uniforms [B] drawn from ``generator``.
@@ -81,7 +82,7 @@ def _rule_verify(accept, recover):
 
 def inject_verify(monkeypatch, verify_fn) -> None:
     """Make the engine verify with ``verify_fn`` (verify's signature and result, one generator)
-    at temperature > 0, where it calls spec.rejection.verify_rows: verify read back as host
+    at temperature > 0, where it calls sample.rejection.verify_rows: verify read back as host
     lists."""
 
     def injected_verify_rows(draft_tokens, draft_probs, target_probs, generators,

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec import GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, MarkovLM, PenaltyConfig, SamplingConfig
 from verispec.engine.metrics import GenerationMetrics
 from verispec.models.fixtures import FixedDistributionLM
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 from helpers_stats import first_two_law, g_test, pair_counts, pair_law
 
@@ -203,7 +203,7 @@ def _proposer_law(target, proposer, k: int, temperature: float, seed: int,
     sampling = SamplingConfig(temperature=temperature)
     config = GenerationConfig(max_new_tokens=k + 1, num_draft_tokens=k, sampling=sampling,
                               verification=verification)
-    result = SpeculativeDecoder(target, proposer).generate([prompt] * NUM_SAMPLES, config,
+    result = Engine(target, proposer).generate([prompt] * NUM_SAMPLES, config,
                                                            generator=make_generator(seed))
     tokens = np.array(result.token_ids, dtype=np.int64)
     return _check_law(target, tokens, sampling, prompt=prompt), result.metrics

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec import MarkovLM, SamplingConfig, SpeculativeDecoder
-from verispec.spec.sampling import make_generator
+from verispec import Engine, MarkovLM, SamplingConfig
+from verispec.sample.sampling import make_generator
 
 VOCAB_SIZE = 10
 PROMPTS = [[3, 5], [1], [7, 7, 2, 0]]
@@ -23,9 +23,9 @@ def _noisy_draft(target: MarkovLM, seed: int = 1, scale: float = 1.0) -> MarkovL
     return MarkovLM(target.table + scale * noise, order=target.order)
 
 
-def _decoder(order: int = 1) -> tuple[SpeculativeDecoder, MarkovLM]:
+def _decoder(order: int = 1) -> tuple[Engine, MarkovLM]:
     target = _target(order)
-    return SpeculativeDecoder.from_draft_model(target, _noisy_draft(target)), target
+    return Engine.from_draft_model(target, _noisy_draft(target)), target
 
 
 def _plain_greedy(model: MarkovLM, prompt: list[int], num_new: int) -> list[int]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
-from verispec.spec.sampling import make_generator, to_probs
+from verispec import Engine, GenerationConfig, SamplingConfig
+from verispec.sample.sampling import make_generator, to_probs
 
 VOCAB_SIZE = 24
 PROMPT = [3, 17, 5]
@@ -60,7 +60,7 @@ def truncation_margin(logits: torch.Tensor, sampling: SamplingConfig) -> float:
     return min(margins)
 
 
-def first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
+def first_two_tokens(engine: Engine, sampling: SamplingConfig, k: int,
                      seed: int, prompt: list[int] = PROMPT, verification: str = "block"
                      ) -> tuple[np.ndarray, float]:
     """One batched generation of NUM_SAMPLES copies of prompt -> tokens [N, 2], acceptance.

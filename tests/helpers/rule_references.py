@@ -1,15 +1,15 @@
 """Reference forms of the verification rules, and test-only helpers (test-only math).
 
-src/verispec/spec holds one implementation of each rule, the one the engine runs; the tests
+src/verispec/sample holds one implementation of each rule, the one the engine runs; the tests
 check it against these:
   block_weights                 the block rule's weights w_i and stop_probs h_i as tensors
-                                (spec/block.py's formulas, a loop over K of [B] ops), from which
+                                (sample/block.py's formulas, a loop over K of [B] ops), from which
                                 the tests compute the exact law P(tau = i | X);
-  verify_block_with_randomness  spec/block.py's rule with its random numbers given, as a
+  verify_block_with_randomness  sample/block.py's rule with its random numbers given, as a
                                 VerifyResult: replays what verify_block_rows drew;
   acceptance_probs              min(1, p / q) over the whole vocabulary (rejection.py's test at
                                 every token, not only the proposed ones);
-  sample_from_logprobs          one draw per row of log-probabilities (spec.sampling.sample).
+  sample_from_logprobs          one draw per row of log-probabilities (sample.sampling.sample).
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary.
 """
@@ -19,16 +19,16 @@ from __future__ import annotations
 import torch
 
 from verispec.errors import DraftContractError, UnsupportedFeatureError
-from verispec.spec.block import verify_block_rows_with_randomness
-from verispec.spec.checks import (
+from verispec.sample.block import verify_block_rows_with_randomness
+from verispec.sample.checks import (
     check_draft_tokens,
     check_inputs,
     check_token_range,
     check_verify_inputs,
     proposed_mask,
 )
-from verispec.spec.result import VerifyResult, result_from_rows
-from verispec.spec.sampling import sample
+from verispec.sample.result import VerifyResult, result_from_rows
+from verispec.sample.sampling import sample
 
 
 def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
@@ -40,7 +40,7 @@ def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     for exact-law computations), num_draft_tokens [B] in [0, K] or None (K for every row).
     Returns (weights [B, K+1], stop_probs [B, K+1]) in target_probs' dtype; w_0 = h_0 = 1, and
     entries past a row's k are 0. P(tau = i | X) = h_i prod_{j > i} (1 - h_j). The formulas
-    and their order of evaluation are spec/block.py's module docstring.
+    and their order of evaluation are sample/block.py's module docstring.
     """
     batch_size, max_k = check_draft_tokens(draft_tokens)
     if draft_probs is None:

@@ -1,4 +1,4 @@
-"""Top-p written as a sort of the whole row: the reference for spec/host_probs.py, which sorts
+"""Top-p written as a sort of the whole row: the reference for sample/host_probs.py, which sorts
 only candidates (test-only math).
 
 The rule: sort by probability, descending, ties in id order (a stable sort); a position is

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from verispec import SamplingConfig, SpeculativeDecoder
+from verispec import Engine, SamplingConfig
 from verispec.models.hf.adapter import TransformersLM
 from verispec.models.hf.masks import MaskPlan
-from verispec.spec.sampling import to_probs
+from verispec.sample.sampling import to_probs
 
 from arch_specs import Arch
 from helpers_stats import g_test, pair_counts
@@ -67,14 +67,14 @@ def exact_first_two_law(model) -> np.ndarray:
     return law.numpy()
 
 
-def first_two_tokens(engine: SpeculativeDecoder, seed: int, verification: str = "block"
+def first_two_tokens(engine: Engine, seed: int, verification: str = "block"
                      ) -> tuple[np.ndarray, float]:
     """NUM_SAMPLES batched copies of PROMPT -> tokens [N, 2], acceptance."""
     return real_first_two_tokens(engine, SAMPLING, K, seed, PROMPT, verification)
 
 
-def engine_for(target, draft) -> SpeculativeDecoder:
-    return SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+def engine_for(target, draft) -> Engine:
+    return Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
 
 
 def test_first_two_tokens_follow_target_law(pair):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import verispec
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, UnsupportedModelError
+from verispec import Engine, GenerationConfig, SamplingConfig, UnsupportedModelError
 from verispec.models.hf.adapter import TransformersLM
 
 from arch_specs import REFUSED, SUPPORTED, VOCAB_SIZE, WINDOW, Arch, Refused
@@ -49,7 +49,7 @@ class Case:
     def __init__(self, arch: Arch) -> None:
         self.arch = arch
         self.target, self.draft = arch.build_pair()
-        self.engine = SpeculativeDecoder.from_draft_model(TransformersLM(self.target),
+        self.engine = Engine.from_draft_model(TransformersLM(self.target),
                                                           TransformersLM(self.draft))
         self.reference = [self.hf_greedy(prompt) for prompt in PROMPTS]
 

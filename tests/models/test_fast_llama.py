@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, SamplingConfig
 from verispec.errors import ConfigError, ShapeError, UnsupportedFeatureError
 from verispec.models import attention as attention_module
 from verispec.models.fast_llama import matmul as matmul_module
@@ -142,9 +142,9 @@ def test_greedy_equals_reference_backend_and_generate(target, draft, generate_re
                                                       matmul):
     config = GenerationConfig(max_new_tokens=48, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0.0))
-    fast = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, matmul=matmul),
+    fast = Engine.from_draft_model(FastLlamaLM(target, matmul=matmul),
                                                FastLlamaLM(draft, matmul=matmul))
-    reference = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    reference = Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
     fast_ids = fast.generate(PROMPTS, config).token_ids  # one ragged batch
     assert fast_ids == reference.generate(PROMPTS, config).token_ids
     assert fast_ids == generate_reference
@@ -153,8 +153,8 @@ def test_greedy_equals_reference_backend_and_generate(target, draft, generate_re
 def test_sampled_output_equals_reference_backend_with_same_seed(target, draft):
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=3, seed=5,
                               sampling=SamplingConfig(temperature=1.0, top_p=0.9))
-    fast = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
-    reference = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    fast = Engine.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
+    reference = Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
     prompts = [[1, 2, 3], [9, 8]]
     assert fast.generate(prompts, config).token_ids == reference.generate(prompts, config).token_ids
 
@@ -406,7 +406,7 @@ def test_plain_and_speculative_greedy_agree_under_each_kernel(target, draft, mat
     if packed:
         pack_every_weight(monkeypatch)
     lm = FastLlamaLM(target, matmul=matmul)
-    decoder = SpeculativeDecoder.from_draft_model(lm, FastLlamaLM(draft, matmul=matmul))
+    decoder = Engine.from_draft_model(lm, FastLlamaLM(draft, matmul=matmul))
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
                               sampling=SamplingConfig(temperature=0.0))
     plain = decoder.generate(PROMPTS, config, speculative=False)
@@ -501,7 +501,7 @@ def test_a_draft_picks_its_small_projections_kernel_by_rows_and_stays_exact(targ
     # a target never gets both layouts: its kernel is fixed per weight
     assert not isinstance(FastLlamaLM(target, matmul="onednn").layers[0].qkv,
                           matmul_module.BothLayouts)
-    decoder = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, matmul="onednn"), lm)
+    decoder = Engine.from_draft_model(FastLlamaLM(target, matmul="onednn"), lm)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
                               sampling=SamplingConfig(temperature=0.0))
     speculative = decoder.generate(PROMPTS, config)
@@ -566,8 +566,8 @@ def test_llama_compatible_architectures_take_the_fast_path_exactly(model_type):
     check_logits_after_random_extend_and_rewind(target, FastLlamaLM(target).new_session(), VOCAB)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=3,
                               sampling=SamplingConfig(temperature=0.0))
-    fast = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
-    reference = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    fast = Engine.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
+    reference = Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
     assert fast.generate(PROMPTS, config).token_ids == reference.generate(PROMPTS, config).token_ids
 
 

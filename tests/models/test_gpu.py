@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import verispec
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, SamplingConfig
 from verispec.bench.run import BenchSettings, run_bench
 from verispec.cli import main
 from verispec.errors import IncompatibleModelsError, ShapeError
@@ -36,7 +36,7 @@ from verispec.models.hf.adapter import TransformersLM
 from verispec.proposers.draft_model import DraftModelProposer
 from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.ngram import NgramProposer
-from verispec.spec.rejection import verify, verify_with_randomness
+from verispec.sample.rejection import verify, verify_with_randomness
 from verispec.text.demo import heldout_prompts
 
 from fast_llama_pair import check_logits_after_random_extend_and_rewind
@@ -155,7 +155,7 @@ def test_greedy_on_cuda_equals_the_targets_greedy_output(models, greedy_referenc
                                                           proposer, k):
     target, draft = models
     lm = BACKENDS[backend]
-    engine = SpeculativeDecoder(lm(target), _proposer(proposer, lm(draft)))
+    engine = Engine(lm(target), _proposer(proposer, lm(draft)))
     config = GenerationConfig(max_new_tokens=NUM_NEW, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0.0))
     result = engine.generate(PROMPTS[:3], config)  # one ragged batch of 3
@@ -173,7 +173,7 @@ def test_sampled_on_cuda_is_reproducible_and_leaves_global_rngs_alone(models, ba
                                                                         proposer):
     target, draft = models
     lm = BACKENDS[backend]
-    engine = SpeculativeDecoder(lm(target), _proposer(proposer, lm(draft)))
+    engine = Engine(lm(target), _proposer(proposer, lm(draft)))
 
     def sampled(seed: int) -> list[list[int]]:
         config = GenerationConfig(max_new_tokens=NUM_NEW, num_draft_tokens=3, seed=seed,
@@ -192,7 +192,7 @@ def test_sampled_output_is_the_same_with_either_backend(models):
     target, draft = models
     config = GenerationConfig(max_new_tokens=NUM_NEW, num_draft_tokens=3, seed=5,
                               sampling=SamplingConfig(temperature=1.0))
-    outputs = [SpeculativeDecoder.from_draft_model(lm(target), lm(draft)).generate(
+    outputs = [Engine.from_draft_model(lm(target), lm(draft)).generate(
         PROMPTS[:3], config).token_ids for lm in (FastLlamaLM, TransformersLM)]
     assert outputs[0] == outputs[1]
 
@@ -201,8 +201,8 @@ def test_a_draft_on_another_device_is_refused_at_construction(models):
     target, draft = models
     cpu_draft = TransformersLM(layer_dropped_draft(target, num_layers=1).cpu())
     with pytest.raises(IncompatibleModelsError, match="draft is on cpu but the target on cuda"):
-        SpeculativeDecoder.from_draft_model(TransformersLM(target), cpu_draft)
-    SpeculativeDecoder(TransformersLM(target), NgramProposer(VOCAB))  # no model: no device
+        Engine.from_draft_model(TransformersLM(target), cpu_draft)
+    Engine(TransformersLM(target), NgramProposer(VOCAB))  # no model: no device
 
 
 def test_fast_cache_rewind_gives_the_logits_of_a_fresh_forward(models):
@@ -367,7 +367,7 @@ def test_graphed_first_two_tokens_follow_the_target_law_and_the_control_fails(mo
     with torch.no_grad():
         target.lm_head.weight.mul_(LAW_HEAD_SCALE)
     target, draft = target.to(CUDA), layer_dropped_draft(target, num_layers=1).to(CUDA)
-    engine = SpeculativeDecoder.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
+    engine = Engine.from_draft_model(FastLlamaLM(target), FastLlamaLM(draft))
     assert engine.target.step_graphs.capture
     sampling = SamplingConfig(temperature=1.0)
     law = exact_first_two_law(target, sampling)

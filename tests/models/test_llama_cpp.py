@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import verispec
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder, cli
+from verispec import Engine, GenerationConfig, SamplingConfig, cli
 from verispec.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -35,7 +35,7 @@ from verispec.errors import (
 from verispec.models.gguf_export import export_gguf, save_gguf
 from verispec.models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from verispec.proposers.hybrid import lookup_named
-from verispec.spec.sampling import to_probs
+from verispec.sample.sampling import to_probs
 from verispec.text.demo import demo_pair, heldout_prompts
 
 from helpers_stats import first_two_in_runs, g_test, pair_counts
@@ -412,7 +412,7 @@ def _exact_first_two_law(lm: LlamaCppLM, sampling: SamplingConfig
     return (first[:, None] * second).numpy(), torch.cat([first_logits[None], second_logits])
 
 
-def _first_two_tokens(engine: SpeculativeDecoder, sampling: SamplingConfig, k: int,
+def _first_two_tokens(engine: Engine, sampling: SamplingConfig, k: int,
                       seed: int, verification: str = "block") -> tuple[np.ndarray, float]:
     """NUM_SAMPLES draws of (x1, x2), ROWS_PER_RUN rows a generation -> [N, 2], acceptance.
     Unseeded rows (rejection sampling under ``verification``), each run's generator seeded
@@ -435,7 +435,7 @@ def tiny_engine(tiny):
     config = LlamaCppConfig(context_size=32)
     target = LlamaCppLM(LlamaCppModel(tiny["target"]), config=config)
     draft = LlamaCppLM(LlamaCppModel(tiny["draft"]), config=config)
-    return target, SpeculativeDecoder.from_draft_model(target, draft)
+    return target, Engine.from_draft_model(target, draft)
 
 
 @pytest.mark.slow

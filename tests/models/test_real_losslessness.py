@@ -6,7 +6,7 @@ target's first layer, embeddings and head: clearly different distributions, acce
 24-token vocabulary, on the CPU and (marked gpu) on CUDA. One batched generation of NUM_SAMPLES
 identical prompts (the adapter runs all rows in one forward per step) gives NUM_SAMPLES i.i.d. draws
 of (x1, x2); the exact law P(x1, x2) = P(x1 | prompt) P(x2 | prompt + [x1]) is enumerated from the
-target alone with verispec.spec.sampling.to_probs and the same SamplingConfig, and compared with a
+target alone with verispec.sample.sampling.to_probs and the same SamplingConfig, and compared with a
 pooled G-test (tests/helpers/helpers_stats.py). A negative control swaps in a verification that
 accepts every draft token; the same harness must reject it.
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import verispec.spec.block
-from verispec import SamplingConfig, SpeculativeDecoder
+import verispec.sample.block
+from verispec import Engine, SamplingConfig
 from verispec.models.hf.adapter import TransformersLM
 
 from helpers_stats import g_test, pair_counts
@@ -62,7 +62,7 @@ def models(request):
 @pytest.fixture(scope="module")
 def engine(models):
     target, draft = models
-    return SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    return Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
 
 
 CASES = {  # sampling, k, verification rule
@@ -119,7 +119,7 @@ def test_negative_control_block_rule_stopping_at_the_first_failure_is_detected(
     sampling, k = SamplingConfig(temperature=1.0), 4
     target, _ = models
     law = exact_first_two_law(target, sampling)
-    monkeypatch.setattr(verispec.spec.block, "_last_pass", first_failure_stop)
+    monkeypatch.setattr(verispec.sample.block, "_last_pass", first_failure_stop)
     tokens, acceptance_rate = first_two_tokens(engine, sampling, k, seed=98)
     result = g_test(pair_counts(tokens, 0, VOCAB_SIZE), law)
     print(f"block control: {result}, acceptance rate {acceptance_rate:.3f}")

@@ -120,7 +120,7 @@ def test_smollm2_chat_ends_at_im_end(smollm2, settings):
 
 
 def test_smollm2_server_chat_equals_the_library(smollm2):
-    settings = ServerSettings(target=SMOLLM2, ngram=True, model_name="smollm2")
+    settings = ServerSettings(target=SMOLLM2, suffix=True, model_name="smollm2")
     with serve(settings) as server:
         client = openai_client(server)
         for kwargs in ({"temperature": 0}, SEEDED):
@@ -153,7 +153,7 @@ def test_smollm2_suffix_drafts_from_the_first_round_keep_greedy_text(smollm2):
 def test_smollm2_cli_chat_prints_the_librarys_reply(smollm2, capsys):
     expected = smollm2.chat(QUESTION, max_new_tokens=MAX_TOKENS).text
     capsys.readouterr()
-    status = cli.main(["chat", "--target", SMOLLM2, "--ngram", "--quiet", "--max-new-tokens",
+    status = cli.main(["chat", "--target", SMOLLM2, "--suffix", "--quiet", "--max-new-tokens",
                        str(MAX_TOKENS), QUESTION[0]["content"]])
     assert status == 0
     assert capsys.readouterr().out == expected + "\n"
@@ -179,9 +179,9 @@ def test_gemma_chat_runs_to_max_tokens(gemma):
 def test_gemma_server_chat_with_the_gemma_template_equals_the_library(gemma):
     """Equal replies, or (Gemma's untrained turn tokens leave near-ties) replies that first
     differ at a near-tie: the server's suffix pool holds its earlier replies, so its passes
-    are shaped differently (near_ties.py)."""
+    are processed differently (near_ties.py)."""
     expected = gemma.chat(GEMMA_QUESTION, max_new_tokens=GEMMA_MAX_TOKENS, logprobs=3)
-    settings = ServerSettings(target=GEMMA, ngram=True, chat_template="gemma", model_name="gemma")
+    settings = ServerSettings(target=GEMMA, suffix=True, chat_template="gemma", model_name="gemma")
     with serve(settings) as server:
         _, finish_reason, steps = chat_reply(openai_client(server), "gemma", GEMMA_QUESTION,
                                              max_tokens=GEMMA_MAX_TOKENS, temperature=0)
@@ -194,7 +194,7 @@ def test_gemma_without_a_template_refuses_chat_but_completes_text(gemma_without_
         gemma_without_template.chat(GEMMA_QUESTION, max_new_tokens=4)
     prompt = "The capital of France is"
     expected = gemma_without_template.generate(prompt, max_new_tokens=8)
-    with serve(ServerSettings(target=GEMMA, ngram=True, model_name="gemma")) as server:
+    with serve(ServerSettings(target=GEMMA, suffix=True, model_name="gemma")) as server:
         client = openai_client(server)
         with pytest.raises(openai.BadRequestError, match="--chat-template") as refused:
             client.chat.completions.create(model="gemma", messages=GEMMA_QUESTION, max_tokens=4)

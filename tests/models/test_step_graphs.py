@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, SamplingConfig
 from verispec.errors import ConfigError
 from verispec.models.fast_llama.model import FastLlamaLM
 from verispec.models.fast_llama.step_graphs import MIN_KEYS, bucket_keys, bucket_rows
@@ -86,9 +86,9 @@ def test_static_steps_survive_rows_joining_leaving_and_the_cache_growing(target)
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_speculative_equals_plain_on_static_steps(target, draft, k):
-    static = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, step_graphs="static"),
+    static = Engine.from_draft_model(FastLlamaLM(target, step_graphs="static"),
                                                  FastLlamaLM(draft, step_graphs="static"))
-    eager = SpeculativeDecoder.from_draft_model(FastLlamaLM(target, step_graphs="off"),
+    eager = Engine.from_draft_model(FastLlamaLM(target, step_graphs="off"),
                                                 FastLlamaLM(draft, step_graphs="off"))
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k,
                               sampling=SamplingConfig(temperature=0.0))
@@ -102,7 +102,7 @@ def test_greedy_speculative_equals_plain_on_static_steps(target, draft, k):
 def test_sampled_output_on_static_steps_equals_eager_with_the_same_seed(target, draft):
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=3, seed=5,
                               sampling=SamplingConfig(temperature=1.0, top_p=0.9))
-    outputs = [SpeculativeDecoder.from_draft_model(FastLlamaLM(target, step_graphs=mode),
+    outputs = [Engine.from_draft_model(FastLlamaLM(target, step_graphs=mode),
                                                    FastLlamaLM(draft, step_graphs=mode)
                                                    ).generate([[1, 2, 3], [9, 8]], config)
                for mode in ("static", "off")]

@@ -31,16 +31,16 @@ import torch
 import verispec
 from verispec import (
     ContextLengthExceeded,
+    Engine,
     GenerationConfig,
     IncompatibleModelsError,
     SamplingConfig,
-    SpeculativeDecoder,
 )
-from verispec.engine.target import TargetScorer
+from verispec.engine.scorer import TargetScorer
 from verispec.models.hf.adapter import TransformersLM, output_width
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.draft_model import DraftModelProposer
-from verispec.spec.sampling import make_generator, to_probs
+from verispec.sample.sampling import make_generator, to_probs
 from verispec.text.decoder import Decoder
 from verispec.text.demo import DemoAssetsMissingError, demo_pair, heldout_prompts
 
@@ -105,7 +105,7 @@ class TinyPair:
     name: str
     target: torch.nn.Module
     draft: torch.nn.Module
-    engine: SpeculativeDecoder
+    engine: Engine
     prompts: list[list[int]]  # the tokenised PROMPTS (12, ragged lengths)
     target_dir: Path
     draft_dir: Path
@@ -122,7 +122,7 @@ def tiny_pair(request, tokenizer, tmp_path_factory) -> TinyPair:
     target = BUILDERS[request.param](len(tokenizer), seed=1)
     draft = layer_dropped_draft(target, num_layers=1)
     root = tmp_path_factory.mktemp(request.param)
-    engine = SpeculativeDecoder.from_draft_model(TransformersLM(target), TransformersLM(draft))
+    engine = Engine.from_draft_model(TransformersLM(target), TransformersLM(draft))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     assert len(prompts) >= 10 and len({len(p) for p in prompts}) > 1  # a ragged batch
     return TinyPair(request.param, target, draft, engine, prompts,
@@ -188,7 +188,7 @@ def test_speculative_greedy_batch_one_through_load(tiny_pair, tiny_decoder, gree
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_identical_draft_accepts_every_token(tiny_pair, temperature):
     same = TransformersLM(tiny_pair.target)
-    engine = SpeculativeDecoder.from_draft_model(same, TransformersLM(tiny_pair.target))
+    engine = Engine.from_draft_model(same, TransformersLM(tiny_pair.target))
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, seed=3,
                               sampling=SamplingConfig(temperature=temperature))
     result = engine.generate(tiny_pair.prompts, config)
@@ -400,7 +400,7 @@ def demo_decoder():
 def demo_engine(demo_decoder):
     """The demo pair on the transformers adapter (verispec.load may pick another backend)."""
     vocab_size = demo_decoder.target.vocab_size
-    return SpeculativeDecoder.from_draft_model(
+    return Engine.from_draft_model(
         TransformersLM(demo_decoder.target.model, vocab_size),
         TransformersLM(demo_decoder.draft.model, vocab_size))
 

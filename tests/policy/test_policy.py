@@ -15,17 +15,17 @@ import torch
 
 from verispec import (
     BatchOptions,
+    Engine,
     GenerationConfig,
     GoodputPolicyConfig,
     MarkovLM,
     SamplingConfig,
-    SpeculativeDecoder,
     ThresholdPolicyConfig,
     optimal_num_draft_tokens,
 )
 from verispec.errors import ConfigError
 from verispec.policy.base import RoundStats
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 from markov_chains import (
     GREEDY,
@@ -77,7 +77,7 @@ def test_threshold_policy_pools_over_its_window():
 
 
 def _greedy_engine_run(draft_table: torch.Tensor, target: MarkovLM, adaptive):
-    decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(draft_table, target.order))
+    decoder = Engine.from_draft_model(target, MarkovLM(draft_table, target.order))
     config = GenerationConfig(max_new_tokens=60, sampling=GREEDY, seed=0)
     run = decoder.stream(PROMPTS, config, options=BatchOptions(adaptive=adaptive,
                                                                num_draft_tokens=4))
@@ -532,7 +532,7 @@ def _probing_batch(target: MarkovLM, prompts: list[list[int]], choice: int):
     """(batch, rows, seen): ``prompts`` in a greedy batch whose draft is the target (all
     accepted), under a recording policy that returns k = 2 every round and holds ``choice``
     as its own depth (_recording_policy), 12 tokens a row."""
-    decoder = SpeculativeDecoder.from_draft_model(target, target)
+    decoder = Engine.from_draft_model(target, target)
     seen: list[RoundStats] = []
     config = GenerationConfig(max_new_tokens=12, sampling=GREEDY)
     batch = decoder.batch(options=BatchOptions(
@@ -737,7 +737,7 @@ def test_carry_over_through_the_engine_starts_where_the_last_generation_ended():
     # a perfect draft: goodput (fixed cost ratio) climbs from k = 1 to its maximum in the first
     # generation; with carry_over the second starts there, without it it starts again at 1
     target = _target(order=2, seed=9)
-    decoder = SpeculativeDecoder.from_draft_model(target, MarkovLM(target.table.clone(), 2))
+    decoder = Engine.from_draft_model(target, MarkovLM(target.table.clone(), 2))
     plain = [_plain_greedy(target, p, 40) for p in PROMPTS]
 
     def first_round_k(adaptive):

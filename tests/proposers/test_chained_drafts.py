@@ -24,11 +24,11 @@ import torch
 
 import verispec
 from verispec import (
+    Engine,
     GenerationConfig,
     MarkovLM,
     NgramDraft,
     SamplingConfig,
-    SpeculativeDecoder,
     SuffixDraft,
     cli,
 )
@@ -36,10 +36,10 @@ from verispec.errors import ConfigError
 from verispec.proposers import DraftModelProposer, HybridProposer
 from verispec.proposers.base import DraftPlan, Proposal
 from verispec.proposers.hybrid import lookup_named
+from verispec.sample.rejection import point_mass, verify_rows
+from verispec.sample.sampling import make_generator, to_probs
+from verispec.sample.seeded import RaceClocks, stream_key
 from verispec.server.settings import ServerSettings
-from verispec.spec.rejection import point_mass, verify_rows
-from verispec.spec.sampling import make_generator, to_probs
-from verispec.spec.seeded import RaceClocks, stream_key
 from verispec.text.assemble import wrap_model
 from verispec.text.demo import heldout_prompts
 
@@ -188,7 +188,7 @@ PROMPTS = [[3, 5, 2, 3, 5, 2, 3], [1], [7, 7, 2, 0, 7, 7, 2]]  # batch 3, ragged
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_output_equals_plain_decoding_with_chained_rounds(lookup, k):
     proposer = _Counting(DraftModelProposer(_markov(5, 1.0)), LOOKUPS[lookup], chain=True)
-    decoder = SpeculativeDecoder(_markov(3), proposer)
+    decoder = Engine(_markov(3), proposer)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k, sampling=GREEDY)
     speculative = decoder.generate(PROMPTS, config)
     assert speculative.token_ids == decoder.generate(PROMPTS, config, speculative=False).token_ids
@@ -202,7 +202,7 @@ def test_greedy_output_equals_plain_decoding_with_chained_rounds(lookup, k):
 def test_seeded_sampling_gives_the_text_of_plain_decoding_with_chained_rounds(lookup):
     proposer = _Counting(DraftModelProposer(_markov(5, 1.0), draft_p_min=0.4),
                          LOOKUPS[lookup], chain=True)
-    decoder = SpeculativeDecoder(_markov(3, 1.0), proposer)
+    decoder = Engine(_markov(3, 1.0), proposer)
     config = GenerationConfig(max_new_tokens=30, num_draft_tokens=4, seed=11,
                               sampling=SamplingConfig(temperature=0.7))
     speculative = decoder.generate(PROMPTS, config)

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import verispec
-from verispec import GenerationConfig, MarkovLM, SamplingConfig, SpeculativeDecoder, cli
+from verispec import Engine, GenerationConfig, MarkovLM, SamplingConfig, cli
 from verispec.errors import ConfigError
 from verispec.proposers import DraftModelProposer
 from verispec.proposers.base import DraftPlan, Proposal
+from verispec.sample.sampling import make_generator, to_probs
 from verispec.server.settings import ServerSettings
-from verispec.spec.sampling import make_generator, to_probs
 from verispec.text.assemble import wrap_model
 from verispec.text.demo import heldout_prompts
 
@@ -192,7 +192,7 @@ FLOOR = 0.6  # the fixture draft's top token is below it in about half of its co
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_output_equals_plain_decoding_with_ragged_stops(k):
     proposer = _recording(DraftModelProposer(_markov(5), draft_p_min=FLOOR))
-    decoder = SpeculativeDecoder(_markov(3), proposer)
+    decoder = Engine(_markov(3), proposer)
     prompts = [[3, 5, 2], [1], [7, 7, 2, 0]]
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k, sampling=GREEDY)
     speculative = decoder.generate(prompts, config)
@@ -205,7 +205,7 @@ def test_greedy_output_equals_plain_decoding_with_ragged_stops(k):
 @pytest.mark.parametrize("k", [2, 4])
 def test_seeded_sampling_gives_the_text_of_plain_decoding_with_ragged_stops(k):
     proposer = _recording(DraftModelProposer(_markov(5, 1.0), draft_p_min=0.45))
-    decoder = SpeculativeDecoder(_markov(3, 1.0), proposer)
+    decoder = Engine(_markov(3, 1.0), proposer)
     prompts = [[3, 5, 2], [1], [7, 7, 2, 0]]
     config = GenerationConfig(max_new_tokens=30, num_draft_tokens=k, seed=11,
                               sampling=SamplingConfig(temperature=0.7))
@@ -315,7 +315,7 @@ def test_a_floor_without_a_draft_model_is_refused():
     with pytest.raises(ConfigError, match="no draft model was given"):
         verispec.load(draft=verispec.NgramDraft(), draft_p_min=0.5)
     with pytest.raises(ConfigError, match="drop --draft-p-min"):
-        ServerSettings(ngram=True, target="t", draft_p_min=0.5)
+        ServerSettings(suffix=True, target="t", draft_p_min=0.5)
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -14,7 +14,7 @@ import torch
 from verispec import SamplingConfig
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.draft_model import DraftModelProposer
-from verispec.spec.sampling import to_probs
+from verispec.sample.sampling import to_probs
 from verispec.text.assemble import wrap_model
 
 from tiny_models import tiny_llama

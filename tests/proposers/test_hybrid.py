@@ -18,12 +18,12 @@ import torch
 import verispec
 from verispec import (
     BatchOptions,
+    Engine,
     GenerationConfig,
     GoodputPolicyConfig,
     MarkovLM,
     NgramDraft,
     SamplingConfig,
-    SpeculativeDecoder,
     ThresholdPolicyConfig,
     cli,
 )
@@ -31,7 +31,7 @@ from verispec.errors import ConfigError
 from verispec.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.hybrid import HYBRID_LOOKUP
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 from verispec.text.assemble import wrap_model
 
 from injected_rules import (
@@ -100,7 +100,7 @@ def _markov(seed: int, order: int = 2) -> MarkovLM:
 def test_greedy_output_equals_plain_decoding_with_both_kinds_of_round(k):
     target, draft = _markov(3), _markov(5, order=1)
     proposer = _CountingHybrid(DraftModelProposer(draft), NgramDraft(min_ngram=2))
-    decoder = SpeculativeDecoder(target, proposer)
+    decoder = Engine(target, proposer)
     prompts = [[3, 5, 3, 5, 2], [1], [7, 7, 2, 0, 7, 7]]  # batch 3, ragged matches
     config = GenerationConfig(max_new_tokens=50, num_draft_tokens=k, sampling=GREEDY, seed=0)
     speculative = decoder.generate(prompts, config)
@@ -119,7 +119,7 @@ def test_greedy_output_equals_plain_decoding_with_both_kinds_of_round(k):
 ])
 def test_greedy_output_under_an_adaptive_policy(adaptive):
     proposer = _CountingHybrid(DraftModelProposer(_markov(5, order=1)), NgramDraft(min_ngram=2))
-    decoder = SpeculativeDecoder(_markov(3), proposer)
+    decoder = Engine(_markov(3), proposer)
     prompts = [[3, 5, 3, 5, 2], [7, 7, 2, 0, 7, 7]]
     config = GenerationConfig(max_new_tokens=50, sampling=GREEDY, seed=0)
     speculative = decoder.generate(prompts, config,
@@ -226,7 +226,7 @@ def test_cli_hybrid_equals_no_draft(model_dirs, capsys):
     assert hybrid["metrics"]["num_drafted"] > 0
 
 
-@pytest.mark.parametrize("extra, fragment", [(["--ngram"], "drop --ngram"),
+@pytest.mark.parametrize("extra, fragment", [(["--suffix"], "drop --suffix"),
                                              (["--no-draft"], "drop --no-draft")])
 def test_cli_hybrid_conflicts_exit_2(model_dirs, capsys, extra, fragment):
     status = cli.main(["generate", "x", "--target", model_dirs[0], "--draft", model_dirs[1],

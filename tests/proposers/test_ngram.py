@@ -12,17 +12,17 @@ import pytest
 
 import verispec
 from verispec import (
+    Engine,
     GenerationConfig,
     MarkovLM,
     NgramDraft,
     SamplingConfig,
-    SpeculativeDecoder,
     cli,
 )
 from verispec.errors import ConfigError
 from verispec.proposers import NgramProposer
 from verispec.proposers.base import DraftPlan
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 from law_checks import VOCAB_SIZE
 from tiny_models import save_untied_pair
@@ -99,7 +99,7 @@ def _repetitive_target(seed: int) -> MarkovLM:
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_output_equals_plain_decoding(k):
     target = _repetitive_target(3)
-    decoder = SpeculativeDecoder(target, NgramProposer(VOCAB_SIZE))
+    decoder = Engine(target, NgramProposer(VOCAB_SIZE))
     prompts = [[3, 5, 3, 5, 2], [1], [7, 7, 2, 0, 7, 7]]  # batch 3, ragged matches
     config = GenerationConfig(max_new_tokens=50, num_draft_tokens=k, sampling=GREEDY, seed=0)
     speculative = decoder.generate(prompts, config)
@@ -121,7 +121,9 @@ def model_dirs(tmp_path_factory):
 
 def test_library_ngram_drafting_on_a_real_model_keeps_the_greedy_output(model_dirs):
     decoder = verispec.load(model_dirs[0], verispec.NgramDraft(), num_draft_tokens=3)
-    assert decoder.draft is None and decoder.ngram == NgramDraft()
+    assert decoder.draft is None and decoder.model_free == NgramDraft()
+    with pytest.warns(DeprecationWarning, match="Decoder.model_free"):
+        assert decoder.ngram is decoder.model_free  # its former name
     prompt = "def add(a, b):\n    return a + b\ndef add(a, b):"
     speculative = decoder.generate(prompt, max_new_tokens=40)
     assert speculative.token_ids == decoder.generate(prompt, max_new_tokens=40,
@@ -134,7 +136,7 @@ def test_cli_ngram_equals_no_draft(model_dirs, capsys):
             "--temperature", "0", "--max-new-tokens", "30", "--json"]
     import json
 
-    assert cli.main(args + ["--ngram", "--k", "2"]) == 0
+    assert cli.main(args + ["--suffix", "--k", "2"]) == 0
     with_ngram = json.loads(capsys.readouterr().out)
     assert cli.main(args + ["--no-draft"]) == 0
     assert with_ngram["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
@@ -143,6 +145,6 @@ def test_cli_ngram_equals_no_draft(model_dirs, capsys):
 @pytest.mark.parametrize("extra, fragment", [(["--draft", "d"], "drop --draft"),
                                              (["--no-draft"], "drop --no-draft")])
 def test_cli_ngram_with_a_draft_exits_2(model_dirs, capsys, extra, fragment):
-    status = cli.main(["generate", "x", "--target", model_dirs[0], "--ngram", *extra])
+    status = cli.main(["generate", "x", "--target", model_dirs[0], "--suffix", *extra])
     err = capsys.readouterr().err
     assert status == 2 and len(err.strip().splitlines()) == 1 and fragment in err

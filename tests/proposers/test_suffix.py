@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from verispec import GenerationConfig, SamplingConfig, SpeculativeDecoder
+from verispec import Engine, GenerationConfig, SamplingConfig
 from verispec.errors import ConfigError
 from verispec.proposers.base import DraftPlan
 from verispec.proposers.suffix import MAX_OCCURRENCES, SuffixDraft, SuffixProposer
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
@@ -239,7 +239,7 @@ def test_greedy_output_equals_plain_decoding_on_the_demo_pair(demo_decoder, demo
                                                                demo_plain, k):
     target = demo_decoder.target
     proposer = SuffixProposer(target.vocab_size, SuffixDraft())
-    decoder = SpeculativeDecoder(target, proposer)
+    decoder = Engine(target, proposer)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k, sampling=GREEDY)
     speculative = decoder.generate(demo_prompts, config)  # batch 3, the rows' own histories
     assert speculative.token_ids == demo_plain

@@ -642,9 +642,10 @@ def test_the_server_adapts_the_depth_by_default_and_fixed_keeps_k():
                                     dict(api_key=""), dict(adaptive="fastest"),
                                     dict(target="t", no_draft=True, adaptive="goodput"),
                                     dict(carry_over=True, adaptive="fixed"),
-                                    dict(ngram=True, no_draft=True),
-                                    dict(target="t", draft="d", ngram=True),
-                                    dict(hybrid=True, ngram=True), dict(hybrid=True, no_draft=True),
+                                    dict(suffix=True, no_draft=True),
+                                    dict(target="t", draft="d", suffix=True),
+                                    dict(hybrid=True, suffix=True),
+                                    dict(hybrid=True, no_draft=True),
                                     dict(target="t", hybrid=True)])
 def test_bad_settings_raise_config_error(kwargs):
     with pytest.raises(ConfigError):
@@ -653,7 +654,7 @@ def test_bad_settings_raise_config_error(kwargs):
 
 @pytest.mark.parametrize("name, value", [("port", "80"), ("num_draft_tokens", "3"),
                                          ("num_draft_tokens", True), ("max_queue", None),
-                                         ("ngram", 1), ("target", 3)])
+                                         ("suffix", 1), ("target", 3)])
 def test_settings_of_the_wrong_kind_name_the_field(name, value):
     """Settings built in Python (create_app's second argument): a ConfigError naming the
     field, not a TypeError from a comparison."""
@@ -669,7 +670,7 @@ def test_settings_take_paths_and_the_devices_default_depth():
 @pytest.mark.parametrize("kwargs, expected", [
     ({}, f"draft model, goodput-plain depth from k = {CPU_DEFAULT_K} by default on cpu"),
     ({"adaptive": "fixed", "num_draft_tokens": 3}, "draft model, k = 3"),
-    ({"ngram": True, "num_draft_tokens": 2, "adaptive": "fixed"}, "n-gram drafting, k = 2"),
+    ({"suffix": True, "num_draft_tokens": 2, "adaptive": "fixed"}, "suffix drafting, k = 2"),
     ({"hybrid": True}, f"hybrid drafting, goodput-plain depth from k = {CPU_DEFAULT_K} by "
                        "default on cpu"),
     ({"adaptive": "goodput", "num_draft_tokens": 1}, "draft model, goodput depth from k = 1"),
@@ -681,22 +682,40 @@ def test_settings_take_paths_and_the_devices_default_depth():
 def test_startup_line_says_how_requests_are_decoded(model_dirs, kwargs, expected):
     from verispec.server.run import describe_decoding, load_decoder
 
-    target_only = kwargs.get("ngram") or kwargs.get("no_draft")
+    target_only = kwargs.get("suffix") or kwargs.get("no_draft")
     settings = ServerSettings(target=str(model_dirs[0]),
                               draft=None if target_only else str(model_dirs[1]), **kwargs)
     assert describe_decoding(load_decoder(settings), settings) == expected
 
 
-@pytest.mark.parametrize("flag", ["--ngram", "--hybrid"])
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_the_former_ngram_flag_is_an_alias_of_suffix_that_says_so(command, capsys):
+    args = cli.build_parser().parse_args([command, "--ngram"] + (["x"] if command == "generate"
+                                                                   else []))
+    assert args.suffix is True
+    assert "--ngram is a deprecated alias of --suffix" in capsys.readouterr().err
+    assert cli.build_parser().parse_args([command, "--suffix"] + (
+        ["x"] if command == "generate" else [])).suffix is True
+    assert "deprecated" not in capsys.readouterr().err  # the new flag says nothing
+
+
+def test_the_former_ngram_setting_warns_and_sets_suffix():
+    with pytest.warns(DeprecationWarning, match=r"ServerSettings\(suffix=\.\.\.\)"):
+        settings = ServerSettings(ngram=True, num_draft_tokens=2)
+    assert settings.suffix is True
+    assert ServerSettings(num_draft_tokens=2).suffix is False
+
+
+@pytest.mark.parametrize("flag", ["--suffix", "--hybrid"])
 def test_serve_lookup_flags_and_a_server_drafting_by_lookup(flag):
     args = cli.build_parser().parse_args(["serve", flag, "--k", "2"])
     settings = ServerSettings.from_args(args)
-    assert (settings.ngram, settings.hybrid) == (flag == "--ngram", flag == "--hybrid")
+    assert (settings.suffix, settings.hybrid) == (flag == "--suffix", flag == "--hybrid")
     from verispec.server.run import load_decoder
 
     decoder = load_decoder(settings)  # the demo target; its draft model only with --hybrid
-    if flag == "--ngram":
-        assert decoder.draft is None and decoder.ngram is not None
+    if flag == "--suffix":
+        assert decoder.draft is None and decoder.model_free is not None
     else:
         assert decoder.draft is not None and decoder.hybrid is not None
     prompt = "def f(x):\n    return x\ndef f(x):"

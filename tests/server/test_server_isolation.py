@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from verispec.engine.target import TargetScorer
+from verispec.engine.scorer import TargetScorer
 from verispec.server import ServerSettings, create_app
 from verispec.server.run import load_decoder
 

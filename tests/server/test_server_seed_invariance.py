@@ -1,7 +1,7 @@
 """Seed invariance through the server: a real uvicorn on 127.0.0.1, the official openai client.
 
 A seeded sampled request's text is a function of (model, prompt, seed, sampling settings) alone
-(verispec.spec.seeded): sent to a speculative server under an adaptive depth policy while 8 other
+(verispec.sample.seeded): sent to a speculative server under an adaptive depth policy while 8 other
 clients keep it busy (greedy, unseeded and other seeds' requests, streaming or not, joining and
 leaving its batch), it returns the text that the same request gets alone from a plain server
 (no draft), streamed or not. Its reply names the server's depth policy, not "fixed": a seeded

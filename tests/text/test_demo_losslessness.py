@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import verispec.spec.block
+import verispec.sample.block
 from verispec import GenerationConfig, SamplingConfig
-from verispec.spec.sampling import to_probs
+from verispec.sample.sampling import to_probs
 
 from helpers_stats import first_two_in_runs, g_test
 
@@ -99,7 +99,7 @@ def accept_the_whole_block(stop_probs, etas):
 
 def test_the_demo_g_test_rejects_a_block_rule_that_keeps_everything(demo_decoder, prompt, law,
                                                                     monkeypatch):
-    monkeypatch.setattr(verispec.spec.block, "_last_pass", accept_the_whole_block)
+    monkeypatch.setattr(verispec.sample.block, "_last_pass", accept_the_whole_block)
     tokens, acceptance_rate = _first_two(demo_decoder, prompt, seed=4_200,
                                          num_samples=CONTROL_SAMPLES)
     result = _g_test(tokens, law)

@@ -4,7 +4,7 @@ pair (verispec.load()): unseeded sampling with the draft model, block verificati
 Where draft and target are both near-certain of the next token, block verification's residual
 mass r falls below 2^-53 with the weight w = 1, and its stop probability r / (r + 1 - w) was
 computed as r / 0: a ZeroDivisionError on ordinary requests, at T = 0.1 in most 64-token
-generations of the demo pair (spec/block.py now takes the complement 1 - w first). Each case
+generations of the demo pair (sample/block.py now takes the complement 1 - w first). Each case
 here decodes a batch of unseeded rows from an explicit generator (so a failure reproduces) and
 checks that every row runs to its length with valid tokens; at +100 the biased token is every
 token.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from verispec import GenerationConfig, PenaltyConfig, SamplingConfig
-from verispec.spec.sampling import make_generator
+from verispec.sample.sampling import make_generator
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..config import BENCH_RULES, BatchOptions, GenerationConfig, SamplingConfig
-from ..engine.decoder import SpeculativeDecoder
+from ..engine.engine import Engine
 from ..engine.metrics import GenerationMetrics
 from ..models.fast_llama.matmul import cpuinfo
 from ..policy.goodput import GoodputPolicyConfig
@@ -46,8 +46,8 @@ from ..proposers.draft_model import DraftModelProposer
 from ..proposers.hybrid import HybridProposer
 from ..proposers.ngram import NgramDraft, NgramProposer
 from ..proposers.suffix import SuffixDraft, SuffixProposer
-from ..spec.sampling import make_generator
-from ..spec.theory import theoretical_speedup
+from ..sample.sampling import make_generator
+from ..sample.theory import theoretical_speedup
 from ..text.decoder import Decoder
 
 
@@ -65,7 +65,7 @@ class BenchSettings:
     ngram_ks: tuple[int, ...] = (1, 2, 3)
     # n-gram lookup first, the draft model where there is no match (needs a draft model)
     hybrid_ks: tuple[int, ...] = (2, 3)
-    # the suffix drafter (what --ngram serves) at its own depth rule, no depth policy
+    # the suffix drafter (what --suffix serves) at its own depth rule, no depth policy
     include_suffix: bool = True
     # how sampled rows of the fixed-k methods are verified (BENCH_RULES), the first unnamed:
     # "verispec k=4" is the first rule, "verispec k=4 token" another, in the same run
@@ -143,7 +143,7 @@ def _llama_server_method(name: str, server, k: int | None, settings: BenchSettin
 
 def _verispec_method(decoder: Decoder, name: str, kind: str, k: int, speculative: bool,
                      settings: BenchSettings, temperature: float,
-                     adaptive=None, engine: SpeculativeDecoder | None = None,
+                     adaptive=None, engine: Engine | None = None,
                      rule: str = BENCH_RULES[0]) -> _Method:
     """``rule``: one of BENCH_RULES; unseeded rows draw from a generator seeded per prompt, so
     a run is reproducible under any rule."""
@@ -256,7 +256,7 @@ def _lookup_methods(decoder: Decoder, settings: BenchSettings, temperature: floa
     where there is no match)."""
     methods: list[_Method] = []
     if settings.ngram_ks:
-        ngram = SpeculativeDecoder(decoder.target,
+        ngram = Engine(decoder.target,
                                    NgramProposer(decoder.target.vocab_size, NgramDraft()))
         for k in settings.ngram_ks:
             if settings.include_hf:
@@ -265,13 +265,13 @@ def _lookup_methods(decoder: Decoder, settings: BenchSettings, temperature: floa
             methods.append(_verispec_method(decoder, f"verispec ngram k={k}", "ngram", k, True,
                                             settings, temperature, engine=ngram))
     if settings.include_suffix:
-        suffix = SpeculativeDecoder(decoder.target,
+        suffix = Engine(decoder.target,
                                     SuffixProposer(decoder.target.vocab_size, SuffixDraft()))
         methods.append(_verispec_method(decoder, "verispec suffix", "ngram",
                                         SuffixDraft().max_depth, True, settings, temperature,
                                         engine=suffix))
     if settings.hybrid_ks and decoder.draft is not None:
-        hybrid = SpeculativeDecoder(decoder.target,
+        hybrid = Engine(decoder.target,
                                     HybridProposer(DraftModelProposer(decoder.draft)))
         for k in settings.hybrid_ks:
             methods.append(_verispec_method(decoder, f"verispec hybrid k={k}", "hybrid", k, True,

@@ -137,12 +137,12 @@ def _check_model_choice(args: argparse.Namespace) -> None:
     """The model flags' rules, the same as the server's (server.settings.check_model_flags)."""
     from ..server.settings import check_model_flags, paired_draft_for  # no FastAPI import
 
-    paired = paired_draft_for(args.target, args.draft, ngram=args.ngram, no_draft=args.no_draft)
+    paired = paired_draft_for(args.target, args.draft, suffix=args.suffix, no_draft=args.no_draft)
     if paired is not None:
-        print(f"verispec: drafting with {paired}, the paired draft of {args.target} (--ngram "
+        print(f"verispec: drafting with {paired}, the paired draft of {args.target} (--suffix "
               "or --no-draft to go without)", file=sys.stderr)
         args.draft = paired
-    check_model_flags(args.target, args.draft, ngram=args.ngram, hybrid=args.hybrid,
+    check_model_flags(args.target, args.draft, suffix=args.suffix, hybrid=args.hybrid,
                       no_draft=args.no_draft, hybrid_lookup=args.hybrid_lookup,
                       hybrid_chain=args.hybrid_chain, draft_p_min=args.draft_p_min)
 
@@ -169,7 +169,7 @@ def _load_decoder(args: argparse.Namespace):
     from ..proposers.suffix import SuffixDraft
     from ..text.load import load
 
-    return load(args.target, SuffixDraft() if args.ngram else args.draft, device=args.device,
+    return load(args.target, SuffixDraft() if args.suffix else args.draft, device=args.device,
                 dtype=args.dtype, num_draft_tokens=args.k, backend=args.backend,
                 adaptive=named_policy(args.adaptive), verification=args.verification,
                 hybrid=lookup_named(args.hybrid_lookup) if args.hybrid else False,

@@ -49,7 +49,7 @@ def add_bench_parser(commands: argparse._SubParsersAction, add_model_options) ->
     bench.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
     bench.add_argument("--no-adaptive", action="store_true", help="skip the adaptive policies")
     bench.add_argument("--no-suffix", action="store_true",
-                       help="skip the suffix drafter (what --ngram serves: no draft model)")
+                       help="skip the suffix drafter (what --suffix serves: no draft model)")
     bench.add_argument("--ngram-ks", type=int, nargs="*", default=[1, 2, 3], metavar="K",
                        help="k values for n-gram (prompt lookup) drafting on the same target, "
                        "and for HF prompt lookup matched to them; none to skip")
@@ -360,7 +360,7 @@ def markdown_tables(all_results: dict[float, list[MethodResult]]) -> str:
 def plot_speedups(all_results: dict[float, list[MethodResult]], path: Path) -> None:
     import matplotlib
 
-    from ..spec.theory import theoretical_speedup
+    from ..sample.theory import theoretical_speedup
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,6 +15,7 @@ from ..config import (
     REPACK_MODES,
     VERIFICATION_RULES,
 )
+from ..server.settings import add_alias_switch
 
 COST_CURVE_HELP = ("llama.cpp backend: the target's pass costs over 1 to 9 tokens and the "
                    "draft's step, which price the depth policy from the first round. cached: "
@@ -122,11 +123,12 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_drafting_options(group: argparse._ArgumentGroup) -> None:
     """How a model-free or hybrid draft looks up, and the draft model's confidence floor."""
-    group.add_argument("--ngram", action="store_true",
+    group.add_argument("--suffix", action="store_true",
                        help="draft without a model, by the suffix-decoding rule: where the "
                        "last tokens repeat a span of the prompt, the output or an earlier "
                        "request, draft its most frequent continuation, deeper the longer "
                        "the match; nothing elsewhere")
+    add_alias_switch(group, "--ngram", "--suffix", "suffix")
     group.add_argument("--hybrid", action="store_true",
                        help="draft by prompt lookup in rounds where it finds a match, by the "
                        "draft model otherwise (needs a draft model: the demo pair's, or "

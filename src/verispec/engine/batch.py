@@ -7,12 +7,12 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
               settings and from the row's own generator (proposers.base.DraftPlan);
   2. score:   the target runs ONE pass over [last committed token, d_1 .. d_K] for every row
               -> K+1 logits per row; each row's are reshaped by its penalties and logit bias
-              (position j counting d_1 .. d_j, spec/penalties.py) and processed by
-              spec.sampling.to_probs under its own settings (at temperature 0 only their
-              argmax, spec.sampling.greedy_tokens);
-  3. verify:  greedy rows by spec.greedy.verify_greedy_rows (no random numbers), seeded
+              (position j counting d_1 .. d_j, sample/penalties.py) and processed by
+              sample.sampling.to_probs under its own settings (at temperature 0 only their
+              argmax, sample.sampling.greedy_tokens);
+  3. verify:  greedy rows by sample.greedy.verify_greedy_rows (no random numbers), seeded
               sampled rows against the target's race winners on their keyed clocks
-              (spec/seeded.py), other sampled rows by block or token-wise rejection sampling
+              (sample/seeded.py), other sampled rows by block or token-wise rejection sampling
               with uniforms from their own generators, each reading only its first k_b
               draft tokens and k_b + 1 distributions (steps 2-3 row by row:
               verification.py);
@@ -24,7 +24,7 @@ Each round (Leviathan et al. 2023, Algorithm 1, batched with ragged depths):
 Between rounds rows join (:meth:`Batch.add`: one prefill for the joining rows, the others'
 caches untouched) and leave (:meth:`Batch.remove`, or by finishing).
 
-Faults: a fault of one row's own work (its drafting or shaping, non-finite logits, its rule's
+Faults: a fault of one row's own work (its drafting or processing, non-finite logits, its rule's
 arithmetic, its grammar's dead end, its logprobs) fails that row alone (Row.fail,
 finish_reason "error", Row.error): it takes no token that round and leaves, and its batch
 mates' tokens are exactly what they would have been (verification.py, Proposal.faults). A
@@ -61,18 +61,18 @@ from ..policy.base import AdaptivePolicy
 from ..policy.costs import CostCurve
 from ..policy.scheduler import RoundReport, Scheduler
 from ..proposers.base import DraftPlan, Proposer
-from ..spec.checks import check_stop_token_ids
+from ..sample.checks import check_stop_token_ids
 from .clock import RoundClock, step_capturers, timed
 from .constraints import ConstraintSet
 from .metrics import MetricsRecorder
 from .prefill import ChunkedPrefill
 from .rows import Row
-from .target import TargetScorer
+from .scorer import TargetScorer
 from .verification import (
     RowFaults,
     ban_early_stops,
     emitted_logprobs,
-    shape_target_logits,
+    process_target_logits,
     target_outputs,
     verify_batch,
 )
@@ -83,7 +83,7 @@ class Batch:
 
     ``options``: how it decodes (config.BatchOptions: the depth policy, built per batch-size
     bucket, its k, its metrics' cost ratio; None: the defaults); ``carried``: where policies
-    with carry_over are kept between batches (SpeculativeDecoder.carried_policies);
+    with carry_over are kept between batches (Engine.carried_policies);
     ``cost_curve``: the pair's measured pass costs, which price a one-row bucket's policy.
     ``recorder``: the whole batch's rounds; each row has its own.
     """
@@ -92,8 +92,8 @@ class Batch:
                  options: BatchOptions | None = None,
                  carried: dict[tuple[object, ...], AdaptivePolicy] | None = None,
                  cost_curve: CostCurve | None = None) -> None:
-        self._target_model = target  # where the target's logits, and verification, live
-        self.target = TargetScorer(target.new_session(), [])
+        self.target = target  # the model; its logits, and verification, live on its device
+        self.scorer = TargetScorer(target.new_session(), [])
         self.proposer = None if proposer is None else proposer.start([])
         self.rows: list[Row] = []
         self.constraints: ConstraintSet | None = None  # each row's grammar (None: free rows)
@@ -107,11 +107,11 @@ class Batch:
 
     @property
     def device(self) -> torch.device:
-        return self._target_model.device
+        return self.target.device
 
     @property
     def vocab_size(self) -> int:
-        return self._target_model.vocab_size
+        return self.target.vocab_size
 
     @property
     def options(self) -> BatchOptions:
@@ -142,7 +142,7 @@ class Batch:
         each prompt, :meth:`start_prefill`) their target caches are copied in; the rows already
         here are not touched. ``lanes``: with a seed shared by several rows, what tells their
         clocks apart (rows.Row; default 0 each: rows seeded one by one). ``checked``: the
-        prompts passed check_prompts already (SpeculativeDecoder.stream, Decoder.encode)."""
+        prompts passed check_prompts already (Engine.stream, Decoder.encode)."""
         if not checked:  # else lists of ints already
             prompts = check_prompts(prompts, self.vocab_size)
         assert len(configs) == len(prompts) == len(generators)
@@ -152,11 +152,11 @@ class Batch:
         rows = [Row(prompt, config, generator, lane, self.options.cost_ratio)
                 for prompt, config, generator, lane in zip(prompts, configs, generators, lanes)]
         if prefilled is None:
-            self.scheduler.target_joined(self.target.add_rows(prompts))
+            self.scheduler.target_joined(self.scorer.add_rows(prompts))
         else:
             assert len(prefilled) == len(prompts) and all(
                 p.done and p.prompt_ids == list(prompt) for p, prompt in zip(prefilled, prompts))
-            self.target.adopt_rows([p.session for p in prefilled], prompts)
+            self.scorer.adopt_rows([p.session for p in prefilled], prompts)
         if self.proposer is not None:
             defer = self.scheduler.defers_draft()
             started = time.perf_counter()
@@ -180,9 +180,9 @@ class Batch:
         with :meth:`add`'s ``prefilled``; None where the target's backend cannot take a row
         prefilled apart. The batch's own session is asked: a backend that holds one live
         session a model (llama.cpp) must not be asked for another. ``checked``: as add's."""
-        if not self.target.adopts_rows:
+        if not self.scorer.adopts_rows:
             return None
-        return ChunkedPrefill(self._target_model,
+        return ChunkedPrefill(self.target,
                               prompt if checked else check_prompts([prompt], self.vocab_size)[0])
 
     def remove(self, rows: Sequence[Row]) -> None:
@@ -205,8 +205,8 @@ class Batch:
                                                                       faults)
         clock.drafted(draft_tokens)
         # 2. score: one target pass over each row's pending token and its k_b draft tokens
-        target_logits = ban_early_stops(self.rows, shape_target_logits(
-            self.rows, self.target.score(draft_tokens, num_draft), draft_tokens, num_draft,
+        target_logits = ban_early_stops(self.rows, process_target_logits(
+            self.rows, self.scorer.score(draft_tokens, num_draft), draft_tokens, num_draft,
             faults))  # [B, K+1, V]
         target_out = target_outputs(self.rows, target_logits, allowed, faults)
         clock.scored(target_logits)
@@ -247,7 +247,7 @@ class Batch:
         if self.constraints is not None:
             for b in faults:
                 self.constraints.release(b)
-        self.target.commit(num_accepted, next_tokens)
+        self.scorer.commit(num_accepted, next_tokens)
         if self.proposer is not None:
             self.proposer.commit(num_accepted, next_tokens)
         if self.constraints is not None:
@@ -291,11 +291,11 @@ class Batch:
             return (torch.empty((len(self.rows), 0), dtype=torch.int64, device=self.device),
                     None, [0] * len(self.rows))
         keyed = [row if row.keyed else None for row in self.rows]
-        shapers = [row if row.shapes_draft else None for row in self.rows]
+        processors = [row if row.processes_draft else None for row in self.rows]
         plan = DraftPlan(num_draft, [row.config.sampling for row in self.rows],
                          [row.generator for row in self.rows],
                          keyed if any(row is not None for row in keyed) else None,
-                         shapers if any(row is not None for row in shapers) else None)
+                         processors if any(row is not None for row in processors) else None)
         proposal = self.proposer.propose(plan, constraints)
         for b, error in proposal.faults.items():
             faults.setdefault(b, error)
@@ -335,7 +335,7 @@ class Batch:
         if len(indices) == len(self.rows):
             return
         indices = fill_from_the_end(indices)
-        self.target.keep_rows(indices)
+        self.scorer.keep_rows(indices)
         if self.proposer is not None:
             self.proposer.keep_rows(indices)
         if self.constraints is not None:

@@ -9,12 +9,12 @@ CPU machine). The constrained target's distribution at a step is the target's, r
 over the allowed tokens; speculative decoding stays exact for it when:
 
   * the draft samples each token from ITS distribution masked by the grammar state the token
-    extends (spec.sampling.sample_from_logits with ``allowed``: the probabilities it reports are the
-    masked ones it drew from), and a deterministic draft (n-gram) is cut where its proposal
+    extends (sample.sampling.sample_from_logits with ``allowed``: the probabilities it reports are
+    the masked ones it drew from), and a deterministic draft (n-gram) is cut where its proposal
     leaves the grammar;
   * the target's k + 1 distributions are masked with the states after 0 .. k draft tokens (the
     same masks: the draft's step i mask is the target's position i mask);
-  * rejection sampling runs between the two masked distributions (spec/rejection.py, unchanged);
+  * rejection sampling runs between the two masked distributions (sample/rejection.py, unchanged);
   * the grammar rolls back to the accepted prefix, as the KV caches do, and takes the
     recovered or bonus token.
 

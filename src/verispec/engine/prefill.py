@@ -31,7 +31,7 @@ from ..models.base import LanguageModel
 class ChunkedPrefill:
     """One prompt's target prefill, fed ``advance(n)`` tokens at a time into a one-row session
     of its own. The cache ends holding the prompt but its last token, which the row's first
-    round feeds (engine.target.TargetScorer's invariant)."""
+    round feeds (engine.scorer.TargetScorer's invariant)."""
 
     def __init__(self, target: LanguageModel, prompt_ids: Sequence[int]) -> None:
         self.prompt_ids = list(prompt_ids)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GenerationConfig
-from ..spec.penalties import seen_tokens, shape_logits
-from ..spec.seeded import RaceClocks, stream_key
+from ..sample.penalties import process_logits, seen_tokens
+from ..sample.seeded import RaceClocks, stream_key
 from .metrics import GenerationMetrics, MetricsRecorder
 
 _ids = itertools.count()
@@ -27,7 +27,7 @@ _ids = itertools.count()
 class TokenLogprob:
     """One emitted token's log-probability under the target's processed distribution at its
     position (bias, penalties, min_new_tokens, grammar mask, temperature, top-k/p, min-p:
-    spec.sampling.to_logprobs; at temperature 0 the processed logits at temperature 1), and
+    sample.sampling.to_logprobs; at temperature 0 the processed logits at temperature 1), and
     the ``top`` most likely (token id, logprob) pairs there, most likely first (as many as the
     config's ``logprobs`` asks). -inf for a token the distribution excludes."""
 
@@ -63,7 +63,7 @@ class Row:
     capped by its config's num_draft_tokens; ``cost_ratio``: its batch's (BatchOptions).
 
     A seeded sampled row (``keyed``) draws each token from the clocks of its position
-    (spec/seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
+    (sample/seeded.py), keyed by its seed and ``lane``: its text is then a function of its prompt,
     seed and settings whatever k, proposer, depth policy or batch mates. Other sampled rows
     draw from ``generator`` (rejection sampling)."""
 
@@ -122,30 +122,30 @@ class Row:
             return 0
         return max(0, self.config.min_new_tokens - self.num_generated)
 
-    def shape_logits(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor:
         """Its logits [P, V] reshaped by its penalties and logit bias, position j counting its
-        tokens so far and drafted[:j] (spec.penalties.shape_logits) -> [P, V] fp32. The
-        target's block and each draft step (proposers.base.LogitShaper) call this."""
-        return shape_logits(logits, self.config.penalty, self._seen_for(logits), self.token_ids,
+        tokens so far and drafted[:j] (sample.penalties.process_logits) -> [P, V] fp32. The
+        target's block and each draft step (proposers.base.LogitProcessor) call this."""
+        return process_logits(logits, self.config.penalty, self._seen_for(logits), self.token_ids,
                             drafted)
 
     @property
-    def shapes_draft(self) -> bool:
-        """Whether a draft's steps for this row need shape_draft: penalties, a logit bias, or
+    def processes_draft(self) -> bool:
+        """Whether a draft's steps for this row need process_draft: penalties, a logit bias, or
         stop tokens min_new_tokens still bans."""
         return self.config.penalty.active or self.num_banned_positions() > 0
 
-    def shape_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
+    def process_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """One draft step's logits [V] after ``drafted`` (this round's draft tokens so far),
-        shaped as the target's position len(drafted) will be: penalties and bias, then the
+        processed as the target's position len(drafted) will be: penalties and bias, then the
         stop tokens min_new_tokens bans there (verification.ban_early_stops) -> [V] fp32.
         The draft then never proposes a token the target gives probability 0."""
-        shaped = shape_logits(logits[None], self.config.penalty, self._seen_for(logits),
+        processed = process_logits(logits[None], self.config.penalty, self._seen_for(logits),
                               [*self.token_ids, *drafted])[0]
-        if len(drafted) < self.num_banned_positions():  # out of place: shaped may be logits
-            stop_ids = torch.tensor(sorted(self.stop_ids), device=shaped.device)
-            shaped = shaped.index_fill(0, stop_ids, -torch.inf)
-        return shaped
+        if len(drafted) < self.num_banned_positions():  # out of place: processed may be logits
+            stop_ids = torch.tensor(sorted(self.stop_ids), device=processed.device)
+            processed = processed.index_fill(0, stop_ids, -torch.inf)
+        return processed
 
     def _seen_for(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.config.penalty.repetition_penalty == 1.0:

@@ -6,22 +6,22 @@ Legend: B rows, K draft tokens this round (the largest row's k), V vocabulary, S
 What it is: the part of :class:`verispec.engine.batch.Batch`'s round between the target's pass and
 the commit, as functions of the rows (rows.Row: settings, stop tokens, generator, clocks) and
 tensors. A greedy row takes the target's argmax (no random numbers,
-spec.greedy.verify_greedy_rows); a seeded sampled row the target's race winner on its
-position-keyed clocks (spec/seeded.py); another sampled row its own temperature/top-k/top-p
+sample.greedy.verify_greedy_rows); a seeded sampled row the target's race winner on its
+position-keyed clocks (sample/seeded.py); another sampled row its own temperature/top-k/top-p
 distributions and its own generator's uniforms under block or token-wise verification
-(spec/block.py, spec/rejection.py). A row with min_new_tokens has its stop tokens masked out of the
-target's distribution where they are not yet allowed. A row with penalties or a logit bias has
+(sample/block.py, sample/rejection.py). A row with min_new_tokens has its stop tokens masked out of
+the target's distribution where they are not yet allowed. A row with penalties or a logit bias has
 its logits reshaped first, position j counting the row's first j draft tokens
-(spec/penalties.py). A row that asks for logprobs gets them for its emitted tokens from the
+(sample/penalties.py). A row that asks for logprobs gets them for its emitted tokens from the
 same processed logits (emitted_logprobs).
 Faults per row: each function takes the round's ``faults`` (row -> its error). A row whose own
-work raises (non-finite logits, a rule's arithmetic, its shaper) is entered there and left out
+work raises (non-finite logits, a rule's arithmetic, its processor) is entered there and left out
 of the rest of the round, and the batch engine fails it; its batch mates' results are exactly
 what they would have been: work done over several rows at once is done again row by row
 when it raises (proposers.base.run_isolated), and a rule that draws random numbers draws them
 again from the generators' states before the call (verify_batch).
-What it is not: the acceptance math (spec/rejection.py, spec/block.py, spec/greedy.py,
-spec/seeded.py), the loop, its policy and its caches (batch.py).
+What it is not: the acceptance math (sample/rejection.py, sample/block.py, sample/greedy.py,
+sample/seeded.py), the loop, its policy and its caches (batch.py).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from ..proposers.base import run_isolated
-from ..spec.block import verify_block_rows
-from ..spec.checks import raise_out_of_range
-from ..spec.greedy import verify_greedy_rows
-from ..spec.rejection import verify_rows
-from ..spec.result import PAD_TOKEN
-from ..spec.sampling import greedy_tokens, to_logprobs, to_probs
-from ..spec.seeded import race
+from ..sample.block import verify_block_rows
+from ..sample.checks import raise_out_of_range
+from ..sample.greedy import verify_greedy_rows
+from ..sample.rejection import verify_rows
+from ..sample.result import PAD_TOKEN
+from ..sample.sampling import greedy_tokens, to_logprobs, to_probs
+from ..sample.seeded import race
 from .rows import Row, TokenLogprob, token_logprobs
 
 RowFaults = dict[int, Exception]  # a round's failed rows (batch index) -> each one's error
@@ -69,25 +69,25 @@ def _failer(faults: RowFaults, rows: Sequence[int] | None = None
     return lambda at, error: faults.setdefault(at if rows is None else rows[at], error)
 
 
-def shape_target_logits(rows: Sequence[Row], target_logits: torch.Tensor,
+def process_target_logits(rows: Sequence[Row], target_logits: torch.Tensor,
                         draft_tokens: torch.Tensor, num_draft: Sequence[int],
                         faults: RowFaults) -> torch.Tensor:
     """Each row with penalties or a logit bias gets its k_b + 1 positions reshaped, position
-    j counting its committed tokens and its draft tokens d_1 .. d_j (Row.shape_logits); the
+    j counting its committed tokens and its draft tokens d_1 .. d_j (Row.process_logits); the
     others are untouched. target_logits [B, K+1, V]; draft_tokens [B, K] -> [B, K+1, V]."""
-    shaped_rows = [b for b, row in enumerate(rows) if row.config.penalty.active]
-    if not shaped_rows:
+    processed_rows = [b for b, row in enumerate(rows) if row.config.penalty.active]
+    if not processed_rows:
         return target_logits
-    shaped = target_logits.float().clone()  # fp32 whatever the model's dtype, as to_probs
+    processed = target_logits.float().clone()  # fp32 whatever the model's dtype, as to_probs
     drafted = draft_tokens.tolist()
-    for b in shaped_rows:
+    for b in processed_rows:
         positions = num_draft[b] + 1
         try:
-            shaped[b, :positions] = rows[b].shape_logits(target_logits[b, :positions],
+            processed[b, :positions] = rows[b].process_logits(target_logits[b, :positions],
                                                          drafted[b][: num_draft[b]])
         except Exception as exc:  # the row's own fault: it fails alone
             faults.setdefault(b, exc)
-    return shaped
+    return processed
 
 
 def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
@@ -96,8 +96,8 @@ def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
                      ) -> list[list[TokenLogprob] | None]:
     """Per row, None or (when its config asks for logprobs) the TokenLogprob of each token it
     takes this round: output_tokens[b][: n_b + 1], position j under the processed logits
-    target_logits[b, j] (shaped and stop-banned) and the grammar's mask allowed[b, j] [B, K+1,
-    V] (spec.sampling.to_logprobs)."""
+    target_logits[b, j] (processed and stop-banned) and the grammar's mask allowed[b, j] [B, K+1,
+    V] (sample.sampling.to_logprobs)."""
     out: list[list[TokenLogprob] | None] = [None] * len(rows)
     for b, row in enumerate(rows):
         num_top = row.config.logprobs
@@ -116,7 +116,7 @@ def emitted_logprobs(rows: Sequence[Row], target_logits: torch.Tensor,
 def ban_early_stops(rows: Sequence[Row], target_logits: torch.Tensor) -> torch.Tensor:
     """min_new_tokens: a row's stop tokens get -inf logits at its positions before it, so the
     target's distribution there is renormalised without them. A draft model bans them too
-    (Row.shape_draft); a stop token another proposal holds there has target probability 0 and
+    (Row.process_draft); a stop token another proposal holds there has target probability 0 and
     is always rejected (a point mass), so the output has exactly the masked target's law.
     target_logits [B, K+1, V]; position j of row b is its new token num_generated + j."""
     banned = [row.num_banned_positions() for row in rows]
@@ -181,9 +181,9 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
 
     Three rules, one per kind of row: greedy rows keep draft tokens while they are the
     target's argmax; keyed rows (seeded, sampled) while they are the target's race winner on
-    the row's clocks (spec/seeded.py); the other sampled rows by rejection sampling, token-wise
-    (spec/rejection.py) or over the block (spec/block.py) as their config's ``verification`` asks,
-    with their own generators."""
+    the row's clocks (sample/seeded.py); the other sampled rows by rejection sampling, token-wise
+    (sample/rejection.py) or over the block (sample/block.py) as their config's ``verification``
+    asks, with their own generators."""
     num_rows, width = draft_tokens.shape
     num_accepted, output_tokens = [0] * num_rows, [[0] + [PAD_TOKEN] * width] * num_rows
     sampled = target_out.sampled
@@ -221,7 +221,7 @@ def verify_batch(rows: Sequence[Row], draft_tokens: torch.Tensor,
 def _verify_greedy(draft_rows: list[list[int]], num_draft: list[int],
                    target_out: TargetOutputs, vocab_size: int, faults: RowFaults
                    ) -> dict[int, tuple[int, list[int]]]:
-    """The greedy rows (not in ``faults``) by spec.greedy.verify_greedy_rows on host lists:
+    """The greedy rows (not in ``faults``) by sample.greedy.verify_greedy_rows on host lists:
     {row: (num_accepted, output tokens)}; a row that raises joins ``faults``."""
     greedy = [b for b in target_out.greedy if b not in faults]
     target_tokens = target_out.greedy_tokens
@@ -280,7 +280,7 @@ def _rule(row: Row, draft_probs: torch.Tensor | None) -> str:
 def _verify_keyed(row: Row, drafted: list[int], target_probs: torch.Tensor,
                   vocab_size: int) -> tuple[int, list[int]]:
     """A keyed row: keep draft tokens while each is the target's race winner at its position
-    (spec.seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
+    (sample.seeded.race on the row's clocks), then that winner. target_probs [K+1, V]; drafted: the
     row's k_b draft tokens. Races run only up to the first mismatch, on the host (one copy of
     the row's k_b + 1 distributions, not one per race, from an accelerator). -> (num_accepted,
     the accepted tokens and the next one)."""

@@ -1,4 +1,4 @@
-"""The protocol every model backend implements (the target side built on it: engine/target.py).
+"""The protocol every model backend implements (the target side built on it: engine/scorer.py).
 
 Legend: B batch, n tokens fed in one call, K draft tokens, V vocabulary.
 
@@ -13,7 +13,7 @@ verbs, all the engine calls on any backend:
   keep_rows  rows leaving between rounds: keep these, in this order
 Rewind must leave the session exactly as if the dropped tokens had never been fed; the engine
 relies on it after every rejection. Optional abilities are protocols of their own, each
-checked once where the engine opens a session (engine/target.py): AdoptsRows (rows prefilled
+checked once where the engine opens a session (engine/scorer.py): AdoptsRows (rows prefilled
 apart, chunked prefill), PrefillsThroughLastToken (prompts decoded with their last token) and
 ExtendsRagged (each row fed only its own draft); CapturesSteps and ScoresApart are models'.
 

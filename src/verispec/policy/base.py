@@ -17,7 +17,7 @@ are not part of the key), and the new one starts from a copy of what that one ha
 short request then runs at the learned depth from its first round instead of spending its
 rounds on the priors. Policies never change the output law: any k gives exact samples; they
 only change speed, and never what a seed gives: a seeded row's tokens are its target's samples
-on clocks keyed by position (spec/seeded.py), whatever k each round has.
+on clocks keyed by position (sample/seeded.py), whatever k each round has.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def target_calls(curve: CostCurve, measured: list[tuple[int, float]],
                  max_depth: int) -> tuple[list[float], float]:
     """(T(0 .. max_depth), scale): a round's measured mean T where rounds measured it, the
     curve elsewhere, times the scale: the mean ratio of measured to curve over the measured
-    depths (1 with none). So the curve gives the shape, rounds the level: on a machine slower
+    depths (1 with none). So the curve gives the form, rounds the level: on a machine slower
     now than when the curve was measured, every depth not yet run is priced as slower too.
 
     Example: curve T = [1, 2, 2], measured [(0, 2.0)] -> scale 2, T = [2.0, 4.0, 4.0]."""

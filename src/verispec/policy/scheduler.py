@@ -7,7 +7,7 @@ The batch (engine/batch.py) asks it for a :class:`RoundPlan` before each round a
 itself stays the five steps of the algorithm:
   * one policy per batch-size bucket (1, 2, 3-4, 5-8, ...), since a verification pass's cost
     depends on how many rows it carries; built on first use, or from the previous batch's
-    policy of the same config and bucket (carry-over, SpeculativeDecoder.carried_policies);
+    policy of the same config and bucket (carry-over, Engine.carried_policies);
     the bucket of one row is priced from the pair's cost curve where one was measured (the
     curve times one row's passes; larger buckets measure their own);
   * each row's depth: the policy's k, or the batch's fixed k where there is no policy (or the
@@ -137,7 +137,7 @@ class Scheduler:
         # Keyed by bucket rather than exact row counts, and weighed rather than skipped, because
         # rows come and go: otherwise most first rounds go unpriced and the policy drafts deep
         # on its defaults
-        self._shapes_run: set[tuple[int, int]] = set()
+        self._depths_run: set[tuple[int, int]] = set()
 
     # --- rows joining -----------------------------------------------------------------------
 
@@ -193,11 +193,11 @@ class Scheduler:
         depth, reached, accepted_at = policy_evidence(report.asked, report.num_draft,
                                                       report.num_accepted)
         bucket = _bucket(num_rows)
-        shape = (bucket, depth)  # per bucket: rows come and go within one
+        bucket_depth = (bucket, depth)  # per bucket: rows come and go within one
         # a round whose target pass also prefilled joining rows weighs like a first use: a join
         # charged to its depth drives a many-row policy to deep drafts
-        timed = shape in self._shapes_run and not self._joins_ride and not report.captured
-        self._shapes_run.add(shape)
+        timed = bucket_depth in self._depths_run and not self._joins_ride and not report.captured
+        self._depths_run.add(bucket_depth)
         self._joins_ride = False
         if policy is not None:  # k = 0 rounds too: a policy may choose plain rounds
             times = report.times

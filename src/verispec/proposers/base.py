@@ -4,8 +4,8 @@ Legend: B batch, K draft tokens, V vocabulary.
 
 Contract of a :class:`Proposal`: ``draft_probs`` are exactly the fp32 distributions the draft
 tokens were drawn from, after the same temperature / top-k / top-p processing the target gets
-(verispec.spec.sampling.to_probs); ``None`` means the proposal is deterministic (greedy, n-gram) and
-is verified as a point mass. A deterministic position within a drawn proposal (a lookup's
+(verispec.sample.sampling.to_probs); ``None`` means the proposal is deterministic (greedy, n-gram)
+and is verified as a point mass. A deterministic position within a drawn proposal (a lookup's
 token before a draft model's, proposers/hybrid.py) carries its point mass, a one-hot row. A
 proposer that reports any other distribution silently breaks the exactness of speculative
 sampling.
@@ -21,7 +21,7 @@ import torch
 
 from ..config import SamplingConfig
 from ..models.base import as_ints
-from ..spec.seeded import RaceClocks
+from ..sample.seeded import RaceClocks
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Proposal:
     num_proposed: the tokens row b really proposes (its first num_proposed[b]; the rest is
     padding the engine does not verify), B host ints <= K; None: K for every row.
     faults: the rows whose drafting failed on a fault of their own (non-finite draft logits,
-    their shaper's error), each with its error: they propose 0 tokens and the engine fails
+    their processor's error), each with its error: they propose 0 tokens and the engine fails
     them; their batch mates drew what they would have (run_isolated)."""
 
     draft_tokens: torch.Tensor
@@ -43,26 +43,27 @@ class Proposal:
 class DraftPlan:
     """What each row drafts in one round: k_b tokens, sampled under its own settings with its
     own generator. Rows may share a generator (one generation's batch under one seed); each
-    group of rows sharing one draws its random numbers together (spec.sampling.draw_step_uniforms),
-    so a row with a generator of its own draws the same numbers whatever else is in the batch.
+    group of rows sharing one draws its random numbers together
+    (sample.sampling.draw_step_uniforms), so a row with a generator of its own draws the same
+numbers whatever else is in the batch.
 
     num_draft_tokens: B ints >= 0, at least one >= 1 (a row past its k_b drafts padding that
     is not verified, and draws nothing); samplings, generators: one per row.
-    keyed: per row, None or its position-keyed clocks (a seeded sampled row, spec/seeded.py): a
+    keyed: per row, None or its position-keyed clocks (a seeded sampled row, sample/seeded.py): a
     sampling draft then draws each of the row's tokens by a race on the clocks of its position
     instead of from the generator (the row is verified by comparison with the target's race
     winner, so the draft's probs are not used for it). None: no keyed rows.
-    shapers: per row, None or what reshapes its logits by penalties, logit bias and
-    min_new_tokens' stop-token ban (a LogitShaper: the engine's row): a draft model shapes each
-    step's logits as the target's position there will be, so that it proposes what the shaped
-    target would and reports the distribution it drew from. None: no row has one.
+    processors: per row, None or what reshapes its logits by penalties, logit bias and
+    min_new_tokens' stop-token ban (a LogitProcessor: the engine's row): a draft model processes
+    each step's logits as the target's position there will be, so that it proposes what the
+    processed target would and reports the distribution it drew from. None: no row has one.
     """
 
     num_draft_tokens: list[int]
     samplings: list[SamplingConfig]
     generators: list[torch.Generator]
     keyed: list[KeyedClocks | None] | None = None
-    shapers: list[LogitShaper | None] | None = None
+    processors: list[LogitProcessor | None] | None = None
 
     @classmethod
     def uniform(cls, num_rows: int, num_draft_tokens: int, sampling: SamplingConfig,
@@ -114,12 +115,12 @@ class KeyedClocks(Protocol):
         """The clocks of the row's position ``step`` of this round."""
 
 
-class LogitShaper(Protocol):
-    """A row's penalties, logit bias and stop-token ban (engine.rows.Row.shape_draft)."""
+class LogitProcessor(Protocol):
+    """A row's penalties, logit bias and stop-token ban (engine.rows.Row.process_draft)."""
 
-    def shape_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
+    def process_draft(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """One draft step's logits [V] after this round's draft tokens ``drafted`` -> the
-        shaped logits [V] fp32 (the target's at position len(drafted), spec/penalties.py)."""
+        processed logits [V] fp32 (the target's at position len(drafted), sample/penalties.py)."""
 
 
 class RoundConstraint(Protocol):

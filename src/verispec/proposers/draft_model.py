@@ -32,7 +32,7 @@ function of q_i, that is of the context and d_1 .. d_{i-1}, decided before d_i i
 proposed d_i is then drawn from exactly the q_i it reports. A draft whose length is such a
 stopping time L verifies like a full-length one whose positions after L draw from the target
 itself (q_j = p_j): token-wise, those positions accept everything and the bonus after L is
-p_{L+1}; in block verification (spec/block.py) they leave w_L unchanged and add no residual
+p_{L+1}; in block verification (sample/block.py) they leave w_L unchanged and add no residual
 mass, so P(tau = i) and every recovered or bonus distribution are those of the length-L block.
 The rule "drop d_i when its own probability q_i(d_i) is below the floor" would not be exact:
 the proposed d_i would then be drawn from q_i restricted to its likely tokens, not from q_i.
@@ -53,9 +53,9 @@ import torch
 
 from ..config import check_draft_p_min
 from ..models.base import CapturesSteps, LanguageModel, LMSession, as_ints
-from ..spec.sampling import draw_step_uniforms
+from ..sample.sampling import draw_step_uniforms
 from .base import DraftPlan, Proposal, RoundConstraint
-from .draws import confidences, draw_step, race_keyed, shaped
+from .draws import confidences, draw_step, process_rows, race_keyed
 
 
 class DraftModelProposer:
@@ -126,13 +126,13 @@ class DraftModelSession:
         """Draft plan.num_draft_tokens[b] tokens for row b, each sampled under the row's own
         settings; draft_probs are exactly the distributions sampled from (with a
         ``constraint``: masked by the grammar state each token extends, engine/constraints.py;
-        with ``plan.shapers``: after the row's penalties and logit bias, counting its draft
+        with ``plan.processors``: after the row's penalties and logit bias, counting its draft
         tokens so far). A row past its k_b (or at temperature 0) takes the argmax: padding,
         never verified, and no random number; its draft_probs there are zeros. With a
         ``draft_p_min`` floor a row's draft ends before the first position whose distribution
         is below it (module docstring: the confidence stop), so rows may propose fewer than
         k_b tokens (Proposal.num_proposed) and the proposal is as wide as its longest row. A
-        row whose step fails (non-finite logits, its shaper's or race's fault) pads from
+        row whose step fails (non-finite logits, its processor's or race's fault) pads from
         there, proposes 0 tokens and is reported (Proposal.faults): its batch mates draw what
         they would have."""
         return self.propose_after(plan, None, constraint)
@@ -141,7 +141,7 @@ class DraftModelSession:
                       constraint: RoundConstraint | None = None) -> Proposal:
         """:meth:`propose` with each row's draft continuing ``prefixes[b]``: tokens proposed
         before the model's (a lookup's, proposers/hybrid.py), deterministic, so their
-        draft_probs are point masses (one-hot rows, verified as :mod:`..spec.rejection`
+        draft_probs are point masses (one-hot rows, verified as :mod:`..sample.rejection`
         verifies a proposal with draft_probs None). Row b proposes its prefix, then up to
         k_b - len(prefix) tokens drawn by the model after it, which the first step feeds
         (with the row's unfed tokens) where the model draws for the row; a row whose prefix
@@ -165,12 +165,12 @@ class DraftModelSession:
 
     def _draw(self, drafting: _Round, plan: DraftPlan, logits: torch.Tensor, step: int,
               constraint: RoundConstraint | None) -> bool:
-        """One draft step over every row, from its logits [B, V]: the rows' tokens (shaped,
+        """One draft step over every row, from its logits [B, V]: the rows' tokens (processed,
         masked, drawn, stopped by the floor, raced) join ``drafting``. -> whether any row
         proposes this position (False: nothing of the step is kept)."""
         failed = drafting.failed
-        if plan.shapers is not None:
-            logits = shaped(logits, plan.shapers, drafting.rows(), failed)
+        if plan.processors is not None:
+            logits = process_rows(logits, plan.processors, drafting.rows(), failed)
         allowed = None if constraint is None else constraint.allowed()  # [B, V] or None
         token, probs = draw_step(logits, allowed, step, plan.samplings, drafting.sampled,
                                  drafting.uniforms, failed)
@@ -257,7 +257,7 @@ class _Round:
     def start(cls, plan: DraftPlan, prefixes: Sequence[Sequence[int]] | None,
               num_rows: int) -> _Round:
         """The round's rows before the first step, their uniforms drawn (each generator group
-        in one draw, spec.sampling.draw_step_uniforms; a keyed row races instead)."""
+        in one draw, sample.sampling.draw_step_uniforms; a keyed row races instead)."""
         assert len(plan.num_draft_tokens) == num_rows
         prefixes = [[] for _ in range(num_rows)] if prefixes is None else [
             list(prefix) for prefix in prefixes]

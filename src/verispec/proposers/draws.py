@@ -1,10 +1,10 @@
-"""One step of a draft model's proposal over a batch's rows: the logits shaped by each row's
+"""One step of a draft model's proposal over a batch's rows: the logits processed by each row's
 penalties, the tokens drawn (greedy, sampled, or raced on a seeded row's keyed clocks), and each
 row's confidence for the draft-p-min stop. What DraftModelSession.propose_after (draft_model.py)
 runs each step; it keeps the rows' state.
 
 Legend: B batch, V vocabulary. Faults per row: a row whose own work raises (non-finite
-logits, its shaper's or race's error) joins the step's ``failed`` and pads from there; its
+logits, its processor's or race's error) joins the step's ``failed`` and pads from there; its
 batch mates draw what they would have (proposers.base.run_isolated).
 """
 
@@ -15,24 +15,24 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingConfig
-from ..spec.sampling import greedy_tokens, sample_from_logits, to_probs
-from ..spec.seeded import race
-from .base import KeyedClocks, LogitShaper, run_isolated
+from ..sample.sampling import greedy_tokens, sample_from_logits, to_probs
+from ..sample.seeded import race
+from .base import KeyedClocks, LogitProcessor, run_isolated
 
 # a greedy row's confidence is read at temperature 1 (confidences)
 _UNTEMPERED = SamplingConfig(temperature=1.0)
 
 
-def shaped(logits: torch.Tensor, shapers: Sequence[LogitShaper | None],
+def process_rows(logits: torch.Tensor, processors: Sequence[LogitProcessor | None],
            drafted: Sequence[Sequence[int]], failed: dict[int, Exception]) -> torch.Tensor:
-    """One step's logits [B, V] with each row that has a shaper reshaped by it after the row's
-    draft tokens so far (``drafted``: host ids per row) -> [B, V] fp32. A row whose shaper
+    """One step's logits [B, V] with each row that has a processor reshaped by it after the row's
+    draft tokens so far (``drafted``: host ids per row) -> [B, V] fp32. A row whose processor
     raises joins ``failed`` with its error."""
     out = logits.float().clone()
-    for b, shaper in enumerate(shapers):
-        if shaper is not None and b not in failed:
+    for b, processor in enumerate(processors):
+        if processor is not None and b not in failed:
             try:
-                out[b] = shaper.shape_draft(logits[b], drafted[b])
+                out[b] = processor.process_draft(logits[b], drafted[b])
             except Exception as exc:  # the row's own fault: it drafts nothing, and fails
                 failed.setdefault(b, exc)
     return out
@@ -43,7 +43,7 @@ def race_keyed(tokens: torch.Tensor, probs: torch.Tensor | None, live: Sequence[
                failed: dict[int, Exception]) -> torch.Tensor:
     """tokens [B] with each keyed row among the ``live`` ones (which sample at this step)
     redrawn by a race of its probs [B, V] on the clocks of its round position
-    ``positions[row]`` (spec.seeded.race): the draft's token is then coupled to the target's
+    ``positions[row]`` (sample.seeded.race): the draft's token is then coupled to the target's
     race winner there, which verification compares it with. A row whose race raises joins
     ``failed``."""
     rows = [row for row in live if keyed[row] is not None]
@@ -86,12 +86,13 @@ def draw_step(logits: torch.Tensor, allowed: torch.Tensor | None, step: int,
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft step's tokens [B] and, when any row samples at this step, probs [B, V] fp32.
 
-    Rows that sample at this step (sampled[b] > step) are drawn by spec.sampling.sample_from_logits,
-    each group of rows with equal settings in one call, their probs exactly what they were drawn
-    from; the others take the argmax (greedy drafts: point masses; rows past their k: padding)
-    with zero probs. One group covering every row (a batch under one setting) indexes nothing.
-    A row whose draw raises (its logits are not finite) joins ``failed`` and pads; the others
-    are drawn with the uniforms they had (run_isolated): what they would have drawn anyway."""
+    Rows that sample at this step (sampled[b] > step) are drawn by
+    sample.sampling.sample_from_logits, each group of rows with equal settings in one call, their
+    probs exactly what they were drawn from; the others take the argmax (greedy drafts: point
+    masses; rows past their k: padding) with zero probs. One group covering every row (a batch
+    under one setting) indexes nothing. A row whose draw raises (its logits are not finite) joins
+    ``failed`` and pads; the others are drawn with the uniforms they had (run_isolated): what they
+    would have drawn anyway."""
     groups: dict[SamplingConfig, list[int]] = {}
     for row, (sampling, count) in enumerate(zip(samplings, sampled)):
         if count > step and row not in failed:
@@ -129,7 +130,7 @@ def draw_step(logits: torch.Tensor, allowed: torch.Tensor | None, step: int,
 
 def argmax_rows(logits: torch.Tensor, allowed: torch.Tensor | None,
                 failed: dict[int, Exception]) -> torch.Tensor:
-    """spec.sampling.greedy_tokens of each row [B] (one call while no row fails); a row whose
+    """sample.sampling.greedy_tokens of each row [B] (one call while no row fails); a row whose
     logits have no finite maximum joins ``failed`` and pads with the first token its grammar
     allows (its grammar state advances with it), else 0."""
     num_rows = logits.shape[0]

@@ -59,7 +59,7 @@ class GenerationService:
         self.speculative = decoder.speculative  # a draft model or n-grams
         options = worker.options  # the batch's: every request runs under its depth policy
         # the depth policy the responses name (None: fixed k); a seeded request follows it
-        # like any other: its text does not depend on the depths (spec/seeded.py)
+        # like any other: its text does not depend on the depths (sample/seeded.py)
         self.depth_policy = (settings.depth_policy if self.speculative
                              and options.adaptive is not None else None)
         self.num_draft_tokens = options.num_draft_tokens if self.speculative else 0

@@ -17,12 +17,12 @@ from .settings import ServerSettings
 
 def adaptive_policy(settings: ServerSettings) -> AdaptivePolicyConfig | None:
     """The depth policy every request uses by default: --adaptive NAME [--carry-over], or the
-    server's default (ServerSettings.depth_policy). With --ngram and no --adaptive, the
+    server's default (ServerSettings.depth_policy). With --suffix and no --adaptive, the
     default goodput-plain sets k only in rounds of 2 rows or more: a lone row drafts by the
     suffix drafter's own rule, whose drafts cost that row alone, while in a batch a draft
     widens the pass every row waits for and the policy prices that."""
     config = named_policy(settings.depth_policy, settings.carry_over)
-    if settings.ngram and settings.adaptive is None and config is not None:
+    if settings.suffix and settings.adaptive is None and config is not None:
         config = replace(config, min_rows=2)
     return config
 
@@ -32,13 +32,13 @@ def load_decoder(settings: ServerSettings):
     from ..models.llama_cpp.model import LlamaCppConfig
     from ..text.demo import demo_pair
     from ..text.load import load
-    from ..text.named import hybrid_lookup, ngram_draft
+    from ..text.named import hybrid_lookup, suffix_draft
 
     target, draft = settings.target, settings.draft
     if target is None:
         pair = demo_pair()
         target, draft = pair.target, pair.draft
-    draft = ngram_draft() if settings.ngram else None if settings.no_draft else draft
+    draft = suffix_draft() if settings.suffix else None if settings.no_draft else draft
     return load(target, draft, device=settings.device,
                 dtype=settings.dtype, num_draft_tokens=settings.num_draft_tokens,
                 adaptive=adaptive_policy(settings), verification=settings.verification,
@@ -101,7 +101,7 @@ def describe_decoding(decoder, settings: ServerSettings) -> str:
     curve = "" if decoder.cost_curve is None else f"; cost curve {decoder.cost_curve.describe()}"
     if settings.no_draft:
         return "plain decoding" + curve
-    drafting = ("n-gram drafting" if settings.ngram else
+    drafting = ("suffix drafting" if settings.suffix else
                 "hybrid drafting" if settings.hybrid else "draft model")
     from ..models.packaged import is_paired_draft
 

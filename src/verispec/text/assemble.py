@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from ..config import VERIFICATION_RULES, BatchOptions, check_draft_p_min, check_verification
-from ..engine.decoder import SpeculativeDecoder
+from ..engine.engine import Engine
 from ..errors import ConfigError
 from ..models.base import LanguageModel
 from ..models.fast_llama import model as fast_llama
@@ -107,7 +107,7 @@ class DecoderOptions:
 
 @dataclass(frozen=True)
 class DecoderParts:
-    """What a Decoder holds: the adapters, the model-free draft's settings (``ngram``, None
+    """What a Decoder holds: the adapters, the model-free draft's settings (``model_free``, None
     with a draft model or none), the hybrid's lookup settings (None: not hybrid), the engine
     over the proposer, the chat template, the tokens generation ends at, the options of the
     batches it opens (batch_options: depth policy and k; a call may name its own), the
@@ -116,9 +116,9 @@ class DecoderParts:
 
     target: LanguageModel
     draft: LanguageModel | None
-    ngram: ModelFreeDraft | None
+    model_free: ModelFreeDraft | None
     hybrid: NgramDraft | SuffixDraft | None
-    engine: SpeculativeDecoder
+    engine: Engine
     chat_template: ChatTemplate | None
     stop_token_ids: tuple[int, ...]
     batch_options: BatchOptions
@@ -134,8 +134,8 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
     hybrid = hybrid_lookup(options.hybrid, draft_model, target_model)
     check_draft_model_options(options, hybrid, draft_model, target_model)
     # a model-free draft (n-gram or suffix settings) drafts without a model adapter
-    ngram = draft_model if isinstance(draft_model, ModelFreeDraft) else None
-    draft_model = None if ngram is not None else draft_model
+    model_free = draft_model if isinstance(draft_model, ModelFreeDraft) else None
+    draft_model = None if model_free is not None else draft_model
     vocab_size = common_vocab_size(tokenizer, *(
         _num_logits(model) for model in (target_model, draft_model) if model is not None))
     chat_template = chat_template_for(options.chat_template, tokenizer)
@@ -146,11 +146,11 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
         draft_model, vocab_size, options.backend, options.llama_cpp_config, draft=True,
         cuda_graphs=options.cuda_graphs)
     cost_curve = measure_cost_curve(target, draft)
-    engine = SpeculativeDecoder(target, _proposer(vocab_size, draft, ngram, hybrid, options),
+    engine = Engine(target, _proposer(vocab_size, draft, model_free, hybrid, options),
                                 cost_curve)
     batch_options = BatchOptions(adaptive=options.adaptive, num_draft_tokens=_num_draft_tokens(
-        options.num_draft_tokens, target, ngram, cost_curve))
-    return DecoderParts(target, draft, ngram, hybrid, engine, chat_template, stop_token_ids,
+        options.num_draft_tokens, target, model_free, cost_curve))
+    return DecoderParts(target, draft, model_free, hybrid, engine, chat_template, stop_token_ids,
                         batch_options, options.verification, cost_curve)
 
 
@@ -221,27 +221,27 @@ def _no_draft_model(draft: object, target: object) -> bool:
     return isinstance(draft, ModelFreeDraft) or (draft is None and target is not None)
 
 
-def _proposer(vocab_size: int, draft: LanguageModel | None, ngram: ModelFreeDraft | None,
+def _proposer(vocab_size: int, draft: LanguageModel | None, model_free: ModelFreeDraft | None,
               hybrid: NgramDraft | SuffixDraft | None, options: DecoderOptions
               ) -> Proposer | None:
     """What drafts: the model-free rule, else the draft model (behind lookup when hybrid);
     None: no draft, the target decodes alone."""
-    if ngram is not None:
-        return model_free_proposer(vocab_size, ngram)
+    if model_free is not None:
+        return model_free_proposer(vocab_size, model_free)
     proposer = None if draft is None else DraftModelProposer(draft, options.draft_p_min)
     return proposer if hybrid is None else HybridProposer(proposer, hybrid,
                                                           options.hybrid_chain)
 
 
-def _num_draft_tokens(asked: int | None, target: LanguageModel, ngram: ModelFreeDraft | None,
+def _num_draft_tokens(asked: int | None, target: LanguageModel, model_free: ModelFreeDraft | None,
                       cost_curve: CostCurve | None) -> int:
     """The depth of calls that name none: ``asked``, else a suffix drafter's max_depth (its own
     rule sets each row's depth, as deep as its match: k only caps it), else the one the cost
     curve prices best, else the device's."""
     if asked is not None:
         return asked
-    if isinstance(ngram, SuffixDraft):
-        return ngram.max_depth
+    if isinstance(model_free, SuffixDraft):
+        return model_free.max_depth
     # the measured curve, else the target adapter's flat_verify: a pass over a few tokens costs
     # far less than as many one-token passes (policy.default_num_draft_tokens)
     return default_num_draft_tokens(target.device.type, target.flat_verify, cost_curve)

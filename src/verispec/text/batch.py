@@ -28,7 +28,7 @@ from ..engine.metrics import GenerationMetrics
 from ..engine.prefill import ChunkedPrefill
 from ..engine.rows import Row, TokenLogprob
 from ..errors import ConfigError
-from ..spec.sampling import make_generator
+from ..sample.sampling import make_generator
 from .admission import Admission
 from .inputs import (
     CALL_OPTIONS,

@@ -12,6 +12,7 @@ adapters, proposer and defaults the Decoder holds are built by assemble.py.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -23,7 +24,7 @@ from ..engine.rows import TokenLogprob
 from ..engine.scoring import score_prompt
 from ..errors import ConfigError, ContextLengthExceeded, EmptyPromptError, InputError
 from ..proposers import ModelFreeDraft
-from ..spec.checks import as_index
+from ..sample.checks import as_index
 from .assemble import DecoderOptions, LoadedModel, assemble
 from .batch import BatchStream, TextBatch, TextStream, is_batch, row_settings
 from .chat import check_messages, require_chat_template, special_token_text
@@ -60,12 +61,19 @@ class Decoder:
                          settings_of(DecoderOptions, "Decoder", options))
         self.tokenizer, self.chat_template = tokenizer, parts.chat_template
         self.target, self.draft, self.engine = parts.target, parts.draft, parts.engine
-        self.ngram, self.hybrid = parts.ngram, parts.hybrid
+        self.model_free, self.hybrid = parts.model_free, parts.hybrid
         self.stop_token_ids = parts.stop_token_ids
         self.batch_options = parts.batch_options  # the batches it opens, unless a call says
         self.verification = parts.verification  # of rows that name none
         self.cost_curve = parts.cost_curve  # the pair's measured pass costs (None: not measured)
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
+
+    @property
+    def ngram(self) -> ModelFreeDraft | None:
+        """Deprecated name of :attr:`model_free` (the model-free draft, n-gram or suffix)."""
+        warnings.warn("Decoder.ngram is deprecated: it is Decoder.model_free (the model-free "
+                      "draft: NgramDraft or SuffixDraft)", DeprecationWarning, stacklevel=2)
+        return self.model_free
 
     @property
     def speculative(self) -> bool:

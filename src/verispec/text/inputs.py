@@ -51,7 +51,7 @@ class RequestSettings:
     at most 10000.
     seed: the text is then the same for any k, draft, depth policy and batch, and with
     ``speculative=False`` (each token is the target's sample on clocks keyed by the seed and its
-    position, spec/seeded.py).
+    position, sample/seeded.py).
     stop: a string, or a list of strings, that ends the text (excluded from it).
     num_draft_tokens: the most draft tokens the row takes a round, a cap on its batch's depth
     (None: no cap). A call that runs a batch of its own (generate, stream, chat, stream_batch)
@@ -72,7 +72,7 @@ class RequestSettings:
     logit_bias: {token id: bias in [-100, 100]} added to the logits.
     min_p: keep tokens at least min_p times as likely as the most likely one (None = off).
     Penalties and bias are applied at every verified position counting the block's earlier
-    draft tokens, so the output has exactly the penalised target's law (spec/penalties.py
+    draft tokens, so the output has exactly the penalised target's law (sample/penalties.py
     gives the order).
     logprobs: None, or N in 0..20: each new token's logprob under the distribution it was
     drawn from, with the N most likely alternatives (Completion.logprobs, TextRow.logprobs).

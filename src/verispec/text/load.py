@@ -57,7 +57,7 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     (models/packaged.py: "smollm2-135m-instruct", "gemma-3-270m") loads that package's GGUF file.
     ``draft=SuffixDraft()`` drafts without a model by the suffix-decoding rule (long drafts
     where the prompt, the output or an earlier request's text repeats, none elsewhere; what
-    ``--ngram`` runs), ``draft=NgramDraft()`` by plain prompt lookup (no draft model at all;
+    ``--suffix`` runs), ``draft=NgramDraft()`` by plain prompt lookup (no draft model at all;
     with no target, the demo target). ``hybrid=True`` (or the lookup's settings, NgramDraft or
     SuffixDraft), ``hybrid_chain`` and ``draft_p_min`` need a draft model (no target, no draft:
     the demo pair).

@@ -1,5 +1,5 @@
 """What the command line's and the server's flags name, as ``load()`` takes it: the depth policy
-of ``--adaptive NAME`` (policy.named_policy), the model-free draft of ``--ngram`` (the suffix
+of ``--adaptive NAME`` (policy.named_policy), the model-free draft of ``--suffix`` (the suffix
 drafter) and the lookup of ``--hybrid-lookup NAME``. The entry points reach the engine's parts
 through here, not around the text layer.
 """
@@ -12,11 +12,11 @@ from ..proposers.hybrid import lookup_named
 from ..proposers.ngram import NgramDraft
 from ..proposers.suffix import SuffixDraft
 
-__all__ = ["AdaptivePolicyConfig", "hybrid_lookup", "named_policy", "ngram_draft"]
+__all__ = ["AdaptivePolicyConfig", "hybrid_lookup", "named_policy", "suffix_draft"]
 
 
-def ngram_draft() -> SuffixDraft:
-    """The model-free draft ``--ngram`` runs: the suffix drafter with its defaults."""
+def suffix_draft() -> SuffixDraft:
+    """The model-free draft ``--suffix`` runs: the suffix drafter with its defaults."""
     return SuffixDraft()
 
 

@@ -12,8 +12,8 @@ with respect to llama.cpp's own forward of that file: verispec verifies the dist
 llama.cpp computes, whatever its kernels are.
 
 What this is not: a sampler or a server. llama.cpp only computes logits here; temperature,
-top-k/top-p, acceptance and every random draw stay in verispec (spec/sampling.py,
-spec/rejection.py), with an explicit torch.Generator. The tokenizer adapter is in tokenizer.py.
+top-k/top-p, acceptance and every random draw stay in verispec (sample/sampling.py,
+sample/rejection.py), with an explicit torch.Generator. The tokenizer adapter is in tokenizer.py.
 
 Refused at load (UnsupportedModelError): models whose memory cannot drop a suffix of a
 sequence exactly (recurrent and hybrid state-space models such as Mamba or RWKV, whose state

@@ -1,4 +1,4 @@
-"""spec/rejection.py, spec/greedy.py, spec/theory.py: batched modified rejection sampling, its
+"""sample/rejection.py, sample/greedy.py, sample/theory.py: batched modified rejection sampling, its
 temperature-0 forms, its edge cases, and the diagnostics.
 
 Three layers: exact spike cases (hand-built distributions whose outcome is certain), the batched
@@ -30,17 +30,17 @@ from verispec import (
     verify,
 )
 from verispec.config import SamplingConfig
-from verispec.spec.checks import check_stop_token_ids
-from verispec.spec.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
-from verispec.spec.rejection import (
+from verispec.sample.checks import check_stop_token_ids
+from verispec.sample.greedy import verify_greedy, verify_greedy_rows, verify_greedy_tokens
+from verispec.sample.rejection import (
     point_mass,
     residual_probs,
     verify_rows,
     verify_with_randomness,
 )
-from verispec.spec.result import PAD_TOKEN
-from verispec.spec.sampling import greedy_tokens, make_generator, to_probs
-from verispec.spec.theory import expected_acceptance
+from verispec.sample.result import PAD_TOKEN
+from verispec.sample.sampling import greedy_tokens, make_generator, to_probs
+from verispec.sample.theory import expected_acceptance
 
 from rule_references import acceptance_probs
 
@@ -371,7 +371,7 @@ def verify_path(request, monkeypatch):
     """Each implementation behind verify_with_randomness and verify_rows: host decisions for
     small batches, tensor ops for large ones (batches here have 1 to 5 rows; a limit of 0 sends
     them all to tensors)."""
-    monkeypatch.setattr(importlib.import_module("verispec.spec.rejection"), "HOST_ROWS_MAX_BATCH",
+    monkeypatch.setattr(importlib.import_module("verispec.sample.rejection"), "HOST_ROWS_MAX_BATCH",
                         request.param)
 
 

@@ -207,7 +207,7 @@ def verify_with_randomness(draft_tokens: torch.Tensor, draft_probs: torch.Tensor
 # At most this many rows, verify_with_randomness decides on the host (_verify_rows): at batch 1
 # its ~65 tiny tensor ops, each run cold right after a target pass, cost more than the math.
 # Larger batches take the tensor path (_verify_batched), whose op count does not grow with B.
-# Both give the same tokens for the same random numbers (tests/spec/test_verify.py checks both
+# Both give the same tokens for the same random numbers (tests/sample/test_verify.py checks both
 # against a per-row reference).
 HOST_ROWS_MAX_BATCH = 8
 

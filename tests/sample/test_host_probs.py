@@ -1,4 +1,4 @@
-"""spec/host_probs.py: to_probs on the CPU, row by row on the calling thread, against the
+"""sample/host_probs.py: to_probs on the CPU, row by row on the calling thread, against the
 tensor path (sampling._device_probs) and the whole-row top-p sort (helpers/top_p_reference).
 
 Legend: R rows, V vocabulary.
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from verispec import NonFiniteError, SamplingConfig
-from verispec.spec.host_probs import _kept_from, top_p_kept
-from verispec.spec.sampling import _device_probs, _masked, greedy_tokens, make_generator, to_probs
+from verispec.sample.host_probs import _kept_from, top_p_kept
+from verispec.sample.sampling import _device_probs, _masked, greedy_tokens, make_generator, to_probs
 
 from top_p_reference import reference_renormalised, reference_top_p_kept
 
@@ -115,7 +115,7 @@ def test_top_p_renormalises_as_the_reference_at_the_vocabulary_of_the_coder_pair
 def test_a_rows_probabilities_do_not_depend_on_the_rows_beside_it(monkeypatch, vocab):
     # a small vocabulary goes through the all-rows path, a large one row by row; either way a
     # row's bits are those it gets alone, and those of the other path
-    import verispec.spec.host_probs as host
+    import verispec.sample.host_probs as host
 
     logits = _rows("ties", 10, num_rows=4, vocab=vocab) + _rows("random", 11, 4, vocab) * 0.01
     sampling = SamplingConfig(temperature=0.7, top_k=vocab // 2, top_p=0.9, min_p=0.01)

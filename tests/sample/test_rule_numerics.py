@@ -1,11 +1,11 @@
 """Every verification rule on numerically extreme inputs: no exception, finite, valid tokens.
 
-The rules (spec/block.py, spec/rejection.py in its host and tensor forms, spec/seeded.py's race,
-spec/greedy.py) take ratios, residuals and normalisations of the probabilities that
+The rules (sample/block.py, sample/rejection.py in its host and tensor forms, sample/seeded.py's
+race, sample/greedy.py) take ratios, residuals and normalisations of the probabilities that
 sampling.to_probs makes from logits. At a low temperature or under a logit_bias of +-100 those
 are near one-hot: their tails fall below 2^-53 (lost against 1 in float64), to fp32 subnormals,
 or underflow to 0. This sweep builds such inputs from logits (SCENARIOS: near-certain rows that
-agree or disagree, one-hot rows, biases of +-100 added by spec.penalties.shape_logits, a draft
+agree or disagree, one-hot rows, biases of +-100 added by sample.penalties.process_logits, a draft
 token of near-zero draft probability), processes them at every T in TEMPERATURES with and
 without truncation (top-k, top-p, min-p), and runs each rule on them. It asserts: no exception;
 every probability, weight and stop probability finite and in [0, 1]; num_accepted in [0, k];
@@ -26,19 +26,19 @@ import pytest
 import torch
 
 from verispec import PenaltyConfig, SamplingConfig
-from verispec.spec import rejection
-from verispec.spec.block import verify_block_rows
-from verispec.spec.greedy import verify_greedy_rows
-from verispec.spec.penalties import shape_logits
-from verispec.spec.rejection import residual_probs, verify_rows
-from verispec.spec.sampling import (
+from verispec.sample import rejection
+from verispec.sample.block import verify_block_rows
+from verispec.sample.greedy import verify_greedy_rows
+from verispec.sample.penalties import process_logits
+from verispec.sample.rejection import residual_probs, verify_rows
+from verispec.sample.sampling import (
     greedy_tokens,
     make_generator,
     sample_from_logits,
     sample_with_uniform,
     to_probs,
 )
-from verispec.spec.seeded import RaceClocks, race, stream_key
+from verispec.sample.seeded import RaceClocks, race, stream_key
 
 from rule_references import acceptance_probs, block_weights, verify_block_with_randomness
 
@@ -66,10 +66,10 @@ def _certain(gen: torch.Generator, shape: tuple[int, ...], top: torch.Tensor,
 
 
 def _biased(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
-    """logits [B, P, V] with logit_bias added by the penalties' own code (shape_logits)."""
+    """logits [B, P, V] with logit_bias added by the penalties' own code (process_logits)."""
     penalty = PenaltyConfig(logit_bias=tuple(sorted(bias.items())))
     drafted = [0] * (logits.shape[1] - 1)  # a bias does not read the history
-    return torch.stack([shape_logits(row, penalty, None, [], drafted) for row in logits])
+    return torch.stack([process_logits(row, penalty, None, [], drafted) for row in logits])
 
 
 def _scenario(name: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

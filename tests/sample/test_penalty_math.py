@@ -1,4 +1,4 @@
-"""spec/penalties.py and the sampling additions (min-p, to_logprobs): worked examples by hand,
+"""sample/penalties.py and the sampling additions (min-p, to_logprobs): worked examples by hand,
 the block rule against one-position calls, bit for bit, and the config checks."""
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verispec import ConfigError, GenerationConfig, PenaltyConfig, SamplingConfig
-from verispec.spec.penalties import seen_tokens, shape_logits
-from verispec.spec.sampling import to_logprobs, to_probs
+from verispec.sample.penalties import process_logits, seen_tokens
+from verispec.sample.sampling import to_logprobs, to_probs
 
 
 def test_worked_example_counts_draft_tokens_before_each_position():
     """The module docstring's example: frequency 1, committed [5], drafted [7, 5, 7]."""
     penalty = PenaltyConfig(frequency_penalty=1.0)
     logits = torch.zeros(4, 10)
-    shaped = shape_logits(logits, penalty, None, [5], [7, 5, 7])
-    assert shaped[:, 5].tolist() == [-1.0, -1.0, -2.0, -2.0]
-    assert shaped[:, 7].tolist() == [0.0, -1.0, -1.0, -2.0]
-    assert shaped[:, 3].tolist() == [0.0] * 4
+    processed = process_logits(logits, penalty, None, [5], [7, 5, 7])
+    assert processed[:, 5].tolist() == [-1.0, -1.0, -2.0, -2.0]
+    assert processed[:, 7].tolist() == [0.0, -1.0, -1.0, -2.0]
+    assert processed[:, 3].tolist() == [0.0] * 4
 
 
 def test_order_bias_then_repetition_then_frequency_then_presence():
@@ -31,16 +31,16 @@ def test_order_bias_then_repetition_then_frequency_then_presence():
                             logit_bias=((1, 1.0), (3, -4.0)))
     logits = torch.tensor([[0.0, 3.0, -1.0, 2.0, 1.0]])
     prompt_seen = seen_tokens([1], 5)
-    shaped = shape_logits(logits, penalty, prompt_seen, [2, 2])[0]
+    processed = process_logits(logits, penalty, prompt_seen, [2, 2])[0]
     # token 1: (3 + 1) / 2 = 2, no output count; token 2: -1 * 2 - 0.25 * 2 - 0.5 = -3
     # token 3: 2 - 4 = -2, unseen; token 4: untouched
-    assert shaped.tolist() == [0.0, 2.0, -3.0, -2.0, 1.0]
+    assert processed.tolist() == [0.0, 2.0, -3.0, -2.0, 1.0]
 
 
 def test_bias_alone_ignores_history():
     penalty = PenaltyConfig(logit_bias=((0, 100.0),))
-    shaped = shape_logits(torch.zeros(3, 4), penalty, None, [0, 0], [0, 0])
-    assert shaped[:, 0].tolist() == [100.0] * 3
+    processed = process_logits(torch.zeros(3, 4), penalty, None, [0, 0], [0, 0])
+    assert processed[:, 0].tolist() == [100.0] * 3
 
 
 @settings(max_examples=60, deadline=None)
@@ -50,23 +50,23 @@ def test_bias_alone_ignores_history():
 def test_block_positions_equal_one_position_calls_bit_for_bit(
         output, drafted, repetition, presence, frequency, seed):
     """Position j of a block == a one-position call with drafted[:j] committed: plain decoding's
-    shaped logits, so greedy speculation picks the same argmax."""
+    processed logits, so greedy speculation picks the same argmax."""
     penalty = PenaltyConfig(presence_penalty=presence, frequency_penalty=frequency,
                             repetition_penalty=repetition, logit_bias=((2, 0.5), (4, -1.5)))
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(drafted) + 1, 6, generator=generator) * 3
     prompt_seen = seen_tokens([0, 3], 6)
-    block = shape_logits(logits, penalty, prompt_seen, output, drafted)
+    block = process_logits(logits, penalty, prompt_seen, output, drafted)
     for j in range(len(drafted) + 1):
-        one = shape_logits(logits[j : j + 1], penalty, prompt_seen, output + drafted[:j])
+        one = process_logits(logits[j : j + 1], penalty, prompt_seen, output + drafted[:j])
         assert torch.equal(block[j], one[0]), j
 
 
 def test_negative_logit_under_repetition_penalty_is_multiplied():
     penalty = PenaltyConfig(repetition_penalty=1.5)
-    shaped = shape_logits(torch.tensor([[-2.0, 2.0, float("-inf")]]), penalty,
+    processed = process_logits(torch.tensor([[-2.0, 2.0, float("-inf")]]), penalty,
                           seen_tokens([0, 1, 2], 3), [])
-    assert shaped[0].tolist() == [-3.0, pytest.approx(4 / 3), float("-inf")]
+    assert processed[0].tolist() == [-3.0, pytest.approx(4 / 3), float("-inf")]
 
 
 def test_min_p_keeps_tokens_near_the_most_likely():
@@ -141,13 +141,13 @@ def test_repetition_penalty_at_its_bounds_keeps_huge_logits_finite(value):
     for the sampler's NonFiniteError."""
     top = torch.finfo(torch.float32).max
     logits = torch.tensor([[1e38, -1e38, 3.0, -3.0, float("inf"), float("nan"), 2.0]])
-    shaped = shape_logits(logits, PenaltyConfig(repetition_penalty=value),
+    processed = process_logits(logits, PenaltyConfig(repetition_penalty=value),
                           seen_tokens([0, 1, 2, 3, 4, 5], 7), [])[0]
-    assert torch.isfinite(shaped[:4]).all() and shaped[6] == 2.0
-    assert shaped[0] == (top if value < 1 else 1e38 / value)
-    assert shaped[1] == (-top if value > 1 else -1e38 * value)
-    assert shaped[4] == float("inf") and math.isnan(shaped[5])
-    probs = to_probs(shaped[None, [0, 1, 2, 3, 6]], SamplingConfig(temperature=1.0))
+    assert torch.isfinite(processed[:4]).all() and processed[6] == 2.0
+    assert processed[0] == (top if value < 1 else 1e38 / value)
+    assert processed[1] == (-top if value > 1 else -1e38 * value)
+    assert processed[4] == float("inf") and math.isnan(processed[5])
+    probs = to_probs(processed[None, [0, 1, 2, 3, 6]], SamplingConfig(temperature=1.0))
     assert torch.isfinite(probs).all()
 
 

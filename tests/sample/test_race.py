@@ -1,4 +1,4 @@
-"""spec/seeded.py's race against the first arrival over every clock of a position, drawn whole.
+"""sample/seeded.py's race against the first arrival over every clock of a position, drawn whole.
 
 Legend: V vocabulary, N blocks of clocks.
 """
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.spec.sampling import make_generator
-from verispec.spec.seeded import RaceClocks, race, stream_key
+from verispec.sample.sampling import make_generator
+from verispec.sample.seeded import RaceClocks, race, stream_key
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 

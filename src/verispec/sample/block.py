@@ -5,7 +5,7 @@ Accelerates Speculative Decoding" (ICLR 2025), Algorithm 2. Token-wise verificat
 stops at the first draft token that fails its own test. Block verification carries a weight, the
 running target/draft ratio of the prefix clamped at 1, so a token the target under-weights can be
 kept when later tokens make up for it. The output has exactly the target's law (checked by exact
-enumeration in tests/spec/test_verify_block.py, from the tensor form of these formulas in
+enumeration in tests/sample/test_verify_block.py, from the tensor form of these formulas in
 tests/helpers/rule_references.py), and for the same draft it keeps at least as many
 tokens in expectation as token-wise verification. With X_1..X_k the draft tokens, q_i =
 draft_probs[:, i-1] and p_i = target_probs[:, i-1] (the paper's M_s and M_b after X_<i):
@@ -65,7 +65,7 @@ from .sampling import sample_with_host_uniforms
 _NEEDS_DRAFT_PROBS = (
     "block verification needs draft_probs [B, K, V], the distributions the draft tokens were "
     "drawn from; got None (a deterministic proposal). Verify point-mass drafts with the "
-    "token-wise rule, verispec.spec.rejection.verify_rows.")
+    "token-wise rule, verispec.sample.rejection.verify_rows.")
 _DRAFT_GAVE_ZERO = (
     "the draft proposed a token to which its own reported distribution gives probability 0; "
     "draft_probs must be exactly the distributions the draft tokens were sampled from.")

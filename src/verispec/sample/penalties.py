@@ -10,7 +10,7 @@ tokens (d_1 .. d_j), which is what plain decoding counts there once they are acc
 that count only committed tokens inside a block sample from a weaker penalty than asked.
 
 The order, the same for draft and target, before the min_tokens ban, the grammar's mask and
-then temperature, top-k, top-p and min-p (spec/sampling.py):
+then temperature, top-k, top-p and min-p (sample/sampling.py):
   1. logit_bias is added (OpenAI's);
   2. repetition_penalty (Hugging Face's): a token seen in prompt or output has its positive
      logit divided by it, its negative one multiplied (saturating at fp32's largest finite
@@ -26,7 +26,7 @@ bit for bit those of a one-position call with d_1 .. d_j committed (plain decodi
 Worked example (frequency_penalty 1, committed output [5], drafted [7, 5, 7]; positions 0..3
 count token 5: 1, 1, 2, 2 and token 7: 0, 1, 1, 2).
 
-Not here: where the history lives (engine/rows.py), the sampling settings (spec/sampling.py).
+Not here: where the history lives (engine/rows.py), the sampling settings (sample/sampling.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch
 from ..config import PenaltyConfig
 
 
-def shape_logits(logits: torch.Tensor, penalty: PenaltyConfig, prompt_seen: torch.Tensor | None,
+def process_logits(logits: torch.Tensor, penalty: PenaltyConfig, prompt_seen: torch.Tensor | None,
                  output_ids: Sequence[int], drafted: Sequence[int] = ()) -> torch.Tensor:
-    """Logits [P, V] -> shaped logits [P, V] fp32; position j counts ``output_ids`` (the row's
+    """Logits [P, V] -> processed logits [P, V] fp32; position j counts ``output_ids`` (the row's
     committed new tokens) followed by drafted[:j] (len(drafted) >= P - 1).
 
     prompt_seen [V] bool: the prompt's tokens (read only under a repetition penalty; None
@@ -56,18 +56,18 @@ def shape_logits(logits: torch.Tensor, penalty: PenaltyConfig, prompt_seen: torc
     if penalty.repetition_penalty != 1.0:
         assert prompt_seen is not None and prompt_seen.shape == (vocab_size,)
         seen = prompt_seen.to(logits.device) | (counts > 0)
-    shaped = _penalized(logits, bias, counts, seen, penalty)  # [P, V]
+    processed = _penalized(logits, bias, counts, seen, penalty)  # [P, V]
     touched = sorted(set(drafted[: num_positions - 1]))
     if not touched:
-        return shaped
+        return processed
     index = torch.tensor(touched, device=logits.device)  # [U]
     extra = torch.tensor(_draft_counts(drafted, touched, num_positions),
                          dtype=torch.float32, device=logits.device)  # [P, U]
     block_counts = counts[index] + extra
     block_seen = None if seen is None else seen[index] | (extra > 0)
-    shaped[:, index] = _penalized(logits[:, index], None if bias is None else bias[index],
+    processed[:, index] = _penalized(logits[:, index], None if bias is None else bias[index],
                                   block_counts, block_seen, penalty)
-    return shaped
+    return processed
 
 
 def _penalized(logits: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor,

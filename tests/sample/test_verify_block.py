@@ -1,4 +1,4 @@
-"""spec/block.py: block verification (Sun et al., ICLR 2025).
+"""sample/block.py: block verification (Sun et al., ICLR 2025).
 
 Three layers: exact spike cases; the exact output law by enumeration over tiny vocabularies,
 equal to the target's law of k+1 tokens, with negative controls that must fail it; and the
@@ -31,10 +31,10 @@ from verispec import (
     TokenOutOfRangeError,
 )
 from verispec.errors import UnsupportedFeatureError
-from verispec.spec import block as verify_block
-from verispec.spec.block import verify_block_rows
-from verispec.spec.result import PAD_TOKEN
-from verispec.spec.sampling import make_generator, to_probs
+from verispec.sample import block as verify_block
+from verispec.sample.block import verify_block_rows
+from verispec.sample.result import PAD_TOKEN
+from verispec.sample.sampling import make_generator, to_probs
 
 from helpers_stats import g_test
 from rule_references import block_weights, verify_block_with_randomness

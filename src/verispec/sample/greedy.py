@@ -4,7 +4,7 @@ At temperature 0 the target's rows are point masses, and so are the proposals (a
 an n-gram lookup): the acceptance ratio p(x) / 1 is 1 when x is the target's token and 0
 otherwise, and the residual at a rejection is the target's point mass itself. So the rule of
 rejection.py reduces to comparing token ids: no random numbers and no work over the vocabulary.
-Three forms of that one rule, checked against rejection.verify in tests/spec/test_verify.py:
+Three forms of that one rule, checked against rejection.verify in tests/sample/test_verify.py:
 verify_greedy (probabilities in), verify_greedy_tokens (the target's tokens in) and
 verify_greedy_rows (host lists, what the engine calls).
 
@@ -36,8 +36,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     residual max(0, p - one_hot(x)) at a rejection is p itself. So: accept while the draft
     token equals the target's argmax; the next token (recovered or bonus) is the target's
     argmax where the accepted prefix stops. Equal to :func:`verify` on such inputs for every
-    generator (tests/spec/test_verify.py checks it); on targets that are not point masses it is not
-    a valid verifier: it is for temperature 0 only (where the engine calls its host form,
+    generator (tests/sample/test_verify.py checks it); on targets that are not point masses it is
+    not a valid verifier: it is for temperature 0 only (where the engine calls its host form,
     :func:`verify_greedy_rows`). Shapes as in :func:`verify`.
     """
     check_draft_tokens(draft_tokens)
@@ -89,7 +89,7 @@ def verify_greedy_rows(draft_tokens: list[list[int]], target_tokens: list[list[i
     ``verify_greedy_tokens(...).num_accepted.tolist()`` and ``.output_tokens.tolist()``.
     Why a second form: at batch 1 the tensor form is ~25 tiny ops, each run cold right after a
     target pass has streamed the weights through the cache; a loop over K+1 ints costs a small
-    fraction of that (dev/LOG.md: host checks). tests/spec/test_verify.py checks the two agree.
+    fraction of that (dev/LOG.md: host checks). tests/sample/test_verify.py checks the two agree.
 
     Example: draft [[7, 8, 9]], target [[7, 5, 9, 2]] -> ([1], [[7, 5, PAD, PAD]]).
     """

@@ -62,7 +62,7 @@ def _mix64(value: int) -> int:
 
 def stream_key(seed: int, lane: int = 0) -> int:
     """The key of one seeded row's clocks. ``lane``: which row of a generation that gives every
-    row one seed (engine.decoder.DecodingRun: row i is lane i); rows seeded one by one are
+    row one seed (engine.engine.DecodingRun: row i is lane i); rows seeded one by one are
     lane 0."""
     return _mix64(_mix64(seed) ^ lane)
 

@@ -1,4 +1,4 @@
-"""spec/sampling.py: logits -> probs (temperature, top-k, top-p) and seeded draws.
+"""sample/sampling.py: logits -> probs (temperature, top-k, top-p) and seeded draws.
 
 Legend: N draws, V vocabulary.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verispec import NonFiniteError, SamplingConfig, ShapeError, VerispecError
-from verispec.spec.sampling import (
+from verispec.sample.sampling import (
     make_generator,
     sample,
     sample_from_logits,

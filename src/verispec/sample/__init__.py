@@ -1,0 +1,1 @@
+"""Pure math: tensors in, tensors out, an explicit torch.Generator; no model, no I/O."""

@@ -142,6 +142,36 @@ class LanguageModel(Protocol):
         ...
 
 
+@runtime_checkable
+class TokenText(Protocol):
+    """One model's tokenizer seen as bytes: what a draft of another tokenizer needs to turn the
+    target's tokens into its own context and its drafts into the target's tokens
+    (proposers/cross_vocab.py). Implemented for transformers and llama.cpp tokenizers in
+    models/token_text.py; tests implement it for fixture vocabularies.
+
+    ``vocab_size``: ids are 0 .. vocab_size - 1. ``piece(id)``: the bytes the token appends to
+    the text: byte-level BPE's mapped bytes decoded, SentencePiece's "\u2581" as a space and its
+    <0xNN> byte-fallback tokens as the byte; a special token with text (<|im_end|>) gives that
+    text; a control token with none (padding) gives b"". A piece may be part of a UTF-8
+    character. ``is_special(id)``: a control or added special token (BOS, EOS, chat markers):
+    matched across tokenizers by its text, never drawn from the intersection. ``encode(text)``:
+    the ids of ``text`` with no BOS added and special-token text parsed as special tokens, so
+    that ``b"".join(piece(i) for i in encode(s)) == s.encode()`` for text without a leading-space
+    convention of its own (a SentencePiece tokenizer that adds a "\u2581" before the first word
+    is asked for text that does not start a sequence: it must not add one)."""
+
+    vocab_size: int
+
+    def piece(self, token_id: int) -> bytes:
+        ...
+
+    def is_special(self, token_id: int) -> bool:
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        ...
+
+
 def feed_rows(rows: Sequence[Sequence[int]], num_rows: int) -> list[list[int]]:
     """``rows`` (one sequence of ids per row) as lists, checked to be ``num_rows`` of them."""
     if len(rows) != num_rows:

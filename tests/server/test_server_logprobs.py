@@ -195,6 +195,22 @@ def test_echo_scores_the_prompt(client, decoder, target):
     assert text == body.choices[0].text and logprobs == body.choices[0].logprobs.token_logprobs
 
 
+@pytest.mark.parametrize("max_tokens, logprobs", [(0, 1), (0, None), (4, 1), (4, None)])
+def test_a_prompt_is_checked_once_per_request(client, monkeypatch, max_tokens, logprobs):
+    """Echo only, echo with scores, and generation: the prompt's ids are checked against the
+    vocabulary once (text.prompts.check_prompt_ids, which Decoder.encode calls)."""
+    import verispec.text.decoder as text_decoder
+
+    calls = []
+    check = text_decoder.check_prompt_ids
+    monkeypatch.setattr(text_decoder, "check_prompt_ids",
+                        lambda ids, size: calls.append(len(ids)) or check(ids, size))
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                    echo=True, logprobs=logprobs, temperature=0)
+    assert out.choices[0].text.startswith(PROMPT)
+    assert len(calls) == 1, calls
+
+
 UNICODE_PROMPT = "héllo 日本語 🎉 = 'x'"  # 17 characters, 24 byte-level tokens
 
 

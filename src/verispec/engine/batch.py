@@ -55,13 +55,12 @@ from dataclasses import replace
 import torch
 
 from ..config import BatchOptions, GenerationConfig
-from ..errors import EmptyPromptError, InputError, TokenOutOfRangeError
 from ..models.base import LanguageModel
 from ..policy.base import AdaptivePolicy
 from ..policy.costs import CostCurve
 from ..policy.scheduler import RoundReport, Scheduler
 from ..proposers.base import DraftPlan, Proposer
-from ..sample.checks import check_stop_token_ids
+from ..sample.checks import check_prompts, check_stop_token_ids
 from .clock import RoundClock, step_capturers, timed
 from .constraints import ConstraintSet
 from .metrics import MetricsRecorder
@@ -375,28 +374,3 @@ def fill_from_the_end(kept: list[int]) -> list[int]:
     staying = {row for row in kept if row < num_kept}
     movers = iter([row for row in kept if row >= num_kept])
     return [place if place in staying else next(movers) for place in range(num_kept)]
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
-    """Validate a batch of token-id prompts; return them as lists of ints."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise InputError(f"prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]]; "
-                         f"got {prompts!r:.80}.")
-    checked = []
-    for row, prompt in enumerate(prompts):
-        if isinstance(prompt, int) or not isinstance(prompt, Sequence):
-            raise InputError(f"prompts[{row}]={prompt!r:.40} is not a list of token ids; pass a "
-                             "batch, e.g. [[1, 2, 3]] for one prompt.")
-        if len(prompt) == 0:
-            raise EmptyPromptError(f"prompts[{row}] is empty; a prompt needs at least one token "
-                                   "(for example the BOS token).")
-        ids = []
-        for token in prompt:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise InputError(f"prompts[{row}] holds {token!r}; token ids must be ints.")
-            if not 0 <= token < vocab_size:
-                raise TokenOutOfRangeError(f"prompts[{row}] holds token id {token}, outside the "
-                                           f"vocabulary [0, {vocab_size}).")
-            ids.append(token)
-        checked.append(ids)
-    return checked

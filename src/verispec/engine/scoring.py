@@ -18,8 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import MAX_TOP_LOGPROBS, plain_number
-from ..errors import ConfigError
+from ..config import MAX_TOP_LOGPROBS, check_int, plain_number
 from ..models.base import LanguageModel, ScoresApart
 from .rows import TokenLogprob, token_logprobs
 
@@ -36,10 +35,7 @@ def score_prompt(model: LanguageModel, prompt_ids: Sequence[int], num_top: int =
     (checked by the caller, as a prompt is); a session apart from the decoding ones where the
     model needs one (models.base.ScoresApart)."""
     num_top = plain_number(num_top)  # numpy's integers too
-    if isinstance(num_top, bool) or not isinstance(num_top, int) or not (
-            0 <= num_top <= MAX_TOP_LOGPROBS):
-        raise ConfigError(f"num_top={num_top!r} is invalid: expected an integer from 0 to "
-                          f"{MAX_TOP_LOGPROBS}.", field="num_top")
+    check_int("num_top", num_top, 0, MAX_TOP_LOGPROBS)
     ids = [int(token) for token in prompt_ids]
     session = model.scoring_session() if isinstance(model, ScoresApart) else model.new_session()
     session.start([[]])

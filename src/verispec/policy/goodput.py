@@ -372,10 +372,10 @@ class GoodputPolicy(AdaptivePolicy):
         one too until it has: k = 0); while best_k is 0, at intervals doubling up to
         plain_probe_backoff * probe_every and never below what keeps the draft's catch-ups
         within probe_share of the plain rounds' time, except while the draft's acceptance rests
-        on fewer
-        than thin_evidence tested positions: then every probe_every rounds (thin_probes times
-        at most), at the policy's first depth, so that each probe tests several positions (the
-        model's own best depth is shallow then, as its acceptance estimate is)."""
+        on fewer than thin_evidence tested positions: then every probe_every rounds
+        (thin_probes times at most), at the policy's first depth, so that each probe tests
+        several positions (the model's own best depth is shallow then, as its acceptance
+        estimate is)."""
         every = self.config.probe_every
         if self.config.cost_ratio is not None or every == 0:
             return best_k
@@ -411,6 +411,10 @@ class GoodputPolicy(AdaptivePolicy):
             if self._plain_rounds == 0 or self._num_drafting_probes >= self.config.plain_reprobe:
                 self._num_drafting_probes = 0
                 return 0  # the first probe measures a plain round, and every few a fresh one
+        return self._neighbour_probe(best_k)
+
+    def _neighbour_probe(self, best_k: int) -> int:
+        """best_k + 1 and best_k - 1 in turn (the other where one is out of range)."""
         self._probe_up = not self._probe_up
         for step in ((1, -1) if self._probe_up else (-1, 1)):
             probe = self.config.clamp(best_k + step)

@@ -1,12 +1,14 @@
-"""Input checks shared by the verification forms (rejection.py, greedy.py, block.py), and
-as_index, the integer test of theory.py's arguments and of token-id prompts (text/decoder.py).
+"""Input checks shared by the verification forms (rejection.py, greedy.py, block.py), as_index,
+the integer test of theory.py's arguments and of token-id prompts (text/decoder.py), and
+check_prompts, the engine's check of a batch of token-id prompts.
 
 Legend: B batch, K draft tokens (max over rows), V vocabulary.
 
 Each check raises a typed error naming the argument, what was expected and what came:
 ShapeError for shapes, ragged lengths and devices, NonFiniteError for NaN/inf probabilities,
-InputError for negative ones, TokenOutOfRangeError for a draft or stop token outside the
-vocabulary, ConfigError for a generator that is not a torch.Generator. Not here: the math.
+InputError for negative ones or a prompt that is no list of ids (EmptyPromptError for an empty
+one), TokenOutOfRangeError for a draft, stop or prompt token outside the vocabulary, ConfigError
+for a generator that is not a torch.Generator. Not here: the math.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ConfigError, InputError, NonFiniteError, ShapeError, TokenOutOfRangeError
+from ..errors import (
+    ConfigError,
+    EmptyPromptError,
+    InputError,
+    NonFiniteError,
+    ShapeError,
+    TokenOutOfRangeError,
+)
 
 
 def check_verify_inputs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -84,10 +93,10 @@ def check_probs_values(name: str, probs: torch.Tensor) -> None:
     low, high = torch.stack(list(torch.aminmax(probs))).tolist()
     if not (math.isfinite(low) and math.isfinite(high)):
         raise NonFiniteError(f"{name} contains NaN or inf; expected finite probabilities "
-                             "from verispec.sampling.to_probs.")
+                             "from verispec.sample.sampling.to_probs.")
     if low < 0:
         raise InputError(f"{name} holds a negative entry ({low:g}); expected probabilities "
-                         "in [0, 1], e.g. from verispec.sampling.to_probs.")
+                         "in [0, 1], e.g. from verispec.sample.sampling.to_probs.")
 
 
 def check_num_draft(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor | None
@@ -146,3 +155,28 @@ def as_index(value: object) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Validate a batch of token-id prompts; return them as lists of ints."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InputError(f"prompts must be a non-empty list of token-id lists, e.g. [[1, 2, 3]]; "
+                         f"got {prompts!r:.80}.")
+    checked = []
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, int) or not isinstance(prompt, Sequence):
+            raise InputError(f"prompts[{row}]={prompt!r:.40} is not a list of token ids; pass a "
+                             "batch, e.g. [[1, 2, 3]] for one prompt.")
+        if len(prompt) == 0:
+            raise EmptyPromptError(f"prompts[{row}] is empty; a prompt needs at least one token "
+                                   "(for example the BOS token).")
+        ids = []
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InputError(f"prompts[{row}] holds {token!r}; token ids must be ints.")
+            if not 0 <= token < vocab_size:
+                raise TokenOutOfRangeError(f"prompts[{row}] holds token id {token}, outside the "
+                                           f"vocabulary [0, {vocab_size}).")
+            ids.append(token)
+        checked.append(ids)
+    return checked

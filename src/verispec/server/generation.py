@@ -140,7 +140,8 @@ class GenerationService:
             return Echo(text, prompt_ids, None)
         offsets = TextOffsets(self.decoder.tokenizer, end=len(text),
                               skip_special_tokens=not prompt.echo_shows_special_tokens)
-        return Echo(text, prompt_ids, self.decoder.prompt_logprobs(prompt_ids, params.logprobs),
+        return Echo(text, prompt_ids, self.decoder.prompt_logprobs(prompt_ids, params.logprobs,
+                                                                   checked=True),
                     offsets(prompt_ids))
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from ..config import VERIFICATION_RULES, BatchOptions, check_draft_p_min, check_verification
+from ..config import (
+    VERIFICATION_RULES,
+    BatchOptions,
+    check_bool,
+    check_draft_p_min,
+    check_verification,
+    require,
+)
 from ..engine.engine import Engine
 from ..errors import ConfigError
 from ..models.base import LanguageModel
@@ -95,14 +102,11 @@ class DecoderOptions:
     def __post_init__(self) -> None:
         check_verification(self.verification)
         check_draft_p_min(self.draft_p_min)
-        if not isinstance(self.hybrid_chain, bool):
-            raise ConfigError(f"hybrid_chain={self.hybrid_chain!r} is invalid: expected True or "
-                              "False.")
+        check_bool("hybrid_chain", self.hybrid_chain)
         BatchOptions(adaptive=self.adaptive, num_draft_tokens=1 if self.num_draft_tokens is None
                      else self.num_draft_tokens)  # checks k and adaptive
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r} is invalid: expected one of "
-                              f"{', '.join(BACKENDS)}.")
+        require(self.backend in BACKENDS, "backend", self.backend,
+                f"one of {', '.join(BACKENDS)}")
 
 
 @dataclass(frozen=True)
@@ -191,9 +195,8 @@ def hybrid_lookup(hybrid: object, draft: object, target: object
     """The lookup settings of a hybrid proposer (None: not hybrid), checked against the draft."""
     if hybrid is False or hybrid is None:
         return None
-    if not (hybrid is True or isinstance(hybrid, ModelFreeDraft)):
-        raise ConfigError(f"hybrid={hybrid!r} is invalid: expected True, False, "
-                          "NgramDraft(...) or SuffixDraft(...) (the lookup's settings).")
+    require(hybrid is True or isinstance(hybrid, ModelFreeDraft), "hybrid", hybrid,
+            "True, False, NgramDraft(...) or SuffixDraft(...) (the lookup's settings)")
     if _no_draft_model(draft, target):
         given = f"draft={type(draft).__name__}()" if draft is not None else "no draft"
         raise ConfigError(f"hybrid falls back on a draft model where lookup finds nothing, and "

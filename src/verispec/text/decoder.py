@@ -152,8 +152,8 @@ class Decoder:
                                    "a message with some content.", field="messages")
         return ids
 
-    def prompt_logprobs(self, prompt: str | Sequence[int], num_top: int = 0
-                        ) -> list[TokenLogprob | None]:
+    def prompt_logprobs(self, prompt: str | Sequence[int], num_top: int = 0, *,
+                        checked: bool = False) -> list[TokenLogprob | None]:
         """Each token of ``prompt`` (text, encoded as :meth:`generate` encodes it, or token
         ids) scored by the target: its logprob under the target's raw next-token distribution
         (log_softmax of the logits: no penalties, bias or temperature) after the tokens before
@@ -162,8 +162,11 @@ class Decoder:
         from any running generation.
 
             [lp.logprob for lp in dec.prompt_logprobs("The cat sat")[1:]]
+
+        ``checked``: ``prompt`` is token ids that :meth:`encode` returned already (the server's
+        echo), not checked again.
         """
-        prompt_ids = self.encode(prompt)
+        prompt_ids = list(prompt) if checked else self.encode(prompt)
         window = self.target.max_positions
         if window is not None and len(prompt_ids) > window:
             raise ContextLengthExceeded(

@@ -25,7 +25,10 @@ from ..config import (
     GenerationConfig,
     PenaltyConfig,
     SamplingConfig,
+    check_bool,
+    is_int,
     plain_number,
+    require,
 )
 from ..engine.constraints import ConstraintSet
 from ..errors import ConfigError
@@ -141,17 +144,14 @@ def penalty_config(settings: RequestSettings, vocab_size: int) -> PenaltyConfig:
     bias = settings.logit_bias
     if bias is None:
         pairs: tuple[tuple[int, float], ...] = ()
-    elif not isinstance(bias, Mapping):
-        raise ConfigError(f"logit_bias={bias!r:.60} is invalid: expected a mapping "
-                          "{token id: bias}, e.g. {50256: -100}.", field="logit_bias")
     else:
+        require(isinstance(bias, Mapping), "logit_bias", bias,
+                "a mapping {token id: bias}, e.g. {50256: -100}")
         for token in bias:
             token = plain_number(token)
-            if isinstance(token, bool) or not isinstance(token, int) or not (
-                    0 <= token < vocab_size):
-                raise ConfigError(f"logit_bias key {token!r:.40} is invalid: expected a token "
-                                  f"id of the model, an integer in [0, {vocab_size}).",
-                                  field="logit_bias")
+            require(is_int(token) and 0 <= token < vocab_size, "logit_bias", bias,
+                    f"token ids of the model as keys, integers in [0, {vocab_size}) "
+                    f"({token!r:.40} is not)")
         # numpy keys as ints (PenaltyConfig refuses two keys of one id, e.g. 5 and np.int64(5))
         pairs = tuple(sorted(((plain_number(token), value) for token, value in bias.items()),
                              key=lambda pair: pair[0]))
@@ -161,9 +161,8 @@ def penalty_config(settings: RequestSettings, vocab_size: int) -> PenaltyConfig:
 
 
 def check_flag(name: str, value: object) -> None:
-    """``value`` is True or False, else ConfigError naming ``name``."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} is invalid: expected True or False.", field=name)
+    """``value`` is True or False, else ConfigError naming ``name`` (config.check_bool)."""
+    check_bool(name, value)
 
 
 def check_keywords(settings_class: type, caller: str, given: Mapping[str, object],

@@ -40,24 +40,8 @@ def write_probe_model(path: Path, weight_type: str = "Q8_0") -> None:
     rng = np.random.default_rng(0)
     tokens = list(_SPECIALS) + [f"<0x{byte:02X}>" for byte in range(256)]
     tokens += [f"w{index}" for index in range(_NUM_WORDS)]
-    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.BYTE] * 256
-    types += [gguf.TokenType.NORMAL] * _NUM_WORDS
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(256)
-    writer.add_embedding_length(_EMBED)
-    writer.add_block_count(_LAYERS)
-    writer.add_feed_forward_length(_FFN)
-    writer.add_head_count(_HEADS)
-    writer.add_head_count_kv(_HEADS)
-    writer.add_rope_dimension_count(_EMBED // _HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    _write_header(writer, gguf, tokens)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         weight = rng.normal(0.0, 0.05, size=(rows, cols)).astype(np.float32)
@@ -85,6 +69,28 @@ def write_probe_model(path: Path, weight_type: str = "Q8_0") -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _write_header(writer, gguf, tokens: list[str]) -> None:
+    """The probe model's hyperparameters and its vocabulary (3 control, 256 byte tokens, then
+    words)."""
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * (len(tokens) - len(types))
+    writer.add_context_length(256)
+    writer.add_embedding_length(_EMBED)
+    writer.add_block_count(_LAYERS)
+    writer.add_feed_forward_length(_FFN)
+    writer.add_head_count(_HEADS)
+    writer.add_head_count_kv(_HEADS)
+    writer.add_rope_dimension_count(_EMBED // _HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
 
 
 def run_probe(folder: Path) -> str:

@@ -34,13 +34,17 @@ PROMPTS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 200) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 200, corpus: list[str] = CORPUS,
+                    special_tokens: tuple[str, ...] = ("<|endoftext|>",)
+                    ) -> PreTrainedTokenizerFast:
+    """Bytes, then merges up to ``vocab_size`` learned from ``corpus``; ``special_tokens``
+    first (ids 0, 1, ...), <|endoftext|> among them."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    tokenizer.train_from_iterator(corpus * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", pad_token="<|endoftext|>")
 

@@ -148,7 +148,7 @@ class DraftModelSession:
         fills its k_b draws nothing (its prefix is not fed). Not under a grammar: a
         ``constraint`` advances every row together from the round's first position."""
         assert prefixes is None or constraint is None, "a grammar's rows advance together"
-        drafting = _Round.start(plan, prefixes, len(self.unfed))
+        drafting = DraftRound.start(plan, prefixes, len(self.unfed))
         inputs = None
         for step in range(max(drafting.counts)):
             if step == 0:
@@ -163,7 +163,7 @@ class DraftModelSession:
         self._fed = drafting.fed()
         return proposal
 
-    def _draw(self, drafting: _Round, plan: DraftPlan, logits: torch.Tensor, step: int,
+    def _draw(self, drafting: DraftRound, plan: DraftPlan, logits: torch.Tensor, step: int,
               constraint: RoundConstraint | None) -> bool:
         """One draft step over every row, from its logits [B, V]: the rows' tokens (processed,
         masked, drawn, stopped by the floor, raced) join ``drafting``. -> whether any row
@@ -231,8 +231,9 @@ class DraftModelSession:
                       in zip(proposal, kept, num_accepted, next_tokens)]
 
 
-class _Round:
-    """One proposal's rows while the draft model steps (DraftModelSession.propose_after).
+class DraftRound:
+    """One proposal's rows while the draft model steps (DraftModelSession.propose_after; the
+    cross-vocabulary intersection rule's steps, proposers/cross_vocab/rules.py).
 
     prefixes: each row's tokens proposed before the model's (a lookup's; [] for none);
     counts: the model tokens each row proposes at most (k_b - its prefix, cut by the floor);
@@ -255,7 +256,7 @@ class _Round:
 
     @classmethod
     def start(cls, plan: DraftPlan, prefixes: Sequence[Sequence[int]] | None,
-              num_rows: int) -> _Round:
+              num_rows: int) -> DraftRound:
         """The round's rows before the first step, their uniforms drawn (each generator group
         in one draw, sample.sampling.draw_step_uniforms; a keyed row races instead)."""
         assert len(plan.num_draft_tokens) == num_rows
@@ -292,10 +293,13 @@ class _Round:
 
     def stop_unsure(self, step: int, confidence: dict[int, float], floor: float) -> None:
         """Rows less confident than ``floor`` at this step propose nothing from here on."""
-        for row, value in confidence.items():
-            if value < floor:
-                self.counts[row] = step
-                self.sampled[row] = min(self.sampled[row], step)
+        self.stop_at(step, [row for row, value in confidence.items() if value < floor])
+
+    def stop_at(self, step: int, rows: Sequence[int]) -> None:
+        """These rows propose nothing from this step on (their draft ends before it)."""
+        for row in rows:
+            self.counts[row] = step
+            self.sampled[row] = min(self.sampled[row], step)
 
     def take(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """A step's tokens [B] and probs [B, V] (or None) join the round."""

@@ -55,6 +55,7 @@ logger = logging.getLogger("verispec.llama_cpp")
 INSTALL_HINT = ("pip install 'verispec[llamacpp]' (it builds llama.cpp from source: several "
                 "minutes on a small machine)")
 DEFAULT_MAX_CONTEXT = 4096  # n_ctx when none is set: the model's trained window, capped here
+ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"  # GGUF key: a space before the first word
 
 
 def is_available() -> bool:
@@ -169,7 +170,12 @@ class LlamaCppModel:
     """A GGUF file loaded by llama.cpp (weights and vocabulary); freed with the object."""
 
     def __init__(self, path: str | Path, role: str = "target",
-                 config: LlamaCppConfig | None = None) -> None:
+                 config: LlamaCppConfig | None = None, vocab_only: bool = False,
+                 add_space_prefix: bool | None = None) -> None:
+        """``vocab_only``: load the vocabulary and metadata, no weights (a tokenizer only: it
+        cannot open a context). ``add_space_prefix``: override the file's
+        tokenizer.ggml.add_space_prefix (a SentencePiece vocabulary's space before the first
+        word); None keeps the file's."""
         config = LlamaCppConfig() if config is None else config
         llama_cpp = bindings()
         file = Path(path).expanduser()
@@ -177,7 +183,9 @@ class LlamaCppModel:
             raise ModelLoadError(f"{role} GGUF file {str(path)!r} does not exist; pass the path "
                                  "of an existing .gguf file.")
         _check_magic(file, role)
-        handle, self.kernels, self.weight_buffers = _load_model(llama_cpp, file, config.repack)
+        overrides = {} if add_space_prefix is None else {ADD_SPACE_PREFIX: add_space_prefix}
+        handle, self.kernels, self.weight_buffers = _load_model(llama_cpp, file, config.repack,
+                                                                vocab_only, overrides)
         if not handle:
             reason = "; ".join(_LOG.errors) or "llama.cpp could not read it"
             raise ModelLoadError(f"llama.cpp could not load the {role} from {str(path)!r}: "
@@ -222,23 +230,46 @@ class LlamaCppModel:
             size = length + 1
 
 
-def _load_model(llama_cpp, file: Path, repack: str) -> tuple[object, KernelPlan, dict[str, float]]:
+def _load_model(llama_cpp, file: Path, repack: str, vocab_only: bool = False,
+                overrides: dict[str, bool] | None = None
+                ) -> tuple[object, KernelPlan, dict[str, float]]:
     """llama.cpp's model handle (None when it could not load), the kernel plan it loaded under,
-    and the MiB of weights each buffer type holds (read from llama.cpp's load log)."""
+    and the MiB of weights each buffer type holds (read from llama.cpp's load log).
+    ``overrides``: GGUF metadata keys read as these booleans instead of the file's values."""
     buffers: dict[str, float] = {}
+    kv_overrides = _bool_overrides(llama_cpp, overrides or {})  # alive until the load returns
 
     def load(use_extra_bufts: bool):
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0  # CPU: the build this package installs has no GPU backend
         params.use_extra_bufts = use_extra_bufts
+        params.vocab_only = vocab_only
+        if kv_overrides is not None:
+            params.kv_overrides = ctypes.cast(
+                kv_overrides, ctypes.POINTER(llama_cpp.llama_model_kv_override))
         _LOG.errors, _LOG.buffers = [], buffers
         try:
             return llama_cpp.llama_model_load_from_file(str(file).encode(), params)
         finally:
             _LOG.buffers = None
 
+    if vocab_only:  # no weights, so no kernels to choose
+        return load(False), KernelPlan(False, (), "vocabulary only: no weights"), buffers
     handle, plan = load_with_kernels(llama_cpp, repack, load)
     return handle, plan, buffers
+
+
+def _bool_overrides(llama_cpp, overrides: dict[str, bool]):
+    """llama.cpp's override array for ``overrides`` (ended by an entry with an empty key), or
+    None when there are none."""
+    if not overrides:
+        return None
+    array = (llama_cpp.llama_model_kv_override * (len(overrides) + 1))()
+    for entry, (key, value) in zip(array, overrides.items()):
+        entry.tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL
+        entry.key = key.encode()
+        entry.value.val_bool = value
+    return array
 
 
 def _check_magic(file: Path, role: str) -> None:

@@ -25,7 +25,7 @@ class LlamaCppTokenizer:
 
     def __init__(self, model: LlamaCppModel) -> None:
         llama_cpp = bindings()
-        self._model = model  # keeps the vocabulary's memory alive
+        self.model = model  # keeps the vocabulary's memory alive
         self._vocab = model.vocab
         self._size = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._add_special = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))

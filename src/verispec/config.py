@@ -343,6 +343,12 @@ POLICY_NAMES = ("goodput", "goodput-plain", "threshold")
 # what a hybrid proposer looks up before its draft model (--hybrid-lookup; proposers/hybrid.py):
 # prompt lookup of the last 2-3 tokens, or the suffix drafter; the first is the default
 HYBRID_LOOKUPS = ("ngram", "suffix")
+# how a draft of another tokenizer proposes (--cross-vocab; proposers/cross_vocab.py): "string"
+# re-tokenizes the draft's text into target tokens, verified as a point mass; "intersection"
+# draws over the tokens both vocabularies share, verified by the ratio test; "auto" picks by
+# the pair's shared vocabulary (docs/cross_vocab.md)
+CROSS_VOCAB_RULES = ("string", "intersection")  # the first works for every pair
+CROSS_VOCAB_MODES = ("auto", *CROSS_VOCAB_RULES)
 # the rules a sampled `verispec bench` row can run under: block and token verification of
 # unseeded rows (their generator seeded by the bench), and "seeded": a row with a seed, whose
 # tokens are races on keyed clocks (sample/seeded.py), which couples the draft to the target instead

@@ -175,7 +175,7 @@ def _load_decoder(args: argparse.Namespace):
                 hybrid=lookup_named(args.hybrid_lookup) if args.hybrid else False,
                 llama_cpp_config=llama_cpp_config(args), chat_template=args.chat_template,
                 cuda_graphs=args.cuda_graphs, hybrid_chain=args.hybrid_chain,
-                draft_p_min=args.draft_p_min)
+                draft_p_min=args.draft_p_min, cross_vocab=args.cross_vocab)
 
 
 def _request_settings(args: argparse.Namespace) -> dict[str, object]:

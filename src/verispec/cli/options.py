@@ -10,6 +10,7 @@ import json
 
 from ..config import (
     COST_CURVE_MODES,
+    CROSS_VOCAB_MODES,
     HYBRID_LOOKUPS,
     POLICY_NAMES,
     REPACK_MODES,
@@ -140,6 +141,12 @@ def _add_drafting_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--hybrid-chain", action="store_true",
                        help="with --hybrid, a row whose lookup finds fewer than k tokens goes "
                        "on with the draft model's after them in the same round")
+    group.add_argument("--cross-vocab", choices=CROSS_VOCAB_MODES, default=CROSS_VOCAB_MODES[0],
+                       help="how a draft of another tokenizer than the target's proposes: "
+                       "string (its text re-tokenized into target tokens, kept where they "
+                       "match the target's own), intersection (drawn over the tokens both "
+                       "vocabularies share, ratio-tested) or auto (by how much of the two "
+                       f"vocabularies is shared) (default: {CROSS_VOCAB_MODES[0]})")
     group.add_argument("--draft-p-min", type=float, default=0.0, metavar="P",
                        help="the draft model's confidence floor, 0 to 1: a draft ends before "
                        "the first position where its most likely token is less likely than "

@@ -172,6 +172,33 @@ class TokenText(Protocol):
         ...
 
 
+def shared_token_pairs(draft: TokenText, target: TokenText, draft_limit: int | None = None,
+                       target_limit: int | None = None) -> list[tuple[int, int]]:
+    """The tokens two vocabularies share, as (draft id, target id) sorted by draft id: a
+    non-special token with a non-special one of identical non-empty bytes, a special token with
+    a special one of the same text, never a special with a plain token. Where one vocabulary
+    has several ids of the same bytes (a byte-fallback token and a plain one), the lowest
+    stands for them (encode yields one; the others are duplicates). ``*_limit``: only ids below
+    it (a model's logits narrower than its tokenizer; None: the whole vocabulary)."""
+    draft_plain, draft_special = _lowest_ids(draft, draft_limit)
+    target_plain, target_special = _lowest_ids(target, target_limit)
+    return sorted([(i, target_plain[b]) for b, i in draft_plain.items() if b in target_plain]
+                  + [(i, target_special[b]) for b, i in draft_special.items()
+                     if b in target_special])
+
+
+def _lowest_ids(text: TokenText, limit: int | None) -> tuple[dict[bytes, int], dict[bytes, int]]:
+    """(bytes -> lowest non-special id, text -> lowest special id) below ``limit``; empty
+    pieces left out."""
+    plain: dict[bytes, int] = {}
+    special: dict[bytes, int] = {}
+    for token_id in range(text.vocab_size if limit is None else min(text.vocab_size, limit)):
+        piece = text.piece(token_id)
+        if piece:
+            (special if text.is_special(token_id) else plain).setdefault(piece, token_id)
+    return plain, special
+
+
 def feed_rows(rows: Sequence[Sequence[int]], num_rows: int) -> list[list[int]]:
     """``rows`` (one sequence of ids per row) as lists, checked to be ``num_rows`` of them."""
     if len(rows) != num_rows:

@@ -127,20 +127,27 @@ def load_tokenizer(source: str | Path, role: str, model_dir: bool = False
         raise _load_failure(str(source), role, "tokenizer", exc) from exc
 
 
-def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
-    """Raise IncompatibleModelsError unless the two tokenizers map text to the same ids."""
+def tokenizer_difference(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase
+                         ) -> str | None:
+    """Why the two tokenizers do not map text to the same ids, or None where they do."""
     if target.get_vocab() != draft.get_vocab():
         only_target = len(set(target.get_vocab().items()) - set(draft.get_vocab().items()))
-        raise IncompatibleModelsError(
-            f"the draft's tokenizer differs from the target's ({len(target)} vs {len(draft)} "
-            f"tokens, {only_target} target entries missing or renumbered in the draft); "
-            "speculative decoding needs one shared tokenizer: pick a draft from the same family.")
+        return (f"the draft's tokenizer differs from the target's ({len(target)} vs "
+                f"{len(draft)} tokens, {only_target} target entries missing or renumbered in "
+                "the draft)")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         target_id, draft_id = getattr(target, name, None), getattr(draft, name, None)
         if target_id != draft_id:
-            raise IncompatibleModelsError(
-                f"special token {name} differs: target {target_id}, draft {draft_id}; the "
-                "draft and the target must share one tokenizer.")
+            return f"special token {name} differs: target {target_id}, draft {draft_id}"
+    return None
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Raise IncompatibleModelsError unless the two tokenizers map text to the same ids."""
+    difference = tokenizer_difference(target, draft)
+    if difference is not None:
+        raise IncompatibleModelsError(f"{difference}; a draft of the target's own vocabulary "
+                                      "shares one tokenizer: pick one from the same family.")
 
 
 def common_vocab_size(tokenizer: PreTrainedTokenizerBase, *widths: int) -> int:

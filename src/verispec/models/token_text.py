@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import IncompatibleModelsError
-from .base import TokenText
+from .base import TokenText, shared_token_pairs
 from .hf.token_text import HfTokenText
 from .llama_cpp.token_text import LlamaCppTokenText
 from .llama_cpp.tokenizer import LlamaCppTokenizer
@@ -94,18 +94,12 @@ class VocabMap:
 
 
 def shared_vocabulary(draft: TokenText, target: TokenText) -> VocabMap:
-    """The intersection of two vocabularies: non-special tokens with equal non-empty bytes,
-    special tokens with equal non-empty text. Where several ids of one tokenizer append the
-    same bytes, the lowest stands for them all (a tokenizer's encode gives one of them; the
-    others are duplicates its encode never yields)."""
-    draft_text, draft_special = _lowest_ids(draft)
-    target_text, target_special = _lowest_ids(target)
-    text_pairs = [(i, target_text[b]) for b, i in draft_text.items() if b in target_text]
-    special_pairs = [(i, target_special[b]) for b, i in draft_special.items()
-                     if b in target_special]
-    pairs = sorted(text_pairs + special_pairs)
+    """The intersection of two vocabularies (models.base.shared_token_pairs: non-special tokens
+    with equal non-empty bytes, special tokens with equal text, the lowest id of equal pieces)."""
+    pairs = shared_token_pairs(draft, target)
+    num_special = sum(draft.is_special(draft_id) for draft_id, _ in pairs)
     ids = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)  # [N, 2]
-    return VocabMap(ids[:, 0].contiguous(), ids[:, 1].contiguous(), len(special_pairs),
+    return VocabMap(ids[:, 0].contiguous(), ids[:, 1].contiguous(), num_special,
                     draft.vocab_size, target.vocab_size)
 
 
@@ -138,14 +132,3 @@ def check_cross_pair(draft: TokenText, target: TokenText) -> VocabMap:
     check_decodes_text(draft, "draft")
     check_decodes_text(target, "target")
     return shared
-
-
-def _lowest_ids(text: TokenText) -> tuple[dict[bytes, int], dict[bytes, int]]:
-    """(bytes -> lowest non-special id, text -> lowest special id), empty pieces left out."""
-    plain: dict[bytes, int] = {}
-    special: dict[bytes, int] = {}
-    for token_id in range(text.vocab_size):
-        piece = text.piece(token_id)
-        if piece:
-            (special if text.is_special(token_id) else plain).setdefault(piece, token_id)
-    return plain, special

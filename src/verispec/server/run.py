@@ -44,6 +44,7 @@ def load_decoder(settings: ServerSettings):
                 adaptive=adaptive_policy(settings), verification=settings.verification,
                 hybrid=hybrid_lookup(settings.hybrid_lookup) if settings.hybrid else False,
                 hybrid_chain=settings.hybrid_chain, draft_p_min=settings.draft_p_min,
+                cross_vocab=settings.cross_vocab,
                 backend=settings.backend,
                 chat_template=settings.chat_template, cuda_graphs=not settings.no_cuda_graphs,
                 llama_cpp_config=LlamaCppConfig(num_threads=settings.threads,
@@ -111,6 +112,8 @@ def describe_decoding(decoder, settings: ServerSettings) -> str:
         how = [f"{settings.hybrid_lookup} lookup"] if settings.hybrid_lookup != "ngram" else []
         how += ["chained"] if settings.hybrid_chain else []
         drafting += f" ({', '.join(how)})" if how else ""
+    if decoder.cross_vocab is not None:
+        drafting += f" of another tokenizer ({decoder.cross_vocab} rule)"
     if settings.draft_p_min:
         drafting += f", draft-p-min {settings.draft_p_min}"
     depth = f"k = {decoder.num_draft_tokens}"

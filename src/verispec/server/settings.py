@@ -19,6 +19,7 @@ from os import PathLike
 
 from ..config import (
     COST_CURVE_MODES,
+    CROSS_VOCAB_MODES,
     HYBRID_LOOKUPS,
     MAX_NUM_DRAFT_TOKENS,
     POLICY_NAMES,
@@ -124,6 +125,12 @@ class ServerSettings:
                                   "is less likely than this (a greedy request's at temperature "
                                   "1); exact, it changes only how many tokens are drafted; "
                                   "0: none", metavar="P")
+    cross_vocab: str = _setting(
+        CROSS_VOCAB_MODES[0], "how a draft of another tokenizer than the target's proposes: "
+        "string (its text re-tokenized into target tokens, kept where they match the target's "
+        "own), intersection (drawn over the tokens both vocabularies share, ratio-tested) or "
+        "auto (by how much of the two vocabularies is shared)", choices=CROSS_VOCAB_MODES,
+        value_type=str)
     no_draft: bool = _setting(False, "serve the target alone: plain decoding through the same "
                               "code path")
     chat_template: str | None = _setting(
@@ -269,6 +276,8 @@ class ServerSettings:
                 self.adaptive, f"one of {', '.join(POLICY_NAMES)} or fixed")
         require(not (self.adaptive not in (None, "fixed") and self.no_draft), "adaptive",
                 self.adaptive, "no --adaptive with --no-draft (there is no draft depth to adapt)")
+        require(self.cross_vocab in CROSS_VOCAB_MODES, "cross_vocab", self.cross_vocab,
+                " or ".join(CROSS_VOCAB_MODES))
         require(self.verification in VERIFICATION_RULES, "verification", self.verification,
                 " or ".join(VERIFICATION_RULES))
         require(not self.carry_over or self.depth_policy is not None, "carry_over",
@@ -354,10 +363,10 @@ def add_field_argument(group, f: Field) -> None:
 
 
 _MODEL_FIELDS = frozenset({"target", "draft", "suffix", "hybrid", "hybrid_lookup",
-                           "hybrid_chain", "draft_p_min", "no_draft", "chat_template",
-                           "device", "dtype", "backend", "no_cuda_graphs", "context_size",
-                           "repack", "uniform_passes", "num_draft_tokens", "adaptive",
-                           "carry_over", "threads", "verification"})
+                           "hybrid_chain", "draft_p_min", "cross_vocab", "no_draft",
+                           "chat_template", "device", "dtype", "backend", "no_cuda_graphs",
+                           "context_size", "repack", "uniform_passes", "num_draft_tokens",
+                           "adaptive", "carry_over", "threads", "verification"})
 
 
 # the field annotations used above (strings: this module has postponed annotations)

@@ -16,6 +16,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from ..config import (
+    CROSS_VOCAB_MODES,
     VERIFICATION_RULES,
     BatchOptions,
     check_bool,
@@ -44,6 +45,9 @@ from ..proposers.suffix import SuffixDraft
 from .chat import ChatTemplate, chat_template_for, end_of_turn_ids
 
 LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
+# "auto" drafts a draft of another tokenizer by the intersection rule where the vocabularies share
+# at least this fraction of the draft's tokens, else by the string rule (docs/cross_vocab.md)
+CROSS_VOCAB_SHARE = 0.5
 BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 
 
@@ -86,6 +90,11 @@ class DecoderOptions:
     Jinja file (chat.py); None: the model's own (chat then refuses a model that has none).
     cuda_graphs: on a CUDA device the fast path's decoding steps are captured as CUDA graphs and
     replayed (models/fast_llama/step_graphs.py); False runs them eagerly.
+    cross_vocab: how a draft of another tokenizer proposes (config.CROSS_VOCAB_MODES,
+    ``--cross-vocab``; proposers/cross_vocab.py): "string" (its text re-tokenized into target
+    tokens, verified by exact match), "intersection" (drawn over the shared tokens, verified by
+    the ratio test) or "auto" (docs/cross_vocab.md says which); unused with a draft of the
+    target's own vocabulary.
     """
 
     num_draft_tokens: int | None = None
@@ -98,9 +107,12 @@ class DecoderOptions:
     cuda_graphs: bool = True
     hybrid_chain: bool = False
     draft_p_min: float = 0.0
+    cross_vocab: str = CROSS_VOCAB_MODES[0]
 
     def __post_init__(self) -> None:
         check_verification(self.verification)
+        require(self.cross_vocab in CROSS_VOCAB_MODES, "cross_vocab", self.cross_vocab,
+                " or ".join(repr(rule) for rule in CROSS_VOCAB_MODES))
         check_draft_p_min(self.draft_p_min)
         check_bool("hybrid_chain", self.hybrid_chain)
         BatchOptions(adaptive=self.adaptive, num_draft_tokens=1 if self.num_draft_tokens is None
@@ -128,34 +140,43 @@ class DecoderParts:
     batch_options: BatchOptions
     verification: str
     cost_curve: CostCurve | None = None
+    cross_vocab: str | None = None  # the rule of a draft of another tokenizer (None: none)
 
 
 def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | ModelFreeDraft
-             | None, options: DecoderOptions) -> DecoderParts:
+             | None, options: DecoderOptions, draft_tokenizer=None) -> DecoderParts:
     """The parts a Decoder holds, built from loaded models; raises IncompatibleModelsError
-    where a model's output is narrower than the tokenizer, ConfigError for options that do not
-    combine with the models."""
+    where a model's output is narrower than its tokenizer, ConfigError for options that do not
+    combine with the models. ``draft_tokenizer``: the draft model's, where it is not the
+    target's (a draft of another vocabulary, proposers/cross_vocab.py); None: one tokenizer."""
     hybrid = hybrid_lookup(options.hybrid, draft_model, target_model)
     check_draft_model_options(options, hybrid, draft_model, target_model)
     # a model-free draft (n-gram or suffix settings) drafts without a model adapter
     model_free = draft_model if isinstance(draft_model, ModelFreeDraft) else None
     draft_model = None if model_free is not None else draft_model
+    cross = draft_tokenizer is not None and draft_model is not None
     vocab_size = common_vocab_size(tokenizer, *(
-        _num_logits(model) for model in (target_model, draft_model) if model is not None))
+        _num_logits(model) for model in (target_model, None if cross else draft_model)
+        if model is not None))
     chat_template = chat_template_for(options.chat_template, tokenizer)
     stop_token_ids = _stop_token_ids(tokenizer, chat_template)
     target = wrap_model(target_model, vocab_size, options.backend, options.llama_cpp_config,
                         cuda_graphs=options.cuda_graphs)
     draft = None if draft_model is None else wrap_model(
-        draft_model, vocab_size, options.backend, options.llama_cpp_config, draft=True,
+        draft_model, common_vocab_size(draft_tokenizer, _num_logits(draft_model)) if cross
+        else vocab_size, options.backend, options.llama_cpp_config, draft=True,
         cuda_graphs=options.cuda_graphs)
     cost_curve = measure_cost_curve(target, draft)
-    engine = Engine(target, _proposer(vocab_size, draft, model_free, hybrid, options),
-                                cost_curve)
+    if cross:
+        proposer, rule = _cross_vocab_proposer(draft, draft_tokenizer, tokenizer, vocab_size,
+                                               hybrid, options)
+    else:
+        proposer, rule = _proposer(vocab_size, draft, model_free, hybrid, options), None
+    engine = Engine(target, proposer, cost_curve)
     batch_options = BatchOptions(adaptive=options.adaptive, num_draft_tokens=_num_draft_tokens(
         options.num_draft_tokens, target, model_free, cost_curve))
     return DecoderParts(target, draft, model_free, hybrid, engine, chat_template, stop_token_ids,
-                        batch_options, options.verification, cost_curve)
+                        batch_options, options.verification, cost_curve, rule)
 
 
 def measure_cost_curve(target: LanguageModel, draft: LanguageModel | None) -> CostCurve | None:
@@ -234,6 +255,41 @@ def _proposer(vocab_size: int, draft: LanguageModel | None, model_free: ModelFre
     proposer = None if draft is None else DraftModelProposer(draft, options.draft_p_min)
     return proposer if hybrid is None else HybridProposer(proposer, hybrid,
                                                           options.hybrid_chain)
+
+
+def _cross_vocab_proposer(draft: LanguageModel, draft_tokenizer, tokenizer, vocab_size: int,
+                          hybrid: NgramDraft | SuffixDraft | None, options: DecoderOptions
+                          ) -> tuple[Proposer, str]:
+    """A draft of another tokenizer than the target's, and the rule it drafts by: the one
+    ``options.cross_vocab`` names, or for "auto" the intersection rule where the two
+    vocabularies share most of the draft's tokens, else the string rule (docs/cross_vocab.md).
+    ConfigError for the draft-model options it does not take."""
+    from ..models.token_text import check_cross_pair, token_text
+    from ..proposers.cross_vocab import CrossVocabProposer
+
+    for name, value in (("hybrid", hybrid is not None), ("draft_p_min", options.draft_p_min)):
+        if value:
+            raise ConfigError(f"{name} is not available with a draft of another tokenizer than "
+                              "the target's; drop it, or draft with a model of the target's "
+                              "own vocabulary.", field=name)
+    draft_text, target_text = token_text(draft_tokenizer, "draft"), token_text(tokenizer, "target")
+    shared = check_cross_pair(draft_text, target_text)  # text in common, spelled back exactly
+    rule = options.cross_vocab
+    if rule == "auto":
+        rule = "intersection" if shared.draft_coverage >= CROSS_VOCAB_SHARE else "string"
+    proposer = CrossVocabProposer(draft, draft_text, target_text, rule,
+                                  draft_prefix=_added_prefix(draft_tokenizer),
+                                  target_vocab_size=vocab_size)
+    return proposer, rule
+
+
+def _added_prefix(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before a text of its own accord (its BOS, where it adds one):
+    what a draft model expects its context to start with."""
+    with_special = tokenizer.encode("a")
+    without = tokenizer.encode("a", add_special_tokens=False)
+    cut = len(with_special) - len(without)
+    return list(with_special[:cut]) if cut > 0 and with_special[cut:] == without else []
 
 
 def _num_draft_tokens(asked: int | None, target: LanguageModel, model_free: ModelFreeDraft | None,

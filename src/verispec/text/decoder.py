@@ -45,9 +45,11 @@ from .stream import Completion, check_stop
 class Decoder:
     """Text in, text out: speculative (or plain) decoding of a loaded model pair.
 
-    ``Decoder(target_model, tokenizer, draft_model=None, **options)`` builds one from models
-    already loaded; ``options`` are DecoderOptions' fields (assemble.py, where each is
-    documented), the keywords of ``verispec.load()`` of the same names.
+    ``Decoder(target_model, tokenizer, draft_model=None, draft_tokenizer=None, **options)``
+    builds one from models already loaded; ``draft_tokenizer``: the draft's, where it is not
+    the target's (a draft of another vocabulary, drafting by the ``cross_vocab`` rule);
+    ``options`` are DecoderOptions' fields (assemble.py, where each is documented), the
+    keywords of ``verispec.load()`` of the same names.
 
     One path: a call on one prompt, on a list of prompts, and the server's continuous batching
     all run on a :class:`verispec.text.batch.TextBatch` (:meth:`open_batch`); a call opens one
@@ -56,9 +58,10 @@ class Decoder:
     """
 
     def __init__(self, target_model: LoadedModel, tokenizer,
-                 draft_model: LoadedModel | ModelFreeDraft | None = None, **options) -> None:
+                 draft_model: LoadedModel | ModelFreeDraft | None = None, *,
+                 draft_tokenizer=None, **options) -> None:
         parts = assemble(target_model, tokenizer, draft_model,
-                         settings_of(DecoderOptions, "Decoder", options))
+                         settings_of(DecoderOptions, "Decoder", options), draft_tokenizer)
         self.tokenizer, self.chat_template = tokenizer, parts.chat_template
         self.target, self.draft, self.engine = parts.target, parts.draft, parts.engine
         self.model_free, self.hybrid = parts.model_free, parts.hybrid
@@ -66,6 +69,7 @@ class Decoder:
         self.batch_options = parts.batch_options  # the batches it opens, unless a call says
         self.verification = parts.verification  # of rows that name none
         self.cost_curve = parts.cost_curve  # the pair's measured pass costs (None: not measured)
+        self.cross_vocab = parts.cross_vocab  # a draft of another tokenizer: its rule (else None)
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
 
     @property

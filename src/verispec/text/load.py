@@ -15,18 +15,18 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..config import VERIFICATION_RULES
+from ..config import CROSS_VOCAB_MODES, VERIFICATION_RULES
 from ..errors import ConfigError
 from ..models.llama_cpp import model as llama_cpp
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
 from ..models.loading import (
-    check_same_tokenizer,
     is_gguf,
     load_model,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    tokenizer_difference,
 )
 from ..models.packaged import resolve_packaged
 from ..policy.base import AdaptivePolicyConfig
@@ -36,8 +36,8 @@ from .decoder import Decoder
 
 ModelSource = str | Path | PreTrainedModel
 # what load() hands a Decoder: the target, its tokenizer, the draft (a model, model-free
-# settings, or None)
-LoadedPair = tuple[LoadedModel, object, LoadedModel | ModelFreeDraft | None]
+# settings, or None), and the draft's tokenizer where it is not the target's (else None)
+LoadedPair = tuple[LoadedModel, object, LoadedModel | ModelFreeDraft | None, object]
 
 
 def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft | None = None, *,
@@ -48,7 +48,8 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
          llama_cpp_config: LlamaCppConfig | None = None,
          verification: str = VERIFICATION_RULES[0],
          chat_template: str | Path | None = None, cuda_graphs: bool = True,
-         hybrid_chain: bool = False, draft_p_min: float = 0.0) -> Decoder:
+         hybrid_chain: bool = False, draft_p_min: float = 0.0,
+         cross_vocab: str = CROSS_VOCAB_MODES[0]) -> Decoder:
     """Load a target (and optionally a draft) from local paths; no arguments: the demo pair.
 
     A path is a transformers model directory or a ``.gguf`` file (its tokenizer is read from the
@@ -63,15 +64,17 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
     the demo pair).
 
     ``tokenizer`` is needed only when ``target`` is a ``PreTrainedModel`` object (a path
-    otherwise); the draft must use the same tokenizer (checked here, IncompatibleModelsError).
+    otherwise). A draft of another tokenizer than the target's drafts by the ``cross_vocab``
+    rule (proposers/cross_vocab.py, docs/cross_vocab.md); each model of such a pair runs on
+    the backend that suits it alone (a GGUF file on llama.cpp under backend "auto").
     ``device`` and ``dtype`` place transformers models; the llama.cpp backend runs on the CPU in
     the file's own types. The other keywords are DecoderOptions' fields (text/assemble.py, where
     each is documented): num_draft_tokens, backend, adaptive, hybrid, llama_cpp_config,
-    verification, chat_template, cuda_graphs, hybrid_chain, draft_p_min.
+    verification, chat_template, cuda_graphs, hybrid_chain, draft_p_min, cross_vocab.
     """
     options = DecoderOptions(num_draft_tokens, backend, adaptive, hybrid, llama_cpp_config,
                              verification, chat_template, cuda_graphs, hybrid_chain,
-                             draft_p_min)  # checked before loading
+                             draft_p_min, cross_vocab)  # checked before loading
     target, draft = _sources(resolve_packaged(target), resolve_packaged(draft), options)
     resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
     if _runs_on_llama_cpp(backend, target, draft, resolved_device):
@@ -81,8 +84,11 @@ def load(target: ModelSource | None = None, draft: ModelSource | ModelFreeDraft 
                               "types; leave them at their defaults (or pick another backend).")
         loaded = _load_llama_cpp(target, draft, llama_cpp_config)
     else:
-        loaded = _load_transformers(target, draft, tokenizer, resolved_device, resolved_dtype)
-    return Decoder(*loaded, **vars(options))
+        loaded = _load_transformers(target, draft, tokenizer, resolved_device, resolved_dtype,
+                                    backend, llama_cpp_config)
+    target_model, target_tokenizer, draft_model, draft_tokenizer = loaded
+    return Decoder(target_model, target_tokenizer, draft_model, draft_tokenizer=draft_tokenizer,
+                   **vars(options))
 
 
 def _sources(target: ModelSource | None, draft: ModelSource | ModelFreeDraft | None,
@@ -105,29 +111,51 @@ def _sources(target: ModelSource | None, draft: ModelSource | ModelFreeDraft | N
 
 def _load_llama_cpp(target: ModelSource, draft: ModelSource | ModelFreeDraft | None,
                     config: LlamaCppConfig | None) -> LoadedPair:
-    """GGUF files loaded by llama.cpp, with llama.cpp's tokenizer (the draft's checked equal)."""
+    """GGUF files loaded by llama.cpp, with llama.cpp's tokenizers (the draft's kept where it is
+    not the target's: a draft of another vocabulary)."""
     target_model = LlamaCppModel(target, "target", config)
-    draft_model = draft if isinstance(draft, ModelFreeDraft) else (
-        None if draft is None else LlamaCppModel(draft, "draft", config))
     target_tokenizer = LlamaCppTokenizer(target_model)
-    if isinstance(draft_model, LlamaCppModel):
-        check_same_tokenizer(target_tokenizer, LlamaCppTokenizer(draft_model))
-    return target_model, target_tokenizer, draft_model
+    if draft is None or isinstance(draft, ModelFreeDraft):
+        return target_model, target_tokenizer, draft, None
+    draft_model = LlamaCppModel(draft, "draft", config)
+    draft_tokenizer = LlamaCppTokenizer(draft_model)
+    other = tokenizer_difference(target_tokenizer, draft_tokenizer) is not None
+    return target_model, target_tokenizer, draft_model, draft_tokenizer if other else None
 
 
 def _load_transformers(target: ModelSource, draft: ModelSource | ModelFreeDraft | None,
-                       tokenizer: str | Path | None, device: torch.device,
-                       dtype: torch.dtype) -> LoadedPair:
-    """transformers models on ``device`` in ``dtype`` and the target's tokenizer (the draft's
-    checked equal before the draft loads)."""
+                       tokenizer: str | Path | None, device: torch.device, dtype: torch.dtype,
+                       backend: str = "auto", config: LlamaCppConfig | None = None
+                       ) -> LoadedPair:
+    """transformers models on ``device`` in ``dtype`` and their tokenizers (compared before the
+    draft loads). A draft of another vocabulary and a GGUF file among the two: each model on
+    its own backend (_load_apart)."""
     target_tokenizer = _tokenizer_for(target, tokenizer, "target")
-    target_model = load_model(target, device=device, dtype=dtype, role="target")
-    draft_model = draft if isinstance(draft, ModelFreeDraft) else None
-    if draft is not None and draft_model is None:
-        draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
-        check_same_tokenizer(target_tokenizer, draft_tokenizer)
+    if draft is None or isinstance(draft, ModelFreeDraft):
+        target_model = load_model(target, device=device, dtype=dtype, role="target")
+        return target_model, target_tokenizer, draft, None
+    draft_tokenizer = _tokenizer_for(draft, tokenizer, "draft")
+    if tokenizer_difference(target_tokenizer, draft_tokenizer) is None:
+        target_model = load_model(target, device=device, dtype=dtype, role="target")
         draft_model = load_model(draft, device=device, dtype=dtype, role="draft")
-    return target_model, target_tokenizer, draft_model
+        return target_model, target_tokenizer, draft_model, None
+    target_model, target_tokenizer = _load_apart(target, target_tokenizer, "target", device,
+                                                 dtype, backend, config)
+    draft_model, draft_tokenizer = _load_apart(draft, draft_tokenizer, "draft", device, dtype,
+                                               backend, config)
+    return target_model, target_tokenizer, draft_model, draft_tokenizer
+
+
+def _load_apart(source: ModelSource, tokenizer, role: str, device: torch.device,
+                dtype: torch.dtype, backend: str, config: LlamaCppConfig | None
+                ) -> tuple[LoadedModel, object]:
+    """One model of a pair of two vocabularies, on the backend that suits it alone: a GGUF
+    file on llama.cpp (backend "auto" on the CPU with llama-cpp-python installed), else
+    transformers; with its tokenizer (llama.cpp's for a file llama.cpp runs)."""
+    if _runs_on_llama_cpp(backend, source, None, device) and backend == "auto":
+        model = LlamaCppModel(source, role, config)
+        return model, LlamaCppTokenizer(model)
+    return load_model(source, device=device, dtype=dtype, role=role), tokenizer
 
 
 def _runs_on_llama_cpp(backend: str, target: object, draft: object,

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...config import check_int, is_int, require
+from ...config import CROSS_VOCAB_RULES, check_int, is_int, require
 from ...errors import IncompatibleModelsError
 from ...models.base import CapturesSteps, LanguageModel, TokenText
 from .rules import CrossRule, IntersectionRule, StringRule
 from .session import CrossVocabSession
 from .vocab import SharedVocab
-
-CROSS_VOCAB_RULES = ("string", "intersection")  # the first works for every pair
 
 
 class CrossVocabProposer:

@@ -6,8 +6,8 @@ Two tokens are shared when their pieces (TokenText.piece: the bytes each appends
 are identical and non-empty: a non-special token with a non-special one, a special token
 (BOS, EOS, chat markers) with a special one of the same text, never a special with a plain
 token. Where one vocabulary has several tokens of the same bytes (a byte-fallback token and a
-plain one), the lowest id stands for them. models/token_text.py's ``shared_vocabulary`` has
-the same meaning; this copy stays private to the proposer.
+plain one), the lowest id stands for them: models.base.shared_token_pairs, which
+models/token_text.py's ``shared_vocabulary`` reports too.
 """
 
 from __future__ import annotations
@@ -15,31 +15,15 @@ from __future__ import annotations
 import torch
 
 from ...errors import IncompatibleModelsError
-from ...models.base import TokenText
-
-
-def _lowest_ids(text: TokenText, special: bool, limit: int) -> dict[bytes, int]:
-    """Non-empty piece -> the lowest id below ``limit`` with it, among special or plain ids."""
-    ids: dict[bytes, int] = {}
-    for token_id in range(min(text.vocab_size, limit)):
-        if text.is_special(token_id) == special:
-            piece = text.piece(token_id)
-            if piece:
-                ids.setdefault(piece, token_id)
-    return ids
+from ...models.base import TokenText, shared_token_pairs
 
 
 def shared_pairs(draft_text: TokenText, target_text: TokenText, draft_width: int,
                  target_width: int) -> list[tuple[int, int]]:
-    """(draft id, target id) of every token both vocabularies have (module docstring), the
-    draft's ids below ``draft_width`` (its model's logits) and the target's below
-    ``target_width``; sorted by target id."""
-    pairs = []
-    for special in (False, True):
-        target_ids = _lowest_ids(target_text, special, target_width)
-        for piece, draft_id in _lowest_ids(draft_text, special, draft_width).items():
-            if piece in target_ids:
-                pairs.append((draft_id, target_ids[piece]))
+    """(draft id, target id) of every token both vocabularies have (models.base.
+    shared_token_pairs), the draft's ids below ``draft_width`` (its model's logits) and the
+    target's below ``target_width``; sorted by target id."""
+    pairs = shared_token_pairs(draft_text, target_text, draft_width, target_width)
     return sorted(pairs, key=lambda pair: pair[1])
 
 
@@ -98,4 +82,8 @@ class SharedVocab:
 
 def special_ids_by_text(text: TokenText, limit: int) -> dict[bytes, int]:
     """A vocabulary's special tokens by their text: piece -> lowest id below ``limit``."""
-    return _lowest_ids(text, True, limit)
+    special: dict[bytes, int] = {}
+    for token_id in range(min(text.vocab_size, limit)):
+        if text.is_special(token_id) and (piece := text.piece(token_id)):
+            special.setdefault(piece, token_id)
+    return special

@@ -90,7 +90,8 @@ class GenerationService:
             raise ServerShuttingDown("the server is shutting down; retry later.")
         fmt = response_format(self.settings.model_name, self.first_depth(params.settings),
                               self.depth_policy, params.tool_names, params.n,
-                              None if params.logprobs is None else self.token_texts)
+                              None if params.logprobs is None else self.token_texts,
+                              self.decoder.cross_vocab)
         clock = FirstTokenClock(self.metrics, request.scope["route"].path)
         loop = asyncio.get_running_loop()
         choices = Choices([Job(partial(self._prepare_row, params, *params.choice(index)), loop)

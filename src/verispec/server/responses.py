@@ -6,7 +6,8 @@ Every body carries ``usage``; a stream carries it only when the request asks
 extra top-level ``speculation`` summary (clients built on the openai package keep unknown fields:
 ``response.model_extra["speculation"]``):
 
-    "speculation": {"num_draft_tokens": 4, "depth_policy": "fixed", "drafted": 60,
+    "speculation": {"num_draft_tokens": 4, "depth_policy": "fixed",
+                    "cross_vocab_rule": null, "drafted": 60,
                     "accepted": 41, "acceptance_rate": 0.683, "mean_accepted_length": 3.73,
                     "per_position_acceptance": [0.8, 0.7, 0.6, 0.6]}
 
@@ -56,10 +57,13 @@ def usage(completions: list[Completion], n: int) -> dict[str, int]:
 
 
 def speculation(completions: list[Completion], num_draft_tokens: int,
-                depth_policy: str | None = None) -> dict[str, object]:
-    """The summary over these choices (their metrics add up exactly: engine/metrics.py)."""
+                depth_policy: str | None = None, cross_vocab: str | None = None
+                ) -> dict[str, object]:
+    """The summary over these choices (their metrics add up exactly: engine/metrics.py);
+    ``cross_vocab``: the rule of a draft of another tokenizer (None: the target's own)."""
     metrics = sum(completion.metrics for completion in completions)
     return {"num_draft_tokens": num_draft_tokens, "depth_policy": depth_policy or "fixed",
+            "cross_vocab_rule": cross_vocab,
             "drafted": metrics.num_drafted,
             "accepted": metrics.num_accepted, "acceptance_rate": metrics.acceptance_rate,
             "num_rounds": metrics.num_row_rounds,
@@ -75,12 +79,14 @@ class _Format:
 
     def __init__(self, model: str, num_draft_tokens: int, depth_policy: str | None = None,
                  tool_names: tuple[str, ...] = (), n: int = 1,
-                 token_texts: TokenTexts | None = None) -> None:
+                 token_texts: TokenTexts | None = None, cross_vocab: str | None = None
+                 ) -> None:
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.depth_policy = depth_policy
+        self.cross_vocab = cross_vocab  # the rule of a draft of another tokenizer, or None
         self.tool_names = tool_names  # chat with tools: the output is a call, not content
         self.n = n  # choices per prompt (usage counts each prompt once)
         self.token_texts = token_texts  # None: the request asked for no logprobs
@@ -97,7 +103,7 @@ class _Format:
             if with_usage:
                 body["usage"] = usage(completions, self.n)
             body["speculation"] = speculation(completions, self.num_draft_tokens,
-                                              self.depth_policy)
+                                              self.depth_policy, self.cross_vocab)
         return body
 
     def _left_over(self, completion: Completion, index: int) -> list[TokenLogprob]:

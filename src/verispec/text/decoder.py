@@ -307,9 +307,11 @@ class Decoder:
         return ids
 
     def _windows(self, k: int) -> list[tuple[str, int]]:
-        """The context windows a row drafting ``k`` tokens must fit: (role, positions)."""
-        models = [("target", self.target)] + (
-            [("draft", self.draft)] if k and self.draft is not None else [])
+        """The context windows a row drafting ``k`` tokens must fit: (role, positions). A draft
+        of another tokenizer counts its own tokens, which the target's do not bound: a row
+        that outgrows its window stops drafting instead (proposers/cross_vocab)."""
+        own_draft = self.draft is not None and self.cross_vocab is None
+        models = [("target", self.target)] + ([("draft", self.draft)] if k and own_draft else [])
         return [(role, lm.max_positions) for role, lm in models if lm.max_positions is not None]
 
     def _fitted(self, config: GenerationConfig, num_prompt_tokens: int,

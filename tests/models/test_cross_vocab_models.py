@@ -152,7 +152,8 @@ def test_a_draft_whose_tokenizer_cannot_load_is_a_model_load_error(tmp_path):
 def test_a_tokenizer_that_cannot_spell_text_back_is_refused(models):
     """A WordPiece tokenizer (lower-cases, drops spaces) cannot say which text its tokens
     are: IncompatibleModelsError naming why, before anything decodes."""
-    from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
     from transformers import PreTrainedTokenizerFast
 
     target, tokenizer, draft, _ = models

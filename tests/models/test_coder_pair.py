@@ -32,6 +32,7 @@ from near_ties import assert_greedy_agree, steps_of_completion
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
+SMOLLM2 = "smollm2-135m-instruct"  # a draft of another tokenizer
 IM_END = 151645  # Qwen2.5's <|im_end|>
 NUM_NEW_TOKENS = 64
 PROMPTS = {
@@ -97,6 +98,15 @@ def test_greedy_draft_model_equals_plain(coder, plain_replies, k):
 
 def test_greedy_hybrid_equals_plain(coder_hybrid, plain_replies):
     assert_each_agrees_with_plain(coder_hybrid, plain_replies, num_draft_tokens=3)
+
+
+@pytest.mark.parametrize("rule", ["string", "intersection"])
+def test_greedy_smollm2_of_another_tokenizer_equals_plain(plain_replies, rule):
+    """SmolLM2-135M-Instruct (49,152 tokens) drafting the 1.5B (151,936) by each rule of
+    proposers/cross_vocab: the same replies as the target alone."""
+    decoder = verispec.load(TARGET, SMOLLM2, cross_vocab=rule)
+    assert decoder.cross_vocab == rule
+    assert_each_agrees_with_plain(decoder, plain_replies, num_draft_tokens=3)
 
 
 def test_a_seeded_request_gives_the_same_text_with_and_without_the_draft(coder):

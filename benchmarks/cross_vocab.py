@@ -150,7 +150,7 @@ def report(runs, decoders, cells, args) -> dict:
     for row in rows:  # c against the plain decoder's one-token target pass
         row["c"] = (row["draft_step_s"] / plain_call if row["draft_step_s"] and plain_call
                     else None)
-    return {"command": command_line("benchmarks/cross_vocab.py", sys.argv[1:]),
+    return {"command": command_line("cross_vocab.py", sys.argv[1:]),
             "machine": machine(), "target": TARGET, "max_tokens": args.max_tokens,
             "threads": args.threads, "rows": rows,
             "mean_vs_plain": {name: statistics.mean(r["vs_plain"] for r in rows

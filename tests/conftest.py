@@ -17,6 +17,7 @@ import torch
 
 # a plugin from tests/helpers: a crashed pytest-xdist worker fails the run at once
 pytest_plugins = ["crash_policy"]
+MACHINE_CORES = frozenset(os.sched_getaffinity(0))  # before any worker is pinned
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,35 @@ def _one_torch_thread_for_the_suite():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_core_per_worker():
+    """Under ``pytest -n N`` with at least as many workers as cores (`make test`: 2 on 2), each
+    worker keeps to a core of its own. llama.cpp's thread pool spins: a model on both cores
+    beside another worker's busy core waits on a descheduled thread every pass, which slows a
+    pass by orders of magnitude. Pinned, llama.cpp takes one thread (its default is the cores
+    the process may run on), as torch does here, and the servers the tests start inherit the
+    core. Ray's modules take every core back (``all_cores``). Results never depend on it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(MACHINE_CORES)
+    if workers < 2 or workers < len(cores) or not worker.startswith("gw"):
+        yield
+        return
+    os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+    yield
+    os.sched_setaffinity(0, set(cores))
+
+
+@pytest.fixture(scope="module")
+def all_cores():
+    """Every core of the machine for one module (Ray's clusters: replicas and proxies that
+    expect the CPUs they were given), whatever _one_core_per_worker pinned; the pin after."""
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, MACHINE_CORES)
+    yield
+    os.sched_setaffinity(0, pinned)
 
 
 @pytest.fixture(scope="session", autouse=True)

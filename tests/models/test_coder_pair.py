@@ -1,7 +1,8 @@
 """The packaged same-family pair on the llama.cpp backend: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)
 drafted by Qwen2.5-Coder-0.5B-Instruct, both loaded by name from their chunk packages.
 
-Greedy speculative decoding with the draft model (k 1, 3, 6) and with hybrid drafting equals
+Greedy speculative decoding with the draft model (k 1, 4), with hybrid drafting and with
+SmolLM2-135M of another tokenizer drafting (both cross-vocabulary rules) equals
 plain decoding, compared by tests/helpers/near_ties.py: the 1.5B's Q4_K weights are repacked,
 so a pass of several tokens rounds differently from a one-token pass, and a reply may first
 differ at a near-tie, never elsewhere (docs/exactness.md). A seeded request gives the same text
@@ -91,7 +92,7 @@ def assert_each_agrees_with_plain(decoder, plain_replies, **settings) -> None:
                             steps_of_completion(reply, decoder.tokenizer))
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("k", [1, 4])  # a one-token draft and a 5-token pass
 def test_greedy_draft_model_equals_plain(coder, plain_replies, k):
     assert_each_agrees_with_plain(coder, plain_replies, num_draft_tokens=k)
 

@@ -128,6 +128,13 @@ def test_load_cli_and_server_take_the_pair_and_name_the_rule(decoders, capsys):
     assert reply.model_extra["speculation"]["cross_vocab_rule"] == "string"
 
 
+def test_auto_drafts_by_the_string_rule_unless_the_vocabularies_are_nearly_one(models):
+    target, tokenizer, draft, draft_tokenizer = models
+    # the demo draft's tokens are 0.71 of its vocabulary but 0.12 of SmolLM2's
+    assert Decoder(target, tokenizer, draft, draft_tokenizer=draft_tokenizer).cross_vocab == (
+        "string")
+
+
 def test_options_a_cross_draft_does_not_take_are_refused_by_name(models):
     target, tokenizer, draft, draft_tokenizer = models
     for option in ({"hybrid": True}, {"draft_p_min": 0.5}):

@@ -40,6 +40,8 @@ from verispec.text.demo import heldout_prompts
 
 from live_server import RAY_PROXY_PATIENCE, ServerThread, serving_command, wait_for
 
+pytestmark = pytest.mark.usefixtures("all_cores")  # Ray's CPUs, unpinned
+
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "ray-key"
 MODEL = "demo"

@@ -27,6 +27,8 @@ from verispec.text.demo import heldout_prompts
 
 from live_server import RAY_PROXY_PATIENCE, ServerThread, serving_command
 
+pytestmark = pytest.mark.usefixtures("all_cores")  # Ray's CPUs, unpinned
+
 FLAGS = ["--model-name", "demo", "--threads", "1", "--max-tokens-limit", "256"]
 
 

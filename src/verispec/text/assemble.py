@@ -45,9 +45,12 @@ from ..proposers.suffix import SuffixDraft
 from .chat import ChatTemplate, chat_template_for, end_of_turn_ids
 
 LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
-# "auto" drafts a draft of another tokenizer by the intersection rule where the vocabularies share
-# at least this fraction of the draft's tokens, else by the string rule (docs/cross_vocab.md)
-CROSS_VOCAB_SHARE = 0.5
+# "auto" drafts a draft of another tokenizer by the intersection rule only where the two
+# vocabularies are nearly one (the shared tokens this fraction of each), else by the string
+# rule: a draft restricted to the shared tokens proposes its own, shorter tokens where the
+# target's would merge them, and loses to the string rule on every measured pair (dev/LOG.md,
+# 2026-11-29, cross-vocabulary rules)
+CROSS_VOCAB_SHARE = 0.9
 BACKENDS = ("auto", "fast", "transformers", "llama.cpp")
 
 
@@ -262,7 +265,7 @@ def _cross_vocab_proposer(draft: LanguageModel, draft_tokenizer, tokenizer, voca
                           ) -> tuple[Proposer, str]:
     """A draft of another tokenizer than the target's, and the rule it drafts by: the one
     ``options.cross_vocab`` names, or for "auto" the intersection rule where the two
-    vocabularies share most of the draft's tokens, else the string rule (docs/cross_vocab.md).
+    vocabularies are nearly one (CROSS_VOCAB_SHARE), else the string rule (docs/cross_vocab.md).
     ConfigError for the draft-model options it does not take."""
     from ..models.token_text import check_cross_pair, token_text
     from ..proposers.cross_vocab import CrossVocabProposer
@@ -276,7 +279,8 @@ def _cross_vocab_proposer(draft: LanguageModel, draft_tokenizer, tokenizer, voca
     shared = check_cross_pair(draft_text, target_text)  # text in common, spelled back exactly
     rule = options.cross_vocab
     if rule == "auto":
-        rule = "intersection" if shared.draft_coverage >= CROSS_VOCAB_SHARE else "string"
+        nearly_one = min(shared.draft_coverage, shared.target_coverage) >= CROSS_VOCAB_SHARE
+        rule = "intersection" if nearly_one else "string"
     proposer = CrossVocabProposer(draft, draft_text, target_text, rule,
                                   draft_prefix=_added_prefix(draft_tokenizer),
                                   target_vocab_size=vocab_size)

@@ -6,7 +6,7 @@ Run: .venv/bin/python examples/fixture_models.py
 import torch
 
 import verispec
-from verispec import GenerationConfig, MarkovLM, SamplingConfig, Engine
+from verispec import Engine, GenerationConfig, MarkovLM, SamplingConfig
 
 generator = torch.Generator().manual_seed(0)
 target = MarkovLM.random(vocab_size=8, generator=generator, order=2, sharpness=1.0)

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import shutil
 
+import httpx
 import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import verispec
 from verispec import cli
-from verispec.errors import ConfigError, IncompatibleModelsError, ModelLoadError
+from verispec.errors import (
+    ConfigError,
+    ContextLengthExceeded,
+    IncompatibleModelsError,
+    ModelLoadError,
+)
 from verispec.models.llama_cpp.model import LlamaCppModel
 from verispec.models.llama_cpp.tokenizer import LlamaCppTokenizer
 from verispec.models.packaged import packaged_model_path
@@ -105,6 +111,25 @@ def test_a_prompt_longer_than_the_drafts_window_still_decodes(decoders):
     assert speculative.metrics.num_drafted == 0
 
 
+def test_a_prompt_longer_than_the_targets_window_is_a_context_length_error(decoders):
+    decoder = decoders["string"]
+    prompt = decoder.encode("x = 1\n" * 2100)  # past the 4,096 positions llama.cpp gives it
+    with pytest.raises(ContextLengthExceeded, match="target"):
+        decoder.generate(prompt, max_new_tokens=4, num_draft_tokens=2, adaptive=None)
+
+
+def test_a_llama_cpp_draft_for_a_transformers_target():
+    """The other mix: the demo target on the PyTorch path drafted by SmolLM2's GGUF file on
+    llama.cpp (each model on its own backend), greedy equal to plain."""
+    decoder = verispec.load(demo_pair().target, SMOLLM2, cross_vocab="string")
+    assert type(decoder.draft).__name__ == "LlamaCppLM" and decoder.cross_vocab == "string"
+    assert type(decoder.target).__name__ in ("FastLlamaLM", "TransformersLM")
+    prompt = "def add(a, b):\n    return"
+    speculative = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=3, adaptive=None)
+    plain = decoder.generate(prompt, max_new_tokens=24, speculative=False)
+    assert speculative.token_ids == plain.token_ids and speculative.metrics.num_drafted > 0
+
+
 def test_load_cli_and_server_take_the_pair_and_name_the_rule(decoders, capsys):
     draft_dir = str(demo_pair().draft)
     decoder = verispec.load(SMOLLM2, draft_dir, cross_vocab="string")
@@ -124,8 +149,10 @@ def test_load_cli_and_server_take_the_pair_and_name_the_rule(decoders, capsys):
         reply = client.chat.completions.create(
             model="smollm2", max_tokens=16, temperature=0,
             messages=[{"role": "user", "content": PROMPTS[1]}])
+        exposed = httpx.get(server.url + "/metrics").text
     assert reply.choices[0].message.content
     assert reply.model_extra["speculation"]["cross_vocab_rule"] == "string"
+    assert 'verispec_drafting_info{cross_vocab_rule="string"} 1.0' in exposed
 
 
 def test_auto_drafts_by_the_string_rule_unless_the_vocabularies_are_nearly_one(models):

@@ -28,7 +28,6 @@ from verispec import Engine, GenerationConfig, SamplingConfig, cli
 from verispec.errors import (
     ConfigError,
     ContextLengthExceeded,
-    IncompatibleModelsError,
     ModelLoadError,
     UnsupportedFeatureError,
 )
@@ -519,9 +518,17 @@ def test_unknown_architecture_is_a_typed_error(tmp_path):
         verispec.load(str(path), backend="llama.cpp")
 
 
-def test_different_vocabularies_are_refused_at_load(tiny):
-    with pytest.raises(IncompatibleModelsError):
-        verispec.load(tiny["target"], tiny["other"], backend="llama.cpp")
+def test_a_draft_of_another_vocabulary_drafts_across_vocabularies(tiny):
+    """Once refused at load; now drafted on llama.cpp by the intersection rule (the two
+    vocabularies share nearly every token; proposers/cross_vocab), with the same greedy tokens
+    as the target alone."""
+    decoder = verispec.load(tiny["target"], tiny["other"], backend="llama.cpp")
+    assert decoder.cross_vocab == "intersection"  # the vocabularies are nearly one
+    assert type(decoder.draft).__name__ == "LlamaCppLM"
+    speculative = decoder.generate([1, 2, 3], max_new_tokens=12, num_draft_tokens=2,
+                                   adaptive=None)
+    plain = decoder.generate([1, 2, 3], max_new_tokens=12, speculative=False)
+    assert speculative.token_ids == plain.token_ids and speculative.metrics.num_drafted > 0
 
 
 def test_context_overflow_is_refused_up_front(tiny):

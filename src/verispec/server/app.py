@@ -51,6 +51,7 @@ from .worker import GenerationWorker
 def create_app(decoder: Decoder, settings: ServerSettings) -> FastAPI:
     """A FastAPI app serving ``decoder`` under ``settings.model_name``."""
     metrics = ServerMetrics()
+    metrics.drafting.info({"cross_vocab_rule": decoder.cross_vocab or "none"})
     worker = GenerationWorker(decoder, settings.max_queue, metrics.record_generation,
                               settings.batch_options(decoder.batch_options),
                               num_threads=settings.threads, on_round=metrics.record_round)

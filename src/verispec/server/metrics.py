@@ -24,7 +24,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
 
 from ..text.batch import GenerationMetrics, TextRow
 
@@ -63,6 +70,9 @@ class ServerMetrics:
                               ["draft_tokens"], registry=r)
         self.round_rows = Counter("verispec_round_rows", "Rows over the batch's rounds, by depth",
                                   ["draft_tokens"], registry=r)
+        self.drafting = Info("verispec_drafting", "How requests are drafted: the rule of a "
+                             "draft of another tokenizer (cross_vocab_rule; none: the target's "
+                             "own vocabulary or no draft model)", registry=r)
         self._lock = threading.Lock()
         self._total = GenerationMetrics()
 

@@ -177,16 +177,7 @@ class DraftModelSession:
         if self.draft_p_min > 0:
             drafting.stop_unsure(step, confidences(logits, probs, allowed, drafting.live(step),
                                                    drafting.sampled, step), self.draft_p_min)
-        live = drafting.live(step)
-        if not live:
-            return False
-        if plan.keyed is not None:
-            token = race_keyed(token, probs, live, drafting.positions(step), plan.keyed,
-                               failed)
-        if constraint is not None:
-            constraint.advance(token.tolist())
-        drafting.take(token, probs)
-        return True
+        return drafting.take_drawn(token, probs, step, plan, constraint)
 
     def _feed_unfed(self, extra: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed every row's unfed tokens and its ``extra`` ones (a chained draft's prefix) in
@@ -300,6 +291,22 @@ class DraftRound:
         for row in rows:
             self.counts[row] = step
             self.sampled[row] = min(self.sampled[row], step)
+
+    def take_drawn(self, token: torch.Tensor, probs: torch.Tensor | None, step: int,
+                   plan: DraftPlan, constraint: RoundConstraint | None) -> bool:
+        """Step ``step``'s drawn tokens [B] (and probs [B, V] or None) into the round: a keyed
+        row's token replaced by its race winner, the grammar advanced; False where no row
+        proposes this step (the round's drafting ends)."""
+        live = self.live(step)
+        if not live:
+            return False
+        if plan.keyed is not None:
+            token = race_keyed(token, probs, live, self.positions(step), plan.keyed,
+                               self.failed)
+        if constraint is not None:
+            constraint.advance(token.tolist())
+        self.take(token, probs)
+        return True
 
     def take(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """A step's tokens [B] and probs [B, V] (or None) join the round."""

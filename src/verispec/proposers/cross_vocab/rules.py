@@ -48,7 +48,7 @@ import torch
 from ...models.base import TokenText
 from ..base import DraftPlan, Proposal, RoundConstraint
 from ..draft_model import DraftRound
-from ..draws import argmax_rows, draw_step, process_rows, race_keyed
+from ..draws import argmax_rows, draw_step, process_rows
 from .context import DraftContext
 from .vocab import SharedVocab, special_ids_by_text
 
@@ -240,16 +240,7 @@ class IntersectionRule:
         logits = _stop_stuck(drafting, logits, allowed, step)
         token, probs = draw_step(logits, allowed, step, plan.samplings, drafting.sampled,
                                  drafting.uniforms, failed)
-        live = drafting.live(step)
-        if not live:
-            return False
-        if plan.keyed is not None:
-            token = race_keyed(token, probs, live, drafting.positions(step), plan.keyed,
-                               failed)
-        if constraint is not None:
-            constraint.advance(token.tolist())
-        drafting.take(token, probs)
-        return True
+        return drafting.take_drawn(token, probs, step, plan, constraint)
 
 
 def _stop_stuck(drafting: DraftRound, logits: torch.Tensor, allowed: torch.Tensor | None,

@@ -108,6 +108,12 @@ def test_greedy_smollm2_of_another_tokenizer_equals_plain(plain_replies):
     decoder = verispec.load(TARGET, SMOLLM2)
     assert decoder.cross_vocab == "string"
     assert_each_agrees_with_plain(decoder, plain_replies, num_draft_tokens=3)
+    # each model reads the chat in its own template: Qwen's default system prompt, SmolLM2's
+    proposer = decoder.engine.proposer
+    target_ids = decoder.chat_prompt_ids(messages(PROMPTS["fibonacci"]))
+    draft_ids = proposer.draft_prompts.get(target_ids)
+    assert b"Qwen" in proposer.target_bytes(target_ids)
+    assert draft_ids and b"SmolLM" in b"".join(map(proposer.draft_text.piece, draft_ids))
 
 
 def test_a_seeded_request_gives_the_same_text_with_and_without_the_draft(coder):

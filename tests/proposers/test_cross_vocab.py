@@ -101,6 +101,38 @@ def test_intersection_drafts_only_shared_tokens_with_the_probs_drawn_from():
     assert not set(proposal.draft_tokens.reshape(-1).tolist()) & set(outside)
 
 
+def test_a_registered_draft_prompt_is_the_drafts_context_and_keeps_the_text():
+    """A chat rendered with the draft's own template (DraftPrompts): the draft's context
+    starts with those ids instead of its tokens of the target prompt's text; an unregistered
+    prompt keeps the text; greedy rows still equal plain decoding."""
+    target, draft = _script_pair()
+    proposer = CrossVocabProposer(draft, draft.text, target.text, "string")
+    registered, other = target.text.encode("def"), target.text.encode("a + b")
+    own = draft.text.encode("<s>def")
+    proposer.draft_prompts.register(registered, own)
+    session = proposer.start([registered, other])
+    assert session.rows[0].context.ids == own
+    assert session.rows[1].context.ids == draft.text.encode("a + b")
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=3, sampling=GREEDY)
+    engine = Engine(target, proposer)
+    spec = engine.generate([registered, other], config)
+    assert spec.token_ids == engine.generate([registered, other], config,
+                                             speculative=False).token_ids
+    assert spec.metrics.num_accepted > 0
+
+
+def test_draft_prompts_keep_the_most_recent():
+    from verispec.proposers.cross_vocab import DraftPrompts
+
+    prompts = DraftPrompts(capacity=2)
+    for n in range(3):
+        prompts.register([n], [10 + n])
+    prompts.register([1], [21])  # re-registered: the most recent again
+    prompts.register([3], [13])
+    assert prompts.get([0]) is None and prompts.get([2]) is None
+    assert prompts.get([1]) == [21] and prompts.get([3]) == [13]
+
+
 # --- greedy and seeded rows equal plain decoding ----------------------------------------------
 
 SCRIPT = "def add(a, b):\n    return a + b  # ✓ sum\n"

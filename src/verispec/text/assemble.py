@@ -25,7 +25,7 @@ from ..config import (
     require,
 )
 from ..engine.engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, VerispecError
 from ..models.base import LanguageModel
 from ..models.fast_llama import model as fast_llama
 from ..models.hf.adapter import TransformersLM, output_width
@@ -42,7 +42,7 @@ from ..proposers.draft_model import DraftModelProposer
 from ..proposers.hybrid import HYBRID_LOOKUP, HybridProposer
 from ..proposers.ngram import NgramDraft
 from ..proposers.suffix import SuffixDraft
-from .chat import ChatTemplate, chat_template_for, end_of_turn_ids
+from .chat import ChatTemplate, chat_template_for, end_of_turn_ids, special_token_text
 
 LoadedModel = PreTrainedModel | LlamaCppModel  # what a Decoder wraps in an adapter
 # "auto" drafts a draft of another tokenizer by the intersection rule only where the two
@@ -144,6 +144,29 @@ class DecoderParts:
     verification: str
     cost_curve: CostCurve | None = None
     cross_vocab: str | None = None  # the rule of a draft of another tokenizer (None: none)
+    draft_chat: DraftChat | None = None  # such a draft's own chat template, where it has one
+
+
+@dataclass(frozen=True)
+class DraftChat:
+    """A draft of another tokenizer's own chat template: the decoder renders a chat with it
+    too and registers the draft's prompt with the proposer (DraftPrompts), so the draft reads
+    the conversation as its own model was trained to."""
+
+    template: ChatTemplate
+    tokenizer: object
+    prompts: object  # proposers.cross_vocab.DraftPrompts
+
+    def register(self, messages, target_ids: list[int]) -> None:
+        """The draft's rendering of ``messages`` (checked) registered for ``target_ids``; a
+        template that cannot render them leaves the draft the target's text."""
+        try:
+            text = self.template.render(messages, special_token_text(self.tokenizer))
+        except VerispecError:
+            return
+        draft_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if draft_ids:
+            self.prompts.register(target_ids, draft_ids)
 
 
 def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | ModelFreeDraft
@@ -170,16 +193,20 @@ def assemble(target_model: LoadedModel, tokenizer, draft_model: LoadedModel | Mo
         else vocab_size, options.backend, options.llama_cpp_config, draft=True,
         cuda_graphs=options.cuda_graphs)
     cost_curve = measure_cost_curve(target, draft)
+    draft_chat = None
     if cross:
         proposer, rule = _cross_vocab_proposer(draft, draft_tokenizer, tokenizer, vocab_size,
                                                hybrid, options)
+        own_template = chat_template_for(None, draft_tokenizer)
+        if own_template is not None:
+            draft_chat = DraftChat(own_template, draft_tokenizer, proposer.draft_prompts)
     else:
         proposer, rule = _proposer(vocab_size, draft, model_free, hybrid, options), None
     engine = Engine(target, proposer, cost_curve)
     batch_options = BatchOptions(adaptive=options.adaptive, num_draft_tokens=_num_draft_tokens(
         options.num_draft_tokens, target, model_free, cost_curve))
     return DecoderParts(target, draft, model_free, hybrid, engine, chat_template, stop_token_ids,
-                        batch_options, options.verification, cost_curve, rule)
+                        batch_options, options.verification, cost_curve, rule, draft_chat)
 
 
 def measure_cost_curve(target: LanguageModel, draft: LanguageModel | None) -> CostCurve | None:

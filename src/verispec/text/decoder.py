@@ -70,6 +70,7 @@ class Decoder:
         self.verification = parts.verification  # of rows that name none
         self.cost_curve = parts.cost_curve  # the pair's measured pass costs (None: not measured)
         self.cross_vocab = parts.cross_vocab  # a draft of another tokenizer: its rule (else None)
+        self._draft_chat = parts.draft_chat  # such a draft's own chat template (else None)
         self._constraint_index: TokenizerIndex | None = None  # llguidance's tokenizer, lazily
 
     @property
@@ -147,13 +148,17 @@ class Decoder:
         """The token ids a reply to ``messages`` continues: the chat template's rendering with
         the generation prompt, encoded with its own special tokens (none added). Raises
         InputError for malformed messages and ChatTemplateMissing (chat.py) when the model has
-        no template and none was named."""
+        no template and none was named. A draft of another tokenizer with a chat template of its
+        own gets the messages rendered by that (assemble.DraftChat)."""
         template = require_chat_template(self.chat_template)
-        text = template.render(check_messages(messages), special_token_text(self.tokenizer))
+        messages = check_messages(messages)
+        text = template.render(messages, special_token_text(self.tokenizer))
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise EmptyPromptError("the chat template rendered the messages as no tokens; send "
                                    "a message with some content.", field="messages")
+        if self._draft_chat is not None:
+            self._draft_chat.register(messages, ids)
         return ids
 
     def prompt_logprobs(self, prompt: str | Sequence[int], num_top: int = 0, *,

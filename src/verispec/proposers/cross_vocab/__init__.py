@@ -29,6 +29,7 @@ tokenizers), or the choice of rule for a pair (the caller's, e.g. load()).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from ...config import CROSS_VOCAB_RULES, check_int, is_int, require
@@ -37,6 +38,29 @@ from ...models.base import CapturesSteps, LanguageModel, TokenText
 from .rules import CrossRule, IntersectionRule, StringRule
 from .session import CrossVocabSession
 from .vocab import SharedVocab
+
+
+class DraftPrompts:
+    """Target prompts whose draft context starts with the draft's own prompt (a chat the text
+    layer rendered with each model's template): target prompt ids -> draft ids. A row whose
+    prompt is here feeds the draft those ids instead of its own tokens of the target prompt's
+    text; any other row, the target prompt's text. The most recent ``capacity`` entries are
+    kept (a server's conversations come and go). Only the draft's context changes: never the
+    target's law."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._prompts: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+
+    def register(self, target_ids: Sequence[int], draft_ids: Sequence[int]) -> None:
+        key = tuple(int(token_id) for token_id in target_ids)
+        self._prompts[key] = [int(token_id) for token_id in draft_ids]
+        self._prompts.move_to_end(key)
+        while len(self._prompts) > self.capacity:
+            self._prompts.popitem(last=False)
+
+    def get(self, target_ids: Sequence[int]) -> list[int] | None:
+        return self._prompts.get(tuple(int(token_id) for token_id in target_ids))
 
 
 class CrossVocabProposer:
@@ -49,11 +73,13 @@ class CrossVocabProposer:
     (padded embeddings; default target_text.vocab_size): the ids past the tokenizer are never
     proposed. ``max_positions`` is None: the draft's window counts its own tokens, so a row
     whose draft context outgrows it stops drafting (session.py), and only the target's window
-    bounds a row."""
+    bounds a row. ``draft_prompts``: the target prompts that come with the draft's own
+    rendering of them (DraftPrompts; default: none)."""
 
     def __init__(self, model: LanguageModel, draft_text: TokenText, target_text: TokenText,
                  rule: str, draft_prefix: Sequence[int] = (),
-                 target_vocab_size: int | None = None) -> None:
+                 target_vocab_size: int | None = None,
+                 draft_prompts: DraftPrompts | None = None) -> None:
         require(rule in CROSS_VOCAB_RULES, "rule", rule,
                 " or ".join(map(repr, CROSS_VOCAB_RULES)) + " ('string' works for any pair)")
         if target_vocab_size is not None:
@@ -65,6 +91,7 @@ class CrossVocabProposer:
         self.draft_text = draft_text
         self.target_text = target_text
         self.draft_prefix = list(draft_prefix)
+        self.draft_prompts = DraftPrompts() if draft_prompts is None else draft_prompts
         self.vocab_size = target_width
         self.device = model.device  # where draft_probs live
         self.max_positions = None
@@ -89,7 +116,7 @@ class CrossVocabProposer:
     def start(self, prompts: Sequence[Sequence[int]]) -> CrossVocabSession:
         return CrossVocabSession(self.model.new_session(), self.rule, self.draft_text,
                                  self.target_bytes, self.draft_prefix, self.model.max_positions,
-                                 prompts)
+                                 prompts, self.draft_prompts.get)
 
 
 def _build_rule(rule: str, model: LanguageModel, draft_text: TokenText,
@@ -119,4 +146,4 @@ def _check_widths(model: LanguageModel, draft_text: TokenText, target_text: Toke
             f"draft ids in [0, {model.vocab_size}), e.g. [the draft tokenizer's BOS id], or ()")
 
 
-__all__ = ["CROSS_VOCAB_RULES", "CrossVocabProposer"]
+__all__ = ["CROSS_VOCAB_RULES", "CrossVocabProposer", "DraftPrompts"]

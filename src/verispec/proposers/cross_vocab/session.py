@@ -79,25 +79,33 @@ class Drafter:
 class CrossVocabSession:
     """One generation's draft state (module docstring). ``target_bytes``: the text of target
     ids; ``prefix``: the draft ids each context starts with; ``max_positions``: the draft
-    model's window in its own tokens (None: none)."""
+    model's window in its own tokens (None: none); ``own_prompt``: a target prompt's draft
+    ids where the text layer rendered it for the draft too (DraftPrompts.get), else None."""
 
     def __init__(self, session: LMSession, rule: CrossRule, draft_text: TokenText,
                  target_bytes: Callable[[Sequence[int]], bytes], prefix: Sequence[int],
-                 max_positions: int | None, prompts: Sequence[Sequence[int]]) -> None:
+                 max_positions: int | None, prompts: Sequence[Sequence[int]],
+                 own_prompt: Callable[[Sequence[int]], list[int] | None] = lambda ids: None
+                 ) -> None:
         self.session = session
         self.rule = rule
         self.draft_text = draft_text
         self.target_bytes = target_bytes
         self.prefix = list(prefix)
         self.max_positions = max_positions
+        self.own_prompt = own_prompt
         self.rows = [self._new_row(prompt, defer=False) for prompt in prompts]
         session.start([row.fed for row in self.rows])
         self._proposal: list[list[int]] | None = None  # this round's [B][K] target ids
         self._round_fed: list[list[int]] = []  # the ids each row was fed this round
 
     def _new_row(self, prompt: Sequence[int], defer: bool) -> _Row:
-        context = DraftContext(self.draft_text, self.prefix)
-        context.append(self.target_bytes(prompt))
+        own = self.own_prompt(prompt)  # the draft's own rendering of a chat, where registered
+        if own:
+            context = DraftContext(self.draft_text, own)  # the target prompt's text is not its
+        else:
+            context = DraftContext(self.draft_text, self.prefix)
+            context.append(self.target_bytes(prompt))
         if not self._fits(context, 1):
             return _Row(None, [])
         return _Row(context, [] if defer else context.ids[:-1])

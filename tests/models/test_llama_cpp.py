@@ -17,6 +17,7 @@ Legend: N samples, V vocabulary, K draft tokens.
 from __future__ import annotations
 
 import json
+import os
 
 import llama_cpp
 import numpy as np
@@ -302,7 +303,10 @@ def test_greedy_speculative_equals_plain_batch_1_and_3(tiny, k):
 
 def _llama_cpp_greedy(path: str, prompt_ids: list[int], num_tokens: int) -> list[int]:
     """llama.cpp's own greedy decoding: llama-cpp-python's Llama, its sampler and its loop."""
-    llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=2, verbose=False)
+    # the cores this worker may run on (tests/conftest.py pins each to one): a spinning pool of
+    # more threads than cores waits on a descheduled thread every token
+    llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=len(os.sched_getaffinity(0)),
+                          verbose=False)
     tokens = []
     for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
         tokens.append(token)

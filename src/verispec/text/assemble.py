@@ -33,11 +33,13 @@ from ..models.llama_cpp.costs import pass_costs
 from ..models.llama_cpp.model import LlamaCppConfig, LlamaCppLM, LlamaCppModel
 from ..models.llama_cpp.tokenizer import LlamaCppTokenizer
 from ..models.loading import common_vocab_size
+from ..models.token_text import check_cross_pair, token_text
 from ..policy import default_num_draft_tokens
 from ..policy.base import AdaptivePolicyConfig
 from ..policy.costs import CURVE_DEPTH, CostCurve
 from ..proposers import ModelFreeDraft, model_free_proposer
 from ..proposers.base import Proposer
+from ..proposers.cross_vocab import CrossVocabProposer, DraftPrompts
 from ..proposers.draft_model import DraftModelProposer
 from ..proposers.hybrid import HYBRID_LOOKUP, HybridProposer
 from ..proposers.ngram import NgramDraft
@@ -155,7 +157,7 @@ class DraftChat:
 
     template: ChatTemplate
     tokenizer: object
-    prompts: object  # proposers.cross_vocab.DraftPrompts
+    prompts: DraftPrompts
 
     def register(self, messages, target_ids: list[int]) -> None:
         """The draft's rendering of ``messages`` (checked) registered for ``target_ids``; a
@@ -294,9 +296,6 @@ def _cross_vocab_proposer(draft: LanguageModel, draft_tokenizer, tokenizer, voca
     ``options.cross_vocab`` names, or for "auto" the intersection rule where the two
     vocabularies are nearly one (CROSS_VOCAB_SHARE), else the string rule (docs/cross_vocab.md).
     ConfigError for the draft-model options it does not take."""
-    from ..models.token_text import check_cross_pair, token_text
-    from ..proposers.cross_vocab import CrossVocabProposer
-
     for name, value in (("hybrid", hybrid is not None), ("draft_p_min", options.draft_p_min)):
         if value:
             raise ConfigError(f"{name} is not available with a draft of another tokenizer than "
@@ -308,9 +307,10 @@ def _cross_vocab_proposer(draft: LanguageModel, draft_tokenizer, tokenizer, voca
     if rule == "auto":
         nearly_one = min(shared.draft_coverage, shared.target_coverage) >= CROSS_VOCAB_SHARE
         rule = "intersection" if nearly_one else "string"
+    pairs = list(zip(shared.draft_ids.tolist(), shared.target_ids.tolist()))
     proposer = CrossVocabProposer(draft, draft_text, target_text, rule,
                                   draft_prefix=_added_prefix(draft_tokenizer),
-                                  target_vocab_size=vocab_size)
+                                  target_vocab_size=vocab_size, shared_pairs=pairs)
     return proposer, rule
 
 

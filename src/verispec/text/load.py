@@ -152,7 +152,7 @@ def _load_apart(source: ModelSource, tokenizer, role: str, device: torch.device,
     """One model of a pair of two vocabularies, on the backend that suits it alone: a GGUF
     file on llama.cpp (backend "auto" on the CPU with llama-cpp-python installed), else
     transformers; with its tokenizer (llama.cpp's for a file llama.cpp runs)."""
-    if _runs_on_llama_cpp(backend, source, None, device) and backend == "auto":
+    if _runs_on_llama_cpp(backend, source, None, device):
         model = LlamaCppModel(source, role, config)
         return model, LlamaCppTokenizer(model)
     return load_model(source, device=device, dtype=dtype, role=role), tokenizer

@@ -74,12 +74,15 @@ class CrossVocabProposer:
     proposed. ``max_positions`` is None: the draft's window counts its own tokens, so a row
     whose draft context outgrows it stops drafting (session.py), and only the target's window
     bounds a row. ``draft_prompts``: the target prompts that come with the draft's own
-    rendering of them (DraftPrompts; default: none)."""
+    rendering of them (DraftPrompts; default: none). ``shared_pairs``: the intersection's
+    (draft id, target id) pairs where the caller computed them (models.base.shared_token_pairs
+    over the whole vocabularies); None: the intersection rule computes them."""
 
     def __init__(self, model: LanguageModel, draft_text: TokenText, target_text: TokenText,
                  rule: str, draft_prefix: Sequence[int] = (),
                  target_vocab_size: int | None = None,
-                 draft_prompts: DraftPrompts | None = None) -> None:
+                 draft_prompts: DraftPrompts | None = None,
+                 shared_pairs: Sequence[tuple[int, int]] | None = None) -> None:
         require(rule in CROSS_VOCAB_RULES, "rule", rule,
                 " or ".join(map(repr, CROSS_VOCAB_RULES)) + " ('string' works for any pair)")
         if target_vocab_size is not None:
@@ -95,7 +98,7 @@ class CrossVocabProposer:
         self.vocab_size = target_width
         self.device = model.device  # where draft_probs live
         self.max_positions = None
-        self.rule = _build_rule(rule, model, draft_text, target_text, target_width)
+        self.rule = _build_rule(rule, model, draft_text, target_text, target_width, shared_pairs)
 
     @property
     def rule_name(self) -> str:
@@ -120,11 +123,12 @@ class CrossVocabProposer:
 
 
 def _build_rule(rule: str, model: LanguageModel, draft_text: TokenText,
-                target_text: TokenText, target_width: int) -> CrossRule:
+                target_text: TokenText, target_width: int,
+                pairs: Sequence[tuple[int, int]] | None) -> CrossRule:
     if rule == "string":
         return StringRule(draft_text, target_text, model.vocab_size, target_width)
     return IntersectionRule(SharedVocab.build(draft_text, target_text, model.vocab_size,
-                                              target_width, model.device))
+                                              target_width, model.device, pairs))
 
 
 def _check_widths(model: LanguageModel, draft_text: TokenText, target_text: TokenText,

@@ -12,6 +12,8 @@ models/token_text.py's ``shared_vocabulary`` reports too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ...errors import IncompatibleModelsError
@@ -19,12 +21,16 @@ from ...models.base import TokenText, shared_token_pairs
 
 
 def shared_pairs(draft_text: TokenText, target_text: TokenText, draft_width: int,
-                 target_width: int) -> list[tuple[int, int]]:
+                 target_width: int, pairs: Sequence[tuple[int, int]] | None = None
+                 ) -> list[tuple[int, int]]:
     """(draft id, target id) of every token both vocabularies have (models.base.
-    shared_token_pairs), the draft's ids below ``draft_width`` (its model's logits) and the
-    target's below ``target_width``; sorted by target id."""
-    pairs = shared_token_pairs(draft_text, target_text, draft_width, target_width)
-    return sorted(pairs, key=lambda pair: pair[1])
+    shared_token_pairs: ``pairs`` where the caller has them already), the draft's ids below
+    ``draft_width`` (its model's logits) and the target's below ``target_width``; sorted by
+    target id."""
+    if pairs is None:
+        pairs = shared_token_pairs(draft_text, target_text, draft_width, target_width)
+    return sorted(((d, t) for d, t in pairs if d < draft_width and t < target_width),
+                  key=lambda pair: pair[1])
 
 
 class SharedVocab:
@@ -50,9 +56,10 @@ class SharedVocab:
 
     @classmethod
     def build(cls, draft_text: TokenText, target_text: TokenText, draft_width: int,
-              target_width: int, device: torch.device) -> SharedVocab:
+              target_width: int, device: torch.device,
+              pairs: Sequence[tuple[int, int]] | None = None) -> SharedVocab:
         """The intersection of the two vocabularies; IncompatibleModelsError when empty."""
-        pairs = shared_pairs(draft_text, target_text, draft_width, target_width)
+        pairs = shared_pairs(draft_text, target_text, draft_width, target_width, pairs)
         if not pairs:
             raise IncompatibleModelsError(
                 f"rule='intersection' is invalid for this pair: the draft's {draft_text.vocab_size}"

@@ -136,26 +136,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(runs, decoders, cells, args) -> dict:
-    plain_call = None
     rows = []
     for task, temp in cells:
         plain = summarize(runs[(task, temp, "plain")]) if "plain" in args.methods else None
-        plain_call = plain["target_call_s"] if plain else plain_call
         for name in args.methods:
             summary = summarize(runs[(task, temp, name)])
             summary |= {"task": task, "temp": temp, "method": name,
                         "rule": decoders[name].cross_vocab,
                         "vs_plain": summary["tok_s"] / plain["tok_s"] if plain else None}
-            rows.append(summary)
-    for row in rows:  # c against the plain decoder's one-token target pass
-        row["c"] = (row["draft_step_s"] / plain_call if row["draft_step_s"] and plain_call
-                    else None)
+            rows.append(with_cost_ratio(summary, plain))
     return {"command": command_line("cross_vocab.py", sys.argv[1:]),
             "machine": machine(), "target": TARGET, "max_tokens": args.max_tokens,
             "threads": args.threads, "rows": rows,
             "mean_vs_plain": {name: statistics.mean(r["vs_plain"] for r in rows
                                                     if r["method"] == name and r["vs_plain"])
                               for name in args.methods if name != "plain"}}
+
+
+def with_cost_ratio(row: dict, plain: dict | None) -> dict:
+    """``row`` with c: its draft's seconds per step over its cell's plain one-token pass."""
+    drafts = row["draft_step_s"] and plain is not None
+    return row | {"c": row["draft_step_s"] / plain["target_call_s"] if drafts else None}
 
 
 def _fmt(value, spec: str) -> str:
